@@ -1,0 +1,5 @@
+import sys
+
+from tensorpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""The ``tensorpar`` command line (also ``python -m tensorpar``).
+
+    tensorpar verify --tp 2 [--sequence-parallel]   parallel layers vs the dense model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tensorpar.reference import BlockConfig
+
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="compare the TP layers with the dense model, print errors "
+                       "and collective counts; exit 1 on any mismatch")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks spawned)")
+    p.add_argument("--sequence-parallel", action="store_true", help="also shard the sequence")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    defaults = BlockConfig()
+    for field in ("vocab_size", "dim", "num_heads", "num_kv_heads", "hidden_dim", "seq_len",
+                  "batch_size"):
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field),
+                       dest=field, help=f"model size (default {getattr(defaults, field)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tensorpar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_verify(sub)
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        from tensorpar.verify import run_verify
+
+        if args.tp < 1:
+            parser.error(f"--tp must be >= 1, got {args.tp}")
+        cfg = BlockConfig(**{k: getattr(args, k) for k in BlockConfig.__dataclass_fields__})
+        try:
+            ok = run_verify(args.tp, args.sequence_parallel, args.seed, cfg)
+        except ValueError as e:  # bad sizes: say so plainly, no traceback
+            print(f"tensorpar verify: {e}", file=sys.stderr)
+            return 2
+        return 0 if ok else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Autograd-aware collectives, in conjugate pairs (Shoeybi et al., 2019, section 3).
+
+Each pair is one ``torch.autograd.Function``; its first docstring line says what it does in forward
+and in backward. The public snake_case wrappers are what layers call; with one rank every wrapper
+returns its input unchanged. Collectives run on fresh tensors, never on one autograd has saved.
+
+    copy_to_tp            forward: identity        backward: all-reduce     (the paper's f)
+    reduce_from_tp        forward: all-reduce      backward: identity       (the paper's g)
+    gather_from_tp        forward: all-gather      backward: split          (last dim)
+    scatter_to_tp         forward: split           backward: all-gather     (last dim)
+    gather_from_sequence  forward: all-gather      backward: reduce-scatter (dim 1, sequence)
+    reduce_scatter_to_sequence  forward: reduce-scatter  backward: all-gather (dim 1)
+    scatter_to_sequence   forward: split           backward: all-gather     (dim 1)
+    sum_grads_in_backward forward: identity        backward: one all-reduce of all the grads
+
+Last-dim shards may be uneven (``torch.tensor_split`` sizes): the gather pads every shard to the
+largest, gathers, and trims. Sequence shards must be even: a rank holding T/n rows cannot know T
+without another collective, so a sequence length that does not divide by the TP size is refused
+(with a ``ValueError`` raised on every rank, before any communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.sharding import shard_sizes
+
+SEQ_DIM = 1  # activations are (B, T, D)
+
+# torch 2.13 renamed the single-tensor collectives; older releases have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# -- plain collectives (no autograd), out of place -------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(
+    x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; rank r holds ``sizes[r]`` rows of it."""
+    dim = dim % x.dim()
+    longest = sizes[0]
+    if x.shape[dim] < longest:  # uneven shards: pad to the largest so one all-gather carries all
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim)
+    x = x.contiguous()
+    # gloo takes only the concatenated layout (n * rows, ...); view it as (n, *x.shape)
+    stacked = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
+    _all_gather_single(stacked, x, group=group)
+    stacked = stacked.view(len(sizes), *x.shape)
+    if all(s == longest for s in sizes):
+        return torch.cat(stacked.unbind(0), dim)
+    return torch.cat([stacked[r].narrow(dim, 0, s) for r, s in enumerate(sizes)], dim)
+
+
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    return torch.tensor_split(x, tp_size(group), dim)[tp_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum ``x`` over the ranks, then keep this rank's even shard of ``dim``."""
+    n = tp_size(group)
+    stacked = torch.stack(x.chunk(n, dim))  # (n, ..., T/n, ...): one contiguous input
+    out = x.new_empty(stacked.shape[1:])
+    _reduce_scatter_single(out, stacked.flatten(0, 1), group=group)
+    return out
+
+
+def _check_sequence(x: torch.Tensor, n: int, what: str) -> None:
+    if x.dim() < 3:
+        raise ValueError(f"{what}: expected activations (B, T, D), got shape {tuple(x.shape)}")
+    if x.shape[SEQ_DIM] % n != 0:
+        raise ValueError(
+            f"{what}: sequence length {x.shape[SEQ_DIM]} does not divide by the TP size {n}; "
+            "sequence parallelism needs T % tp_size == 0"
+        )
+
+
+# -- the conjugate pairs ---------------------------------------------------------------------------
+
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity, backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce, backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along the last dim, backward: split along the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group = group
+        return _all_gather(x, -1, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """forward: split along the last dim, backward: all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.sizes = group, shard_sizes(x.shape[-1], tp_size(group))
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, -1, ctx.sizes, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """forward: all-gather along the sequence dim, backward: reduce-scatter along it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * tp_size(group), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """forward: reduce-scatter along the sequence dim, backward: all-gather along it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = tp_size(ctx.group)
+        return _all_gather(grad, SEQ_DIM, [grad.shape[SEQ_DIM]] * n, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """forward: split along the sequence dim, backward: all-gather along it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = tp_size(ctx.group)
+        return _all_gather(grad, SEQ_DIM, [grad.shape[SEQ_DIM]] * n, ctx.group), None
+
+
+class _SumGradsInBackward(torch.autograd.Function):
+    """forward: identity on each tensor, backward: one all-reduce summing all their gradients.
+
+    Each gradient is written at ``offsets[i]`` of a flat zero buffer of ``total`` elements that is
+    all-reduced once. Tensors replicated on every rank sit at the same offset everywhere; a shard
+    replicated on only some ranks (a KV head shared by two ranks) sits at its place in the dense
+    tensor, so each rank gets the sum over exactly the ranks that hold it.
+    """
+
+    @staticmethod
+    def forward(ctx, group, offsets, total, *tensors):
+        ctx.group, ctx.offsets, ctx.total = group, offsets, total
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        flat = ref.new_zeros(ctx.total)
+        for g, off, shape in zip(grads, ctx.offsets, ctx.shapes):
+            if g is not None:
+                flat[off : off + shape.numel()] = g.reshape(-1)
+        dist.all_reduce(flat, group=ctx.group)
+        out = [flat[off : off + s.numel()].view(s) for off, s in zip(ctx.offsets, ctx.shapes)]
+        return (None, None, None, *out)
+
+
+# -- public wrappers -------------------------------------------------------------------------------
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Enter the TP region with a replicated input: identity forward, all-reduce backward (f)."""
+    return x if tp_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Leave the TP region by summing partial results: all-reduce forward, identity backward (g)."""
+    return x if tp_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(
+    x: torch.Tensor, group: ProcessGroup | None = None, full_size: int | None = None
+) -> torch.Tensor:
+    """Concatenate the last-dim shards of all ranks (all-gather forward, split backward).
+
+    full_size: the gathered size of the last dim, needed when the shards are uneven; by default
+        every rank is assumed to hold ``x.shape[-1]``.
+    """
+    n = tp_size(group)
+    if n == 1:
+        return x
+    if full_size is None:
+        sizes = [x.shape[-1]] * n
+    else:
+        sizes = shard_sizes(full_size, n)
+        if x.shape[-1] != sizes[tp_rank(group)]:
+            raise ValueError(
+                f"gather_from_tp: rank {tp_rank(group)} holds {x.shape[-1]} of the last dim, "
+                f"but a split of {full_size} over {n} ranks gives it {sizes[tp_rank(group)]}"
+            )
+    return _GatherFromTP.apply(x, group, sizes)
+
+
+def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Keep this rank's ``tensor_split`` shard of the last dim (split forward, all-gather backward)."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    if x.shape[-1] < n:
+        raise ValueError(f"scatter_to_tp: last dim {x.shape[-1]} is smaller than TP size {n}")
+    return _ScatterToTP.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """(B, T/n, D) -> (B, T, D): all-gather forward, reduce-scatter backward."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    if x.dim() < 3:
+        raise ValueError(f"gather_from_sequence: expected (B, T/n, D), got shape {tuple(x.shape)}")
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """(B, T, D) partial sums -> (B, T/n, D) summed shard: reduce-scatter forward, all-gather back."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    _check_sequence(x, n, "reduce_scatter_to_sequence")
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """(B, T, D) replicated -> (B, T/n, D) shard: split forward, all-gather backward."""
+    n = tp_size(group)
+    if n == 1:
+        return x
+    _check_sequence(x, n, "scatter_to_sequence")
+    return _ScatterToSequence.apply(x, group)
+
+
+def sum_grads_in_backward(
+    tensors: list[torch.Tensor],
+    group: ProcessGroup | None = None,
+    offsets: list[int] | None = None,
+    total: int | None = None,
+) -> list[torch.Tensor]:
+    """Identity in forward; in backward, the gradients of ``tensors`` are summed over the group.
+
+    Used on parameters that several ranks hold but that see different data: norm weights and the
+    row-parallel bias under sequence parallelism, KV heads shared between ranks. One all-reduce
+    covers all of ``tensors``. By default they are packed back to back; ``offsets``/``total`` place
+    them in a larger buffer instead (see ``_SumGradsInBackward``).
+    """
+    if tp_size(group) == 1 or not tensors:
+        return list(tensors)
+    if offsets is None:
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += t.numel()
+    return list(_SumGradsInBackward.apply(group, offsets, total, *tensors))
+
+
+def enter_tp_region(
+    x: torch.Tensor, sequence_parallel: bool, group: ProcessGroup | None
+) -> torch.Tensor:
+    """The input side of a column-parallel block: f, or the sequence all-gather under SP."""
+    return gather_from_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+def exit_tp_region(
+    x: torch.Tensor, sequence_parallel: bool, group: ProcessGroup | None
+) -> torch.Tensor:
+    """The output side of a row-parallel block: g, or the sequence reduce-scatter under SP."""
+    return reduce_scatter_to_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)

@@ -1,0 +1,115 @@
+"""Cross-entropy on vocab-sharded logits, without ever gathering the logits.
+
+Rank i holds the logits of its vocabulary slice, z_i of shape (..., V_i). Per token::
+
+    loss = logsumexp(z) - z[target]                         (no smoothing)
+    loss = (1 - e) (logsumexp(z) - z[target]) + e (logsumexp(z) - mean(z))   (label smoothing e)
+
+Every term is a sum or a logsumexp over the vocabulary, so each rank reduces its own slice first and
+only per-token statistics cross the wire:
+
+1. one all-gather of (logsumexp z_i, sum z_i) per token plus V_i: every rank then knows the global
+   logsumexp, the sum of all logits, V = sum V_i and where its slice starts;
+2. one all-reduce of z[target], which only the owning rank can pick out.
+
+Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V.
+Statistics are computed in float32 whatever the logits' dtype, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tensorpar.comm import _all_gather
+from tensorpar.distributed import tp_rank, tp_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """forward: all-gather of per-token statistics + all-reduce of the target logit, backward: local."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, smoothing):
+        n, rank = tp_size(group), tp_rank(group)
+        z = logits.float()
+        v_local = z.shape[-1]
+        lse_local = torch.logsumexp(z, dim=-1)
+        stats = torch.stack([lse_local, z.sum(-1)], dim=-1).reshape(-1)
+        stats = torch.cat([stats, stats.new_tensor([float(v_local)])])
+        if n > 1:
+            gathered = _all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
+        else:
+            gathered = stats.view(1, -1)
+        sizes = gathered[:, -1].round().long().tolist()
+        per_rank = gathered[:, :-1].view(n, *lse_local.shape, 2)
+        vocab = sum(sizes)
+        start = sum(sizes[:rank])
+        valid = target != ignore_index
+        if valid.any() and int(target[valid].max()) >= vocab:
+            raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[valid].max())} "
+                             f"is outside the vocabulary of {vocab} (sum of the shards {sizes})")
+        lse = torch.logsumexp(per_rank[..., 0], dim=0)
+        local_t = target - start
+        mine = valid & (local_t >= 0) & (local_t < v_local)
+        picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
+        picked = picked * mine
+        if n > 1:
+            dist.all_reduce(picked, group=group)
+        loss = lse - picked
+        if smoothing > 0:
+            loss = (1 - smoothing) * loss + smoothing * (lse - per_rank[..., 1].sum(0) / vocab)
+        loss = torch.where(valid, loss, 0.0)
+        ctx.save_for_backward(logits, lse, local_t, mine, valid)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, local_t, mine, valid = ctx.saved_tensors
+        e = ctx.smoothing
+        grad = torch.exp(logits.float() - lse.unsqueeze(-1))  # softmax over the whole vocabulary
+        if e > 0:
+            grad = grad - e / ctx.vocab
+        onehot = torch.zeros_like(grad).scatter_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
+                                                 mine.unsqueeze(-1).to(grad.dtype))
+        grad = (grad - (1 - e) * onehot) * (grad_loss * valid).unsqueeze(-1)
+        return grad.to(logits.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    target: torch.Tensor,
+    group: ProcessGroup | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` over logits split on their last (vocabulary) dim across the group.
+
+    logits_local: (..., V_i), this rank's ``tensor_split`` slice of the vocabulary
+        (e.g. a ``ColumnParallelLinear`` LM head's output).
+    target: (...) class indices in [0, V), or ``ignore_index``.
+    reduction: "mean" (over non-ignored tokens, as torch), "sum" or "none".
+    Loss and gradient equal ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ...)``.
+    """
+    if target.shape != logits_local.shape[:-1]:
+        raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} does "
+                         f"not match logits shape {tuple(logits_local.shape)} without its last dim")
+    if target.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"vocab_parallel_cross_entropy: target must be integer, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    bad = (target < 0) & (target != ignore_index)
+    if bad.any():
+        raise ValueError(f"vocab_parallel_cross_entropy: negative target {int(target[bad][0])} "
+                         f"(ignore_index is {ignore_index})")
+    loss = _VocabParallelCrossEntropy.apply(logits_local, target.long(), group, ignore_index,
+                                            float(label_smoothing))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()

@@ -1,0 +1,79 @@
+"""Process groups: starting torch.distributed and asking a group for its size and rank.
+
+``init_tensor_parallel()`` reads the environment that torchrun (or ``tensorpar.launch``) sets,
+once, at the entry point, and returns the tensor-parallel group. Layers never look a group up:
+they take ``group=`` (None meaning the whole world) and ask it for size and rank here.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def tp_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group``; 1 when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def tp_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank within ``group``; 0 when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def pick_backend(local_world_size: int) -> str:
+    """NCCL when every local rank can have its own GPU, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def init_tensor_parallel(
+    tp_size: int | None = None,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> ProcessGroup:
+    """Start torch.distributed from the launcher's environment and return the TP group.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
+    sets them (multi-node works through torchrun's rendezvous). Without them it starts a
+    single-process group of size 1. With NCCL each rank uses ``cuda:LOCAL_RANK``.
+
+    tp_size: ranks per tensor-parallel group (default: the whole world). Groups are made of
+        consecutive ranks, so with one node's GPUs per group TP stays inside the node.
+    backend: "nccl" or "gloo"; by default NCCL when each local rank has a GPU, else gloo.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    tp = world if tp_size is None else tp_size
+    if tp < 1 or world % tp != 0:
+        raise ValueError(f"tp_size={tp} must be >= 1 and divide the world size {world}")
+    if not dist.is_initialized():
+        backend = backend or pick_backend(local_world)
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:
+            if world != 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world} but MASTER_ADDR is not set: launch with torchrun "
+                    "or tensorpar.launch"
+                )
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    world = dist.get_world_size()
+    if tp == world:
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups(group_size=tp)
+    return group

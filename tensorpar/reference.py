@@ -1,0 +1,90 @@
+"""Dense single-device reference modules in plain PyTorch, for ``tensorpar verify`` and the tests.
+
+Nothing here knows about tensor parallelism: these are what the parallel layers must reproduce.
+Module and attribute names match the parallel versions (``attn.q_proj``, ``mlp.gate``...) so a
+parameter's dense counterpart is found by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseAttention(nn.Module):
+    """Causal multi-head attention with grouped-query support (KV heads repeated per group)."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
+                 bias: bool = False, causal: bool = True):
+        super().__init__()
+        hd = head_dim or dim // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim, self.causal = (
+            num_heads, num_kv_heads, hd, causal)
+        self.q_proj = nn.Linear(dim, num_heads * hd, bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * hd, bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * hd, bias)
+        self.o_proj = nn.Linear(num_heads * hd, dim, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        group_size = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group_size, dim=1)  # (B, H, T, hd)
+        v = v.repeat_interleave(group_size, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class DenseMLP(nn.Module):
+    """down(act(up(x))), or down(act(gate(x)) * up(x)) when gated (SwiGLU with silu)."""
+
+    def __init__(self, dim: int, hidden_dim: int, gated: bool = True, bias: bool = False,
+                 activation=F.silu):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden_dim, bias) if gated else None
+        self.up = nn.Linear(dim, hidden_dim, bias)
+        self.down = nn.Linear(hidden_dim, dim, bias)
+        self.act = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = self.act(h) if self.gate is None else self.act(self.gate(x)) * h
+        return self.down(h)
+
+
+@dataclass
+class BlockConfig:
+    """Sizes of the verification model: embedding, one transformer block, LM head."""
+
+    vocab_size: int = 250
+    dim: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    hidden_dim: int = 172
+    seq_len: int = 12
+    batch_size: int = 2
+
+
+class DenseBlock(nn.Module):
+    """Token embedding, one pre-norm transformer block (GQA + SwiGLU), final norm and LM head."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.norm1 = nn.RMSNorm(cfg.dim)
+        self.attn = DenseAttention(cfg.dim, cfg.num_heads, cfg.num_kv_heads)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.mlp = DenseMLP(cfg.dim, cfg.hidden_dim, gated=True)
+        self.norm_f = nn.RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.attn(self.norm1(h))
+        h = h + self.mlp(self.norm2(h))
+        return self.head(self.norm_f(h))  # (B, T, V)

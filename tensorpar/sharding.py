@@ -1,0 +1,68 @@
+"""How a dimension is split across the ranks of a tensor-parallel group.
+
+Every split in tensorpar follows ``torch.tensor_split(x, tp_size, dim)``: shard sizes differ by at
+most one, larger shards first. A dimension of 10 over 4 ranks is split 3, 3, 2, 2, so sizes that do
+not divide by the TP size still work.
+
+Each sharded parameter carries a :class:`ShardSpec` (``param.tp_shard``) naming the dense dimension
+it was cut from and which slice it holds; replicated parameters carry ``dim=None``. Checkpoints and
+gradient-norm code read it instead of guessing from names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def shard_sizes(size: int, parts: int) -> list[int]:
+    """Sizes of the ``parts`` shards of a dimension of ``size``, as ``torch.tensor_split`` cuts it."""
+    base, extra = divmod(size, parts)
+    return [base + 1 if r < extra else base for r in range(parts)]
+
+
+def shard_range(size: int, parts: int, rank: int) -> tuple[int, int]:
+    """The half-open range ``[start, stop)`` of shard ``rank`` of a dimension of ``size``."""
+    base, extra = divmod(size, parts)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which slice of the dense tensor a parameter holds.
+
+    dim: the dense dimension that is split, or None for a replicated parameter.
+    start, stop: the slice ``[start, stop)`` of that dimension held by this rank.
+    full_size: the size of that dimension in the dense tensor.
+    """
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+    full_size: int = 0
+
+
+REPLICATED = ShardSpec(dim=None)
+
+
+def slice_dense(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """A contiguous copy of ``t[start:stop]`` along ``dim`` (never a view of the dense tensor)."""
+    return t.detach().narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+
+
+def sharded_parameter(
+    dense: torch.Tensor, dim: int, start: int, stop: int, requires_grad: bool = True
+) -> torch.nn.Parameter:
+    """A parameter holding ``dense[start:stop]`` along ``dim``, tagged with its :class:`ShardSpec`."""
+    p = torch.nn.Parameter(slice_dense(dense, dim, start, stop), requires_grad=requires_grad)
+    p.tp_shard = ShardSpec(dim, start, stop, dense.shape[dim])
+    return p
+
+
+def replicated_parameter(dense: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
+    """A parameter holding a full copy of ``dense`` on every rank."""
+    p = torch.nn.Parameter(dense.detach().clone(), requires_grad=requires_grad)
+    p.tp_shard = REPLICATED
+    return p
