@@ -32,8 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         from tensorpar.verify import run_verify
 
-        if args.tp < 1:
-            parser.error(f"--tp must be >= 1, got {args.tp}")
         cfg = BlockConfig(**{k: getattr(args, k) for k in BlockConfig.__dataclass_fields__})
         try:
             ok = run_verify(args.tp, args.sequence_parallel, args.seed, cfg)

@@ -13,8 +13,6 @@ Megatron scheme prescribes. Exits non-zero on any mismatch.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,6 +154,21 @@ def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: boo
     return ok
 
 
+def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
+    """Refuse sizes the TP model cannot take, with the numbers, before any rank starts."""
+    if n < 1:
+        raise ValueError(f"--tp must be >= 1, got {n}")
+    head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
+    if cfg.dim % cfg.num_heads:
+        raise ValueError(f"--dim {cfg.dim} does not divide by --num-heads {cfg.num_heads}")
+    for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):
+        if value < n:
+            raise ValueError(f"{flag} {value} cannot be split over --tp {n}")
+    if sequence_parallel and cfg.seq_len % n:
+        raise ValueError(f"--seq-len {cfg.seq_len} does not divide by --tp {n}, which sequence "
+                         "parallelism needs")
+
+
 def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> bool:
     """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
     import os
@@ -165,6 +178,7 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     from tensorpar.distributed import init_tensor_parallel
     from tensorpar.launch import launch
 
+    check_config(cfg, n, sequence_parallel)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: we are one of the ranks
         group = init_tensor_parallel(tp_size=n)
         result = verify_rank(cfg, sequence_parallel, seed, group)
@@ -176,6 +190,3 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     results = launch(verify_rank, n, cfg, sequence_parallel, seed)
     return report(results, cfg, n, sequence_parallel)
 
-
-def config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(BlockConfig))

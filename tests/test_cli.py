@@ -1,0 +1,46 @@
+"""``tensorpar verify`` end to end, as a user runs it: spawned ranks and torchrun."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "3", "--sequence-parallel"]])
+def test_verify_passes(flags):
+    """The table lists logits, loss and every gradient, all within 1e-5, and the collective
+    counts match the scheme; exit code 0."""
+    out = _run(sys.executable, "-m", "tensorpar", "verify", *flags)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all outputs, gradients and collective counts match" in out.stdout
+    for name in ("logits", "loss", "grad attn.k_proj.weight", "grad mlp.gate.weight",
+                 "grad emb.weight", "all_reduce"):
+        assert name in out.stdout
+    assert "MISMATCH" not in out.stdout
+
+
+def test_verify_under_torchrun():
+    """The same command as one of torchrun's ranks (torchrun's rendezvous instead of our spawn)."""
+    out = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--standalone", "-m", "tensorpar", "verify", "--tp", "2", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all outputs, gradients and collective counts match" in out.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "4", "--num-heads", "2", "--num-kv-heads", "1", "--dim", "16"],
+     "num_heads=2 cannot be split over 4 ranks"),
+    (["--tp", "4", "--sequence-parallel", "--seq-len", "10"],
+     "--seq-len 10 does not divide by --tp 4"),
+])
+def test_verify_bad_sizes(flags, message):
+    """Impossible sizes: one clear line and exit code 2, no traceback, no ranks started."""
+    out = _run(sys.executable, "-m", "tensorpar", "verify", *flags)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
