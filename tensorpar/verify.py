@@ -92,11 +92,18 @@ def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool) -> d
 
 def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
                 group: ProcessGroup | None = None) -> dict:
-    """Run on every rank: dense and parallel forward/backward; errors and collective counts."""
+    """Run on every rank: dense and parallel forward/backward; errors and collective counts.
+
+    Runs on this rank's GPU when the group uses NCCL, on the CPU otherwise.
+    """
+    import torch.distributed as dist
+
+    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     torch.manual_seed(seed)
-    dense = DenseBlock(cfg)
-    ids = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len))
-    targets = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len))
+    dense = DenseBlock(cfg).to(device)
+    ids = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).to(device)
+    targets = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).to(device)
     logits = dense(ids)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     loss.backward()

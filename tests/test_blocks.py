@@ -43,13 +43,14 @@ def test_parallel_mlp(ranks, n, gated, bias, sp):
     counts_ok(results, {"all_gather": 1, "reduce_scatter": 1}, bwd)
 
 
-def _attention_body(heads, kv_heads, sp, causal):
+def _attention_body(heads, kv_heads, sp, causal, bias=False):
     torch.manual_seed(0)
-    dense = DenseAttention(D, heads, kv_heads, head_dim=4, causal=causal)
+    dense = DenseAttention(D, heads, kv_heads, head_dim=4, bias=bias, causal=causal)
     attn = ParallelSelfAttention.from_dense(dense.q_proj, dense.k_proj, dense.v_proj,
                                             dense.o_proj, heads, kv_heads, causal=causal,
                                             sequence_parallel=sp)
-    return compare_module(dense, attn, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp))
+    return compare_module(dense, attn, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp),
+                          zero_grads=("k_proj.bias",))
 
 
 ATTENTION_LAYOUTS = [  # (heads, kv_heads): MHA, GQA, MQA, uneven heads
@@ -79,6 +80,20 @@ def test_parallel_attention(ranks, n, heads, kv_heads, sp):
 def test_parallel_attention_not_causal(ranks, n):
     """Bidirectional attention (causal=False) matches too."""
     ranks(n).run(_attention_body, 8, 2, False, False)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_parallel_attention_with_biases(ranks, n, sp):
+    """Q/K/V/O biases (Qwen-style): the shared-KV gradient sum covers the KV biases, and under SP
+    the replicated output bias gradient is summed too (one all-reduce for all of them each)."""
+    results = ranks(n).run(_attention_body, 8, 2, sp, True, True)
+    if n == 1:
+        return counts_ok(results, {}, {})
+    fwd = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
+    bwd = ({"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1})
+    bwd["all_reduce"] = bwd.get("all_reduce", 0) + head_layout(8, 2, n, 0)[2] + sp
+    counts_ok(results, fwd, bwd)
 
 
 def test_head_layout_shares_kv_heads_only_when_needed():

@@ -44,3 +44,19 @@ def test_verify_bad_sizes(flags, message):
     out = _run(sys.executable, "-m", "tensorpar", "verify", *flags)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_verify_reports_a_mismatch():
+    """An error above tolerance or an unexpected collective makes report() fail (exit code 1)."""
+    from tensorpar.reference import BlockConfig
+    from tensorpar.verify import expected_collectives, report
+
+    cfg = BlockConfig()
+    good = {"errors": {"loss": 1e-7}, "shapes": {"loss": ()},
+            "counts": expected_collectives(cfg, 2, False)}
+    assert report([good, good], cfg, 2, False)
+    bad_error = {**good, "errors": {"loss": 1e-3}}
+    assert not report([good, bad_error], cfg, 2, False)
+    extra = {**good, "counts": {"forward": {"all_reduce": 5, "all_gather": 1},
+                                "backward": {"all_reduce": 3}}}
+    assert not report([extra, good], cfg, 2, False)
