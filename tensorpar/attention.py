@@ -74,7 +74,7 @@ class ParallelSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
         self.heads, self.kv_heads, self.kv_shared = (h0, h1), (k0, k1), shared
-        hd, kw = head_dim, dict(bias=bias, group=group, device=device, dtype=dtype)
+        hd, kw = head_dim, {"bias": bias, "group": group, "device": device, "dtype": dtype}
         self.q_proj = ColumnParallelLinear(dim, num_heads * hd, out_range=(h0 * hd, h1 * hd), **kw)
         self.k_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)
         self.v_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)

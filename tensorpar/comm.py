@@ -201,11 +201,12 @@ class _SumGradsInBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ref = next(g for g in grads if g is not None)
         flat = ref.new_zeros(ctx.total)
-        for g, off, shape in zip(grads, ctx.offsets, ctx.shapes):
+        for g, off, shape in zip(grads, ctx.offsets, ctx.shapes, strict=True):
             if g is not None:
                 flat[off : off + shape.numel()] = g.reshape(-1)
         dist.all_reduce(flat, group=ctx.group)
-        out = [flat[off : off + s.numel()].view(s) for off, s in zip(ctx.offsets, ctx.shapes)]
+        out = [flat[off : off + s.numel()].view(s)
+               for off, s in zip(ctx.offsets, ctx.shapes, strict=True)]
         return (None, None, None, *out)
 
 
@@ -246,7 +247,7 @@ def gather_from_tp(
 
 
 def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Keep this rank's ``tensor_split`` shard of the last dim (split forward, all-gather backward)."""
+    """This rank's ``tensor_split`` shard of the last dim: split forward, all-gather backward."""
     n = tp_size(group)
     if n == 1:
         return x
@@ -266,7 +267,7 @@ def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> 
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """(B, T, D) partial sums -> (B, T/n, D) summed shard: reduce-scatter forward, all-gather back."""
+    """(B, T, D) partial sums -> (B, T/n, D) sum: reduce-scatter forward, all-gather back."""
     n = tp_size(group)
     if n == 1:
         return x

@@ -34,13 +34,13 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 class CollectiveCounter:
-    """Context manager; afterwards ``counts`` maps each kind of collective to its number of calls."""
+    """Context manager; afterwards ``counts`` maps each kind of collective to its call count."""
 
     def __init__(self):
         self._mode = CommDebugMode()
         self.counts: Counter[str] = Counter()
 
-    def __enter__(self) -> "CollectiveCounter":
+    def __enter__(self) -> CollectiveCounter:
         # CommDebugMode's module hooks warn when no module input requires grad (token ids)
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()

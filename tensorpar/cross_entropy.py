@@ -27,7 +27,7 @@ from tensorpar.distributed import tp_rank, tp_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """forward: all-gather of per-token statistics + all-reduce of the target logit, backward: local."""
+    """forward: all-gather of token statistics + all-reduce of target logits, backward: local."""
 
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, smoothing):

@@ -4,7 +4,7 @@
 
     E = [E_0; E_1; ...; E_{n-1}]     rank i holds ids [start_i, stop_i)
     rank i:  Y_i[t] = E_i[id_t - start_i] if id_t is in its range, else 0
-    Y = g(sum_i Y_i)                 one all-reduce (or a reduce-scatter to sequence shards under SP)
+    Y = g(sum_i Y_i)                 one all-reduce (a reduce-scatter to sequence shards under SP)
 
 Every id lives on exactly one rank, so the sum is the dense lookup. Ids are checked against the
 vocabulary on every rank before any communication.
@@ -59,18 +59,19 @@ class VocabParallelEmbedding(nn.Module):
         embedding: nn.Embedding,
         sequence_parallel: bool = False,
         group: ProcessGroup | None = None,
-    ) -> "VocabParallelEmbedding":
+    ) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding``."""
         unsupported = {"max_norm": embedding.max_norm, "sparse": embedding.sparse or None}
         unsupported = {k: v for k, v in unsupported.items() if v is not None}
         if unsupported or embedding.scale_grad_by_freq:
-            raise ValueError(f"VocabParallelEmbedding does not support {unsupported or 'scale_grad_by_freq'}")
+            what = unsupported or "scale_grad_by_freq"
+            raise ValueError(f"VocabParallelEmbedding does not support {what}")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
                     sequence_parallel, group, device="meta", dtype=embedding.weight.dtype)
         return layer.load_dense(embedding.weight)
 
     @torch.no_grad()
-    def load_dense(self, weight: torch.Tensor) -> "VocabParallelEmbedding":
+    def load_dense(self, weight: torch.Tensor) -> VocabParallelEmbedding:
         """Take this rank's rows of a dense (num_embeddings, embedding_dim) table."""
         self.weight = sharded_parameter(weight, 0, self.vocab_start, self.vocab_stop)
         return self
@@ -91,7 +92,8 @@ class VocabParallelEmbedding(nn.Module):
             pad = self.padding_idx
             local_pad = pad - self.vocab_start if pad is not None and \
                 self.vocab_start <= pad < self.vocab_stop else None
-            y = F.embedding(local_ids, self.weight, local_pad) * mine.unsqueeze(-1).to(self.weight.dtype)
+            y = F.embedding(local_ids, self.weight, local_pad)
+            y = y * mine.unsqueeze(-1).to(y.dtype)  # ids owned elsewhere contribute 0
         return exit_tp_region(y, self.sequence_parallel, self.group)
 
     def extra_repr(self) -> str:

@@ -20,7 +20,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class RankError(RuntimeError):
@@ -148,7 +149,7 @@ class RankPool:
                 p.kill()
             p.join(timeout=10)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc) -> None:

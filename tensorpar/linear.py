@@ -99,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         group: ProcessGroup | None = None,
         *,
         out_range: tuple[int, int] | None = None,
-    ) -> "ColumnParallelLinear":
+    ) -> ColumnParallelLinear:
         """This rank's column shard of ``linear``; together the shards compute ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     gather_output, sequence_parallel, group, device="meta",
@@ -180,7 +180,7 @@ class RowParallelLinear(nn.Module):
         group: ProcessGroup | None = None,
         *,
         in_range: tuple[int, int] | None = None,
-    ) -> "RowParallelLinear":
+    ) -> RowParallelLinear:
         """This rank's row shard of ``linear``; together the shards compute ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     input_is_parallel, sequence_parallel, group, device="meta",

@@ -15,8 +15,8 @@ same ``tensor_split`` of the hidden dim, so their shards always pair up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.act = _activation(activation)
         self.sequence_parallel, self.group = sequence_parallel, group
-        kw = dict(group=group, device=device, dtype=dtype)
+        kw = {"group": group, "device": device, "dtype": dtype}
         self.gate = ColumnParallelLinear(dim, hidden_dim, bias, **kw) if gated else None
         self.up = ColumnParallelLinear(dim, hidden_dim, bias, **kw)
         self.down = RowParallelLinear(hidden_dim, dim, bias, input_is_parallel=True,
@@ -67,7 +67,7 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_dense(cls, up: nn.Linear, down: nn.Linear, gate: nn.Linear | None = None,
                    activation: str | Callable = "gelu", sequence_parallel: bool = False,
-                   group: ProcessGroup | None = None) -> "ParallelMLP":
+                   group: ProcessGroup | None = None) -> ParallelMLP:
         """Shard dense ``up`` (dim -> hidden), ``down`` (hidden -> dim) and optional ``gate``."""
         if up.out_features != down.in_features or up.in_features != down.out_features:
             raise ValueError(f"ParallelMLP: up is {up.in_features}->{up.out_features} but down "

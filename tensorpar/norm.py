@@ -4,7 +4,8 @@ Without sequence parallelism every rank normalizes the same full activations and
 weight gradients: these are ``nn.LayerNorm`` / ``nn.RMSNorm`` exactly. Under sequence parallelism
 each rank normalizes only its (B, T/n, D) slice of the tokens, so each rank's weight gradient is a
 partial sum over its tokens; the gradients are summed across the TP group inside backward (one
-all-reduce for weight and bias together), so no separate "sync the norm grads" call can be forgotten.
+all-reduce for weight and bias together), so no separate "sync the norm grads" call can be
+forgotten.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class LayerNorm(nn.LayerNorm):
 
     @classmethod
     def from_dense(cls, norm: nn.LayerNorm, sequence_parallel: bool = False,
-                   group: ProcessGroup | None = None) -> "LayerNorm":
+                   group: ProcessGroup | None = None) -> LayerNorm:
         layer = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine,
                     norm.bias is not None, sequence_parallel, group, device="meta")
         layer.load_state_dict({k: v.clone() for k, v in norm.state_dict().items()},
@@ -65,7 +66,7 @@ class RMSNorm(nn.RMSNorm):
 
     @classmethod
     def from_dense(cls, norm: nn.RMSNorm, sequence_parallel: bool = False,
-                   group: ProcessGroup | None = None) -> "RMSNorm":
+                   group: ProcessGroup | None = None) -> RMSNorm:
         layer = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine,
                     sequence_parallel, group, device="meta")
         layer.load_state_dict({k: v.clone() for k, v in norm.state_dict().items()},

@@ -17,7 +17,7 @@ import torch
 
 
 def shard_sizes(size: int, parts: int) -> list[int]:
-    """Sizes of the ``parts`` shards of a dimension of ``size``, as ``torch.tensor_split`` cuts it."""
+    """Sizes of the ``parts`` shards of a dimension of ``size``, as ``torch.tensor_split`` cuts."""
     base, extra = divmod(size, parts)
     return [base + 1 if r < extra else base for r in range(parts)]
 
@@ -55,7 +55,7 @@ def slice_dense(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tenso
 def sharded_parameter(
     dense: torch.Tensor, dim: int, start: int, stop: int, requires_grad: bool = True
 ) -> torch.nn.Parameter:
-    """A parameter holding ``dense[start:stop]`` along ``dim``, tagged with its :class:`ShardSpec`."""
+    """A parameter holding ``dense[start:stop]`` along ``dim``, tagged with its ShardSpec."""
     p = torch.nn.Parameter(slice_dense(dense, dim, start, stop), requires_grad=requires_grad)
     p.tp_shard = ShardSpec(dim, start, stop, dense.shape[dim])
     return p

@@ -54,7 +54,7 @@ class ParallelBlock(nn.Module):
 
     def __init__(self, dense: DenseBlock, sequence_parallel: bool, group: ProcessGroup | None):
         super().__init__()
-        sp = dict(sequence_parallel=sequence_parallel, group=group)
+        sp = {"sequence_parallel": sequence_parallel, "group": group}
         a, m = dense.attn, dense.mlp
         self.emb = VocabParallelEmbedding.from_dense(dense.emb, **sp)
         self.norm1 = RMSNorm.from_dense(dense.norm1, **sp)

@@ -8,6 +8,7 @@ from tensorpar import ParallelMLP, ParallelSelfAttention
 from tensorpar.attention import head_layout
 from tensorpar.distributed import tp_size
 from tensorpar.reference import DenseAttention, DenseMLP
+
 from tests_common import WORLD_SIZES
 from tp_check import compare_module, counts_ok, shard
 

@@ -6,6 +6,7 @@ import torch
 import tensorpar as tp
 from tensorpar.counting import CollectiveCounter
 from tensorpar.distributed import tp_rank, tp_size
+
 from tests_common import WORLD_SIZES
 from tp_check import assert_close, shard
 

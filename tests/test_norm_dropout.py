@@ -4,10 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar import (LayerNorm, ParallelMLP, ParallelSelfAttention, RMSNorm, TensorParallelRNG,
-                       VocabParallelEmbedding)
+from tensorpar import (
+    LayerNorm,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RMSNorm,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+)
 from tensorpar.dropout import region_for
 from tensorpar.reference import DenseAttention, DenseMLP
+
 from tests_common import WORLD_SIZES
 from tp_check import compare_module, counts_ok, shard
 

@@ -8,6 +8,7 @@ from torch import nn
 from tensorpar import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tensorpar.counting import CollectiveCounter
 from tensorpar.distributed import tp_size
+
 from tests_common import WORLD_SIZES
 from tp_check import assert_close, assert_grads, counts_ok, leaf, shard
 
@@ -46,12 +47,12 @@ def test_vocab_parallel_embedding(ranks, n, sp, padding_idx):
 
 
 CE_CASES = [
-    dict(),
-    dict(reduction="sum"),
-    dict(reduction="none"),
-    dict(label_smoothing=0.1),
-    dict(label_smoothing=0.2, ignore_index=3, reduction="mean"),
-    dict(ignore_index=-100, reduction="none"),
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.1},
+    {"label_smoothing": 0.2, "ignore_index": 3, "reduction": "mean"},
+    {"ignore_index": -100, "reduction": "none"},
 ]
 
 
