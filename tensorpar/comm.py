@@ -77,6 +77,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     return out
 
 
+def _gather_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather of even sequence shards: (B, T/n, D) -> (B, T, D)."""
+    return _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * tp_size(group), group)
+
+
 def _check_sequence(x: torch.Tensor, n: int, what: str) -> None:
     if x.dim() < 3:
         raise ValueError(f"{what}: expected activations (B, T, D), got shape {tuple(x.shape)}")
@@ -147,7 +152,7 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * tp_size(group), group)
+        return _gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -164,8 +169,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        n = tp_size(ctx.group)
-        return _all_gather(grad, SEQ_DIM, [grad.shape[SEQ_DIM]] * n, ctx.group), None
+        return _gather_sequence(grad, ctx.group), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -178,8 +182,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        n = tp_size(ctx.group)
-        return _all_gather(grad, SEQ_DIM, [grad.shape[SEQ_DIM]] * n, ctx.group), None
+        return _gather_sequence(grad, ctx.group), None
 
 
 class _SumGradsInBackward(torch.autograd.Function):

@@ -55,7 +55,49 @@ def _check_last_dim(x: torch.Tensor, expected: int, what: str) -> None:
         )
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What both layers share: the dense sizes, the group, and the slice of the split dim.
+
+    split_dim is the dim of the dense (out, in) weight that is split: 0 for column, 1 for row.
+    This rank holds ``[shard_start, shard_stop)`` of it.
+    """
+
+    split_dim: int
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, sequence_parallel: bool,
+                 group: ProcessGroup | None, device, dtype, shard: tuple[int, int] | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.group = sequence_parallel, group
+        if shard is None:
+            n = tp_size(group)
+            split, what = ((out_features, "out_features"), (in_features, "in_features"))[
+                self.split_dim]
+            _check_splittable(split, n, f"{type(self).__name__} {what}")
+            shard = shard_range(split, n, tp_rank(group))
+        self.shard_start, self.shard_stop = shard
+        # draw the whole dense layer from torch's RNG and keep our slice: same model at any TP size
+        dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self.load_dense(dense.weight, dense.bias)
+
+    @torch.no_grad()
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """Take this rank's slice of a dense (out, in) weight and its (out,) bias.
+
+        The bias is split with the output features (column) or replicated (row).
+        """
+        start, stop = self.shard_start, self.shard_stop
+        self.weight = sharded_parameter(weight, self.split_dim, start, stop)
+        if bias is None:
+            self.bias = None
+        elif self.split_dim == 0:
+            self.bias = sharded_parameter(bias, 0, start, stop)
+        else:
+            self.bias = replicated_parameter(bias)
+        return self
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer with its weight split on the output features across the TP group.
 
     in_features, out_features, bias: as ``nn.Linear`` (the dense layer's sizes).
@@ -65,6 +107,8 @@ class ColumnParallelLinear(nn.Module):
     out_range: the rows of the dense weight this rank holds (default: its ``tensor_split`` shard);
         attention uses it to cut along head boundaries.
     """
+
+    split_dim = 0
 
     def __init__(
         self,
@@ -79,16 +123,9 @@ class ColumnParallelLinear(nn.Module):
         dtype=None,
         out_range: tuple[int, int] | None = None,
     ):
-        super().__init__()
-        n = tp_size(group)
-        if out_range is None:
-            _check_splittable(out_features, n, "ColumnParallelLinear out_features")
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel, self.group = (
-            gather_output, sequence_parallel, group)
-        self.out_start, self.out_stop = out_range or shard_range(out_features, n, tp_rank(group))
-        dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self.load_dense(dense.weight, dense.bias)
+        super().__init__(in_features, out_features, bias, sequence_parallel, group, device, dtype,
+                         out_range)
+        self.gather_output = gather_output
 
     @classmethod
     def from_dense(
@@ -106,13 +143,9 @@ class ColumnParallelLinear(nn.Module):
                     dtype=linear.weight.dtype, out_range=out_range)
         return layer.load_dense(linear.weight, linear.bias)
 
-    @torch.no_grad()
-    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """Take this rank's slice of a dense (out, in) weight and (out,) bias."""
-        self.weight = sharded_parameter(weight, 0, self.out_start, self.out_stop)
-        self.bias = None if bias is None else sharded_parameter(bias, 0, self.out_start,
-                                                                self.out_stop)
-        return self
+    @property
+    def out_features_local(self) -> int:
+        return self.shard_stop - self.shard_start
 
     def forward_local(self, x_tp: torch.Tensor) -> torch.Tensor:
         """The sharded matmul on an input already in the TP region (after f or the SP gather).
@@ -130,11 +163,11 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(rows {self.out_start}:{self.out_stop} here), bias={self.bias is not None}, "
+                f"(rows {self.shard_start}:{self.shard_stop} here), bias={self.bias is not None}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer with its weight split on the input features across the TP group.
 
     in_features, out_features, bias: as ``nn.Linear`` (the dense layer's sizes).
@@ -146,6 +179,8 @@ class RowParallelLinear(nn.Module):
     group: the TP process group (None: the whole world).
     in_range: the columns of the dense weight this rank holds (default: its ``tensor_split`` shard).
     """
+
+    split_dim = 1
 
     def __init__(
         self,
@@ -160,16 +195,9 @@ class RowParallelLinear(nn.Module):
         dtype=None,
         in_range: tuple[int, int] | None = None,
     ):
-        super().__init__()
-        n = tp_size(group)
-        if in_range is None:
-            _check_splittable(in_features, n, "RowParallelLinear in_features")
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.sequence_parallel, self.group = (
-            input_is_parallel, sequence_parallel, group)
-        self.in_start, self.in_stop = in_range or shard_range(in_features, n, tp_rank(group))
-        dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self.load_dense(dense.weight, dense.bias)
+        super().__init__(in_features, out_features, bias, sequence_parallel, group, device, dtype,
+                         in_range)
+        self.input_is_parallel = input_is_parallel
 
     @classmethod
     def from_dense(
@@ -187,16 +215,9 @@ class RowParallelLinear(nn.Module):
                     dtype=linear.weight.dtype, in_range=in_range)
         return layer.load_dense(linear.weight, linear.bias)
 
-    @torch.no_grad()
-    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """Take this rank's slice of a dense (out, in) weight; the (out,) bias is replicated."""
-        self.weight = sharded_parameter(weight, 1, self.in_start, self.in_stop)
-        self.bias = None if bias is None else replicated_parameter(bias)
-        return self
-
     @property
     def in_features_local(self) -> int:
-        return self.in_stop - self.in_start
+        return self.shard_stop - self.shard_start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
@@ -213,7 +234,7 @@ class RowParallelLinear(nn.Module):
         return y + bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (columns {self.in_start}:{self.in_stop} here), "
-                f"out_features={self.out_features}, bias={self.bias is not None}, "
+        return (f"in_features={self.in_features} (columns {self.shard_start}:{self.shard_stop} "
+                f"here), out_features={self.out_features}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")

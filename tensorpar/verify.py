@@ -116,7 +116,7 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
         loss_tp.backward()
 
     errors = {
-        "logits": max_rel_error(logits_local, logits[..., tp.head.out_start:tp.head.out_stop]),
+        "logits": max_rel_error(logits_local, logits[..., tp.head.shard_start:tp.head.shard_stop]),
         "loss": max_rel_error(loss_tp, loss),
     }
     dense_params = dict(dense.named_parameters())
