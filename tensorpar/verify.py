@@ -156,7 +156,7 @@ def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: boo
             shown = "/".join(str(g) for g in sorted(got))
             row += f" {shown:>9} {want:>9}  "
         ok &= good
-        print(row + ("" if good else "MISMATCH"))
+        print((row + ("" if good else "MISMATCH")).rstrip())
     print("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
     return ok
 
