@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from tensorpar.reference import BlockConfig
@@ -17,22 +18,22 @@ def _add_verify(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks spawned)")
     p.add_argument("--sequence-parallel", action="store_true", help="also shard the sequence")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
-    defaults = BlockConfig()
-    for field in ("vocab_size", "dim", "num_heads", "num_kv_heads", "hidden_dim", "seq_len",
-                  "batch_size"):
-        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field),
-                       dest=field, help=f"model size (default {getattr(defaults, field)})")
+    for f in dataclasses.fields(BlockConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
+                       help=f"{f.metadata['help']} (default {f.default})")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorpar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_verify(sub)
     args = parser.parse_args(argv)
     if args.command == "verify":
         from tensorpar.verify import run_verify
 
-        cfg = BlockConfig(**{k: getattr(args, k) for k in BlockConfig.__dataclass_fields__})
+        sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)}
+        cfg = BlockConfig(**sizes)
         try:
             ok = run_verify(args.tp, args.sequence_parallel, args.seed, cfg)
         except ValueError as e:  # bad sizes: say so plainly, no traceback

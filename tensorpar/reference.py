@@ -7,7 +7,7 @@ parameter's dense counterpart is found by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,17 +57,21 @@ class DenseMLP(nn.Module):
         return self.down(h)
 
 
+def _doc(default: int, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class BlockConfig:
     """Sizes of the verification model: embedding, one transformer block, LM head."""
 
-    vocab_size: int = 250
-    dim: int = 64
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    hidden_dim: int = 172
-    seq_len: int = 12
-    batch_size: int = 2
+    vocab_size: int = _doc(250, "vocabulary size (uneven shards over 3 and 4 ranks)")
+    dim: int = _doc(64, "model width")
+    num_heads: int = _doc(8, "query heads")
+    num_kv_heads: int = _doc(2, "key/value heads (GQA; fewer than --tp shares them)")
+    hidden_dim: int = _doc(172, "MLP hidden width")
+    seq_len: int = _doc(12, "tokens per sequence (must divide by --tp under SP)")
+    batch_size: int = _doc(2, "sequences per batch")
 
 
 class DenseBlock(nn.Module):

@@ -82,3 +82,21 @@ def test_tp_size_must_divide_world():
 
 def _bad_tp():
     init_tensor_parallel(tp_size=3)
+
+
+def _verify_on_subgroup():
+    from tensorpar.reference import BlockConfig
+    from tensorpar.verify import TOLERANCE, expected_collectives, verify_rank
+
+    group = init_tensor_parallel(tp_size=2)
+    cfg = BlockConfig()
+    result = verify_rank(cfg, True, seed=0, group=group)
+    assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
+    assert result["counts"] == expected_collectives(cfg, 2, True)
+    return tp_rank(group)
+
+
+def test_layers_on_tp_subgroups():
+    """World of 4 split into two TP groups of 2: every layer uses only its group (group=...),
+    and both groups reproduce the dense model with the TP=2 collective counts."""
+    assert launch(_verify_on_subgroup, 4) == [0, 1, 0, 1]
