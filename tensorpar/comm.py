@@ -49,7 +49,7 @@ def _all_gather(
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; rank r holds ``sizes[r]`` rows of it."""
     dim = dim % x.dim()
-    longest = sizes[0]
+    longest = max(sizes)
     if x.shape[dim] < longest:  # uneven shards: pad to the largest so one all-gather carries all
         pad_shape = list(x.shape)
         pad_shape[dim] = longest - x.shape[dim]
@@ -125,12 +125,13 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sizes):
-        ctx.group = group
+        ctx.sizes, ctx.rank = sizes, tp_rank(group)
         return _all_gather(x, -1, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None, None
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad.narrow(-1, start, ctx.sizes[ctx.rank]).contiguous(), None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -231,14 +232,17 @@ def gather_from_tp(
 ) -> torch.Tensor:
     """Concatenate the last-dim shards of all ranks (all-gather forward, split backward).
 
-    full_size: the gathered size of the last dim, needed when the shards are uneven; by default
-        every rank is assumed to hold ``x.shape[-1]``.
+    full_size: the gathered size of the last dim, when the shards are ``tensor_split``'s of it
+        (what the layers pass). Without it the ranks first exchange their shard sizes (one small
+        extra all-gather), so shards of any sizes work; assuming even shards instead would let
+        gloo abort the process on uneven ones.
     """
     n = tp_size(group)
     if n == 1:
         return x
     if full_size is None:
-        sizes = [x.shape[-1]] * n
+        mine = torch.tensor([x.shape[-1]], device=x.device)
+        sizes = _all_gather(mine, 0, [1] * n, group).tolist()
     else:
         sizes = shard_sizes(full_size, n)
         if x.shape[-1] != sizes[tp_rank(group)]:

@@ -113,6 +113,27 @@ def test_sum_grads_in_backward(ranks, n):
         assert counts == ({} if n == 1 else {"all_reduce": 1})
 
 
+def _gather_any_sizes_body():
+    n, r = tp_size(), tp_rank()
+    sizes = [1 + (2 * k) % 3 for k in range(n)]  # 1, 3, 2, 1: not tensor_split's order
+    torch.manual_seed(0)
+    full, grad = torch.randn(2, sum(sizes)), torch.randn(2, sum(sizes))
+    start = sum(sizes[:r])
+    piece = full[:, start : start + sizes[r]]
+    y, gx, counts = _run(tp.gather_from_tp, piece, grad)  # no full_size: sizes exchanged
+    assert_close("gather fwd", y, full)
+    assert_close("gather bwd", gx, grad[:, start : start + sizes[r]])
+    return counts
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_gather_without_full_size_takes_any_shard_sizes(ranks, n):
+    """Without full_size the shard sizes are exchanged first (one small all-gather), so uneven
+    shards in any order gather correctly instead of aborting gloo."""
+    for counts in ranks(n).run(_gather_any_sizes_body):
+        assert counts == {"forward": {"all_gather": 2}, "backward": {}}
+
+
 def _sequence_not_divisible_body(seq_len):
     x = torch.randn(2, seq_len, 4)
     for op in (tp.reduce_scatter_to_sequence, tp.scatter_to_sequence):
