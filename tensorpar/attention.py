@@ -64,13 +64,13 @@ class ParallelSelfAttention(nn.Module):
                  *, device=None, dtype=None):
         super().__init__()
         kv_heads = num_kv_heads or num_heads
+        n, rank = tp_size(group), tp_rank(group)
+        (h0, h1), (k0, k1), shared = head_layout(num_heads, kv_heads, n, rank)
         if head_dim is None:
             if dim % num_heads:
                 raise ValueError(f"dim={dim} does not divide by num_heads={num_heads}; "
                                  "pass head_dim")
             head_dim = dim // num_heads
-        n, rank = tp_size(group), tp_rank(group)
-        (h0, h1), (k0, k1), shared = head_layout(num_heads, kv_heads, n, rank)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
         self.heads, self.kv_heads, self.kv_shared = (h0, h1), (k0, k1), shared
@@ -94,6 +94,7 @@ class ParallelSelfAttention(nn.Module):
                    sequence_parallel: bool = False, group: ProcessGroup | None = None):
         """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
         kv_heads = num_kv_heads or num_heads
+        head_layout(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
         if q.out_features % num_heads:
             raise ValueError(f"q projection has {q.out_features} outputs, not a multiple of "
                              f"num_heads={num_heads}")
@@ -116,20 +117,22 @@ class ParallelSelfAttention(nn.Module):
         attn.kv_index = attn.kv_index.to(q.weight.device)
         return attn
 
-    def _kv_params(self) -> list[torch.Tensor]:
-        """K/V weights and biases; with shared KV heads, their grads are summed over holders."""
+    def _kv_params(self) -> list[torch.Tensor | None]:
+        """[wk, wv, bk, bv] (biases may be None); with shared KV heads, their gradients are
+        summed over the ranks that hold each head."""
         params = [self.k_proj.weight, self.v_proj.weight, self.k_proj.bias, self.v_proj.bias]
-        params = [p for p in params if p is not None]
         if not self.kv_shared:
             return params
+        present = [p for p in params if p is not None]
         # place each local slice where it sits in the dense K/V tensors: one flat buffer, summed
         offsets, total = [], 0
-        for p in params:
+        for p in present:
             full = p.tp_shard.full_size
             row = p.numel() // (p.tp_shard.stop - p.tp_shard.start)
             offsets.append(total + p.tp_shard.start * row)
             total += full * row
-        return sum_grads_in_backward(params, self.group, offsets, total)
+        summed = iter(sum_grads_in_backward(present, self.group, offsets, total))
+        return [None if p is None else next(summed) for p in params]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
@@ -137,9 +140,7 @@ class ParallelSelfAttention(nn.Module):
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
         x = enter_tp_region(x, self.sequence_parallel, self.group)  # (B, T, D), the block's f
         B, T, _ = x.shape
-        kv = self._kv_params()
-        wk, wv = kv[0], kv[1]
-        bk, bv = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
+        wk, wv, bk, bv = self._kv_params()
         q = self.q_proj.forward_local(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = F.linear(x, wk, bk).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = F.linear(x, wv, bv).view(B, T, -1, self.head_dim).transpose(1, 2)

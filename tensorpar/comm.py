@@ -209,7 +209,8 @@ class _SumGradsInBackward(torch.autograd.Function):
             if g is not None:
                 flat[off : off + shape.numel()] = g.reshape(-1)
         dist.all_reduce(flat, group=ctx.group)
-        out = [flat[off : off + s.numel()].view(s)
+        # clones: views would keep the whole (possibly dense-size) buffer alive as .grad
+        out = [flat[off : off + s.numel()].view(s).clone()
                for off, s in zip(ctx.offsets, ctx.shapes, strict=True)]
         return (None, None, None, *out)
 
@@ -264,7 +265,11 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.T
 
 
 def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """(B, T/n, D) -> (B, T, D): all-gather forward, reduce-scatter backward."""
+    """(B, T/n, D) -> (B, T, D): all-gather forward, reduce-scatter backward.
+
+    Every rank must hold the same T/n tokens, as the SP embedding, ``scatter_to_sequence`` and
+    ``reduce_scatter_to_sequence`` produce; checking that would cost a collective per layer.
+    """
     n = tp_size(group)
     if n == 1:
         return x

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.comm import _all_gather
 from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.sharding import shard_sizes
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -45,6 +46,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = gathered[:, :-1].view(n, *lse_local.shape, 2)
         vocab = sum(sizes)
         start = sum(sizes[:rank])
+        if sizes != shard_sizes(vocab, n):  # the same sizes on every rank: all raise together
+            raise ValueError(f"vocab_parallel_cross_entropy: the ranks hold {sizes} logits each, "
+                             f"not the tensor_split shards {shard_sizes(vocab, n)} of {vocab}")
         valid = target != ignore_index
         if valid.any() and int(target[valid].max()) >= vocab:
             raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[valid].max())} "
@@ -53,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = target - start
         mine = valid & (local_t >= 0) & (local_t < v_local)
         picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
-        picked = picked * mine
+        picked = torch.where(mine, picked, 0.0)  # not picked * mine: a -inf logit times 0 is NaN
         if n > 1:
             dist.all_reduce(picked, group=group)
         loss = lse - picked
@@ -73,7 +77,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad = grad - e / ctx.vocab
         onehot = torch.zeros_like(grad).scatter_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
                                                  mine.unsqueeze(-1).to(grad.dtype))
-        grad = (grad - (1 - e) * onehot) * (grad_loss * valid).unsqueeze(-1)
+        # where, not a product: with every token ignored, "mean" divides by 0 and grad_loss is inf
+        grad = (grad - (1 - e) * onehot) * torch.where(valid, grad_loss, 0.0).unsqueeze(-1)
         return grad.to(logits.dtype), None, None, None, None
 
 

@@ -24,6 +24,14 @@ def _tag_replicated(module: nn.Module) -> None:
         p.tp_shard = REPLICATED
 
 
+def _copy_from(layer: nn.Module, dense: nn.Module) -> None:
+    """Own copies of the dense norm's parameters, frozen where they were frozen."""
+    layer.load_state_dict({k: v.clone() for k, v in dense.state_dict().items()}, assign=True)
+    for name, p in layer.named_parameters(recurse=False):
+        p.requires_grad_(getattr(dense, name).requires_grad)
+    _tag_replicated(layer)
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` that may run on sequence shards (``sequence_parallel=True``)."""
 
@@ -40,9 +48,7 @@ class LayerNorm(nn.LayerNorm):
                    group: ProcessGroup | None = None) -> LayerNorm:
         layer = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine,
                     norm.bias is not None, sequence_parallel, group, device="meta")
-        layer.load_state_dict({k: v.clone() for k, v in norm.state_dict().items()},
-                              assign=True)
-        _tag_replicated(layer)
+        _copy_from(layer, norm)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +75,7 @@ class RMSNorm(nn.RMSNorm):
                    group: ProcessGroup | None = None) -> RMSNorm:
         layer = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine,
                     sequence_parallel, group, device="meta")
-        layer.load_state_dict({k: v.clone() for k, v in norm.state_dict().items()},
-                              assign=True)
-        _tag_replicated(layer)
+        _copy_from(layer, norm)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -52,17 +52,19 @@ def slice_dense(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tenso
     return t.detach().narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
 
 
-def sharded_parameter(
-    dense: torch.Tensor, dim: int, start: int, stop: int, requires_grad: bool = True
-) -> torch.nn.Parameter:
-    """A parameter holding ``dense[start:stop]`` along ``dim``, tagged with its ShardSpec."""
-    p = torch.nn.Parameter(slice_dense(dense, dim, start, stop), requires_grad=requires_grad)
+def sharded_parameter(dense: torch.Tensor, dim: int, start: int, stop: int) -> torch.nn.Parameter:
+    """A parameter holding ``dense[start:stop]`` along ``dim``, tagged with its ShardSpec.
+
+    It requires grad exactly when ``dense`` does, so frozen weights stay frozen.
+    """
+    p = torch.nn.Parameter(slice_dense(dense, dim, start, stop),
+                           requires_grad=dense.requires_grad)
     p.tp_shard = ShardSpec(dim, start, stop, dense.shape[dim])
     return p
 
 
-def replicated_parameter(dense: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
-    """A parameter holding a full copy of ``dense`` on every rank."""
-    p = torch.nn.Parameter(dense.detach().clone(), requires_grad=requires_grad)
+def replicated_parameter(dense: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter holding a full copy of ``dense`` on every rank (requires grad as it does)."""
+    p = torch.nn.Parameter(dense.detach().clone(), requires_grad=dense.requires_grad)
     p.tp_shard = REPLICATED
     return p

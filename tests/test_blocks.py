@@ -45,8 +45,13 @@ def test_parallel_mlp(ranks, n, gated, bias, sp):
 
 
 def _attention_body(heads, kv_heads, sp, causal, bias=False):
+    """bias: True (all four projections), False, or a string naming the ones that have one."""
     torch.manual_seed(0)
-    dense = DenseAttention(D, heads, kv_heads, head_dim=4, bias=bias, causal=causal)
+    dense = DenseAttention(D, heads, kv_heads, head_dim=4, bias=bias is True, causal=causal)
+    if isinstance(bias, str):  # e.g. "v": only the V projection has a bias
+        for name in bias:
+            proj = getattr(dense, f"{name}_proj")
+            proj.bias = torch.nn.Parameter(torch.randn(proj.out_features))
     attn = ParallelSelfAttention.from_dense(dense.q_proj, dense.k_proj, dense.v_proj,
                                             dense.o_proj, heads, kv_heads, causal=causal,
                                             sequence_parallel=sp)
@@ -75,6 +80,13 @@ def test_parallel_attention(ranks, n, heads, kv_heads, sp):
     if shared:
         bwd["all_reduce"] = bwd.get("all_reduce", 0) + 1
     counts_ok(results, fwd, bwd)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("bias", ["v", "k", "qo"])
+def test_parallel_attention_partial_biases(ranks, n, bias):
+    """Any subset of the projections may carry a bias (K without V, V without K, ...)."""
+    ranks(n).run(_attention_body, 8, 2, False, True, bias)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -121,6 +133,8 @@ def _attention_errors_body():
     attn = ParallelSelfAttention(D, 8, 2)
     with pytest.raises(ValueError, match="expected input \\(B, T, 24\\), got \\(2, 5, 16\\)"):
         attn(torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match="num_heads=0 must be a positive multiple"):
+        ParallelSelfAttention.from_dense(lin(D, 32), lin(D, 8), lin(D, 8), lin(32, D), 0)
     with pytest.raises(ValueError, match="activation='swish'"):
         ParallelMLP(D, 40, activation="swish")
     return True

@@ -88,6 +88,29 @@ def test_init_is_the_same_at_every_tp_size(ranks, n):
     assert all(ranks(n).run(_init_body))
 
 
+def _frozen_body():
+    from tensorpar import LayerNorm, VocabParallelEmbedding
+
+    dense = nn.Linear(IN, OUT)
+    dense.bias.requires_grad_(False)
+    col, row = ColumnParallelLinear.from_dense(dense), RowParallelLinear.from_dense(dense)
+    norm = nn.LayerNorm(IN)
+    norm.weight.requires_grad_(False)
+    emb = nn.Embedding(IN, 4).requires_grad_(False)
+    assert col.weight.requires_grad and row.weight.requires_grad
+    assert not col.bias.requires_grad and not row.bias.requires_grad
+    tp_norm = LayerNorm.from_dense(norm)
+    assert not tp_norm.weight.requires_grad and tp_norm.bias.requires_grad
+    assert not VocabParallelEmbedding.from_dense(emb).weight.requires_grad
+    return True
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_from_dense_keeps_frozen_parameters_frozen(ranks, n):
+    """A dense parameter with requires_grad=False gives a shard with requires_grad=False."""
+    assert all(ranks(n).run(_frozen_body))
+
+
 def _bad_input_body():
     torch.manual_seed(0)
     col = ColumnParallelLinear(IN, OUT)

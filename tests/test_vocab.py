@@ -7,7 +7,8 @@ from torch import nn
 
 from tensorpar import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tensorpar.counting import CollectiveCounter
-from tensorpar.distributed import tp_size
+from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.sharding import shard_sizes
 
 from tests_common import WORLD_SIZES
 from tp_check import assert_close, assert_grads, counts_ok, leaf, shard
@@ -89,6 +90,36 @@ def test_vocab_parallel_cross_entropy(ranks, n, kwargs):
         counts_ok(results, {} if n == 1 else {"all_gather": 1, "all_reduce": 1}, {})
 
 
+def _cross_entropy_edge_body():
+    # a padded vocabulary: the last columns are -inf; they sit on the last rank(s) only
+    torch.manual_seed(0)
+    logits = torch.randn(B, T, V)
+    logits[..., -4:] = float("-inf")
+    target = torch.randint(V - 4, (B, T))
+    dense = leaf(logits)
+    ref = F.cross_entropy(dense.reshape(-1, V), target.reshape(-1))
+    ref.backward()
+    local = leaf(shard(logits, -1))
+    loss = vocab_parallel_cross_entropy(local, target)
+    loss.backward()
+    assert torch.isfinite(loss), loss
+    assert_close("loss with -inf columns", loss, ref)
+    assert_close("grad with -inf columns", local.grad, shard(dense.grad, -1))
+    # every token ignored: torch's mean is NaN but its gradient is zero; ours too
+    local = leaf(shard(logits, -1))
+    loss = vocab_parallel_cross_entropy(local, torch.full((B, T), -100))
+    loss.backward()
+    assert torch.isnan(loss) and torch.equal(local.grad, torch.zeros_like(local.grad))
+    return True
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_cross_entropy_padded_vocab_and_all_ignored(ranks, n):
+    """-inf logits (padded vocabulary) give a finite loss equal to torch's; a batch with every
+    token ignored gives zero gradients rather than NaN ones."""
+    assert all(ranks(n).run(_cross_entropy_edge_body))
+
+
 def _vocab_errors_body():
     torch.manual_seed(0)
     emb = VocabParallelEmbedding(V, D)
@@ -100,6 +131,11 @@ def _vocab_errors_body():
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=f"target {V} is outside the vocabulary of {V}"):
         vocab_parallel_cross_entropy(logits, torch.full((2, 5), V))
+    n, r = tp_size(), tp_rank()
+    wrong_order = shard_sizes(V, n)[n - 1 - r]  # uneven shards, smaller first
+    with pytest.raises(ValueError, match="not the tensor_split shards"):
+        vocab_parallel_cross_entropy(torch.randn(2, 5, wrong_order),
+                                     torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="negative target -3"):
         vocab_parallel_cross_entropy(logits, torch.full((2, 5), -3))
     with pytest.raises(ValueError, match=f"num_embeddings=2 cannot be split over {tp_size()}"):
