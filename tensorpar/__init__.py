@@ -9,13 +9,13 @@ from tensorpar.comm import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
     scatter_to_tp,
-    sum_grads_in_backward,
 )
 from tensorpar.counting import CollectiveCounter
 from tensorpar.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
 from tensorpar.dropout import ParallelDropout, TensorParallelRNG
 from tensorpar.embedding import VocabParallelEmbedding
+from tensorpar.grad_sync import sum_grads_in_backward
 from tensorpar.launch import RankError, RankPool, launch
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.mlp import ParallelMLP

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.comm import enter_tp_region, sum_grads_in_backward
+from tensorpar.comm import enter_tp_region
 from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.grad_sync import sum_grads_in_backward
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.sharding import shard_range
 

@@ -11,7 +11,8 @@ returns its input unchanged. Collectives run on fresh tensors, never on one auto
     gather_from_sequence  forward: all-gather      backward: reduce-scatter (dim 1, sequence)
     reduce_scatter_to_sequence  forward: reduce-scatter  backward: all-gather (dim 1)
     scatter_to_sequence   forward: split           backward: all-gather     (dim 1)
-    sum_grads_in_backward forward: identity        backward: one all-reduce of all the grads
+
+(``sum_grads_in_backward``, for parameters several ranks hold, lives in ``grad_sync.py``.)
 
 Last-dim shards may be uneven (``torch.tensor_split`` sizes): the gather pads every shard to the
 largest, gathers, and trims. Sequence shards must be even: a rank holding T/n rows cannot know T
@@ -186,35 +187,6 @@ class _ScatterToSequence(torch.autograd.Function):
         return _gather_sequence(grad, ctx.group), None
 
 
-class _SumGradsInBackward(torch.autograd.Function):
-    """forward: identity on each tensor, backward: one all-reduce summing all their gradients.
-
-    Each gradient is written at ``offsets[i]`` of a flat zero buffer of ``total`` elements that is
-    all-reduced once. Tensors replicated on every rank sit at the same offset everywhere; a shard
-    replicated on only some ranks (a KV head shared by two ranks) sits at its place in the dense
-    tensor, so each rank gets the sum over exactly the ranks that hold it.
-    """
-
-    @staticmethod
-    def forward(ctx, group, offsets, total, *tensors):
-        ctx.group, ctx.offsets, ctx.total = group, offsets, total
-        ctx.shapes = [t.shape for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ref = next(g for g in grads if g is not None)
-        flat = ref.new_zeros(ctx.total)
-        for g, off, shape in zip(grads, ctx.offsets, ctx.shapes, strict=True):
-            if g is not None:
-                flat[off : off + shape.numel()] = g.reshape(-1)
-        dist.all_reduce(flat, group=ctx.group)
-        # clones: views would keep the whole (possibly dense-size) buffer alive as .grad
-        out = [flat[off : off + s.numel()].view(s).clone()
-               for off, s in zip(ctx.offsets, ctx.shapes, strict=True)]
-        return (None, None, None, *out)
-
-
 # -- public wrappers -------------------------------------------------------------------------------
 
 
@@ -294,29 +266,6 @@ def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> t
         return x
     _check_sequence(x, n, "scatter_to_sequence")
     return _ScatterToSequence.apply(x, group)
-
-
-def sum_grads_in_backward(
-    tensors: list[torch.Tensor],
-    group: ProcessGroup | None = None,
-    offsets: list[int] | None = None,
-    total: int | None = None,
-) -> list[torch.Tensor]:
-    """Identity in forward; in backward, the gradients of ``tensors`` are summed over the group.
-
-    Used on parameters that several ranks hold but that see different data: norm weights and the
-    row-parallel bias under sequence parallelism, KV heads shared between ranks. One all-reduce
-    covers all of ``tensors``. By default they are packed back to back; ``offsets``/``total`` place
-    them in a larger buffer instead (see ``_SumGradsInBackward``).
-    """
-    if tp_size(group) == 1 or not tensors:
-        return list(tensors)
-    if offsets is None:
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += t.numel()
-    return list(_SumGradsInBackward.apply(group, offsets, total, *tensors))
 
 
 def enter_tp_region(

@@ -36,9 +36,9 @@ from tensorpar.comm import (
     exit_tp_region,
     gather_from_tp,
     scatter_to_tp,
-    sum_grads_in_backward,
 )
 from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.grad_sync import sum_grads_in_backward
 from tensorpar.sharding import replicated_parameter, shard_range, sharded_parameter
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.comm import sum_grads_in_backward
+from tensorpar.grad_sync import sum_grads_in_backward
 from tensorpar.sharding import REPLICATED
 
 

@@ -1,0 +1,69 @@
+"""Summing, in backward, the gradients of parameters that several ranks hold.
+
+Some parameters are replicated across the TP group but see different data on each rank: norm
+weights and the row-parallel bias under sequence parallelism (each rank holds other tokens), KV
+heads shared between ranks (each rank serves other query heads). Each rank's gradient is then a
+partial sum. ``sum_grads_in_backward`` wraps such parameters where they are used: identity in
+forward, and in backward one all-reduce that sums all their gradients, so every copy gets the
+dense gradient and no separate "sync the gradients" step exists to be forgotten.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tensorpar.distributed import tp_size
+
+
+class _SumGradsInBackward(torch.autograd.Function):
+    """forward: identity on each tensor, backward: one all-reduce summing all their gradients.
+
+    Each gradient is written at ``offsets[i]`` of a flat zero buffer of ``total`` elements that is
+    all-reduced once. Tensors replicated on every rank sit at the same offset everywhere; a shard
+    replicated on only some ranks (a KV head shared by two ranks) sits at its place in the dense
+    tensor, so each rank gets the sum over exactly the ranks that hold it.
+    """
+
+    @staticmethod
+    def forward(ctx, group, offsets, total, *tensors):
+        ctx.group, ctx.offsets, ctx.total = group, offsets, total
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        flat = ref.new_zeros(ctx.total)
+        for g, off, shape in zip(grads, ctx.offsets, ctx.shapes, strict=True):
+            if g is not None:
+                flat[off : off + shape.numel()] = g.reshape(-1)
+        dist.all_reduce(flat, group=ctx.group)
+        # clones: views would keep the whole (possibly dense-size) buffer alive as .grad
+        out = [flat[off : off + s.numel()].view(s).clone()
+               for off, s in zip(ctx.offsets, ctx.shapes, strict=True)]
+        return (None, None, None, *out)
+
+
+def sum_grads_in_backward(
+    tensors: list[torch.Tensor],
+    group: ProcessGroup | None = None,
+    offsets: list[int] | None = None,
+    total: int | None = None,
+) -> list[torch.Tensor]:
+    """Identity in forward; in backward, the gradients of ``tensors`` are summed over the group.
+
+    Used on parameters that several ranks hold but that see different data: norm weights and the
+    row-parallel bias under sequence parallelism, KV heads shared between ranks. One all-reduce
+    covers all of ``tensors``. By default they are packed back to back; ``offsets``/``total`` place
+    them in a larger buffer instead (see ``_SumGradsInBackward``).
+    """
+    if tp_size(group) == 1 or not tensors:
+        return list(tensors)
+    if offsets is None:
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += t.numel()
+    return list(_SumGradsInBackward.apply(group, offsets, total, *tensors))
