@@ -57,10 +57,13 @@ def _all_gather(
         x = torch.cat([x, x.new_zeros(pad_shape)], dim)
     x = x.contiguous()
     # gloo takes only the concatenated layout (n * rows, ...); view it as (n, *x.shape)
-    stacked = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
-    _all_gather_single(stacked, x, group=group)
-    stacked = stacked.view(len(sizes), *x.shape)
-    if all(s == longest for s in sizes):
+    gathered = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
+    _all_gather_single(gathered, x, group=group)
+    even = all(s == longest for s in sizes)
+    if even and dim == 0:
+        return gathered  # the concatenated layout is already the answer
+    stacked = gathered.view(len(sizes), *x.shape)
+    if even:
         return torch.cat(stacked.unbind(0), dim)
     return torch.cat([stacked[r].narrow(dim, 0, s) for r, s in enumerate(sizes)], dim)
 

@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    # imported here, in the child, after its rank's environment is set
     import torch
     import torch.distributed as dist
 

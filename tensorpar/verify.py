@@ -13,7 +13,10 @@ Megatron scheme prescribes. Exits non-zero on any mismatch.
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -21,8 +24,9 @@ from torch.distributed import ProcessGroup
 from tensorpar.attention import ParallelSelfAttention, head_layout
 from tensorpar.counting import KINDS, CollectiveCounter
 from tensorpar.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.distributed import tp_size
+from tensorpar.distributed import init_tensor_parallel, tp_size
 from tensorpar.embedding import VocabParallelEmbedding
+from tensorpar.launch import launch
 from tensorpar.linear import ColumnParallelLinear
 from tensorpar.mlp import ParallelMLP
 from tensorpar.norm import LayerNorm, RMSNorm
@@ -96,8 +100,6 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
 
     Runs on this rank's GPU when the group uses NCCL, on the CPU otherwise.
     """
-    import torch.distributed as dist
-
     nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     torch.manual_seed(seed)
@@ -178,13 +180,6 @@ def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
 
 def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> bool:
     """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
-    import os
-
-    import torch.distributed as dist
-
-    from tensorpar.distributed import init_tensor_parallel
-    from tensorpar.launch import launch
-
     check_config(cfg, n, sequence_parallel)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: we are one of the ranks
         group = init_tensor_parallel(tp_size=n)
