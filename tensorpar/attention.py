@@ -25,7 +25,9 @@ from torch.distributed import ProcessGroup
 from tensorpar.comm import enter_tp_region
 from tensorpar.distributed import tp_rank, tp_size
 from tensorpar.grad_sync import sum_grads_in_backward
+from tensorpar.kv_cache import LayerKVCache
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.rotary import apply_rotary
 from tensorpar.sharding import shard_range
 
 
@@ -135,7 +137,12 @@ class ParallelSelfAttention(nn.Module):
         summed = iter(sum_grads_in_backward(present, self.group, offsets, total))
         return [None if p is None else next(summed) for p in params]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x: (B, T, dim), or (B, T/n, dim) under SP. rope: rotary (cos, sin) tables for the T
+        positions (see ``rotary_table``). cache: this layer's KV cache when decoding; the new
+        positions follow the cached ones."""
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
@@ -146,9 +153,21 @@ class ParallelSelfAttention(nn.Module):
         k = F.linear(x, wk, bk).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = F.linear(x, wv, bv).view(B, T, -1, self.head_dim).transpose(1, 2)
         # q: (B, h_local, T, hd); k, v: (B, kv_local, T, hd)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, kv_local, past + T, hd)
         if not self._kv_identity:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        causal, mask = self.causal, None
+        if past and self.causal:  # queries sit at positions past .. past+T-1, keys at 0 .. past+T-1
+            causal = False
+            if T > 1:
+                keys = torch.arange(past + T, device=x.device)
+                mask = keys[None, :] <= torch.arange(past, past + T, device=x.device)[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local * hd)
         return self.o_proj(y)
 

@@ -1,19 +1,30 @@
 """Count the collectives a piece of code issues, by kind.
 
-A thin wrapper over ``torch.distributed.tensor.debug.CommDebugMode``, which sees every c10d op,
-including the hand-written ones inside tensorpar's autograd Functions and those run in backward::
+A ``TorchDispatchMode`` (like ``torch.distributed.tensor.debug.CommDebugMode``, without its module
+tracking): it sees every c10d op, including the hand-written ones inside tensorpar's autograd
+Functions and those run in backward::
 
     with CollectiveCounter() as fwd:
         loss = model(x)
     fwd.counts  # {"all_reduce": 3, "all_gather": 1}
+    fwd.bytes   # {"all_reduce": 98304, "all_gather": 4096}
+
+``bytes`` is the payload of each collective, the size of the full tensor it produces or reduces:
+the tensor of an all-reduce, the gathered output of an all-gather, the unscattered input of a
+reduce-scatter. That is the b·s·h of Megatron's analysis, so an all-gather plus a reduce-scatter
+under sequence parallelism weigh the same as the all-reduce they replace. ``ring_bytes`` is what
+each rank sends with ring algorithms: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for the
+others.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 
-from torch.distributed.tensor.debug import CommDebugMode
+import torch
+from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 KIND_OF_OP = {
     "allreduce_": "all_reduce",
@@ -33,24 +44,41 @@ KIND_OF_OP = {
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-class CollectiveCounter:
-    """Context manager; afterwards ``counts`` maps each kind of collective to its call count."""
+def _payload_bytes(args) -> int:
+    """The largest argument's total tensor bytes: the full side of the collective."""
+    sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
+                 if isinstance(t, torch.Tensor)) for a in args]
+    return max(sizes, default=0)
+
+
+def _group_size(args) -> int:
+    for a in args:  # c10d ops carry their group as a boxed ProcessGroup
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(a).size()
+            except (RuntimeError, TypeError):
+                continue
+    return 1
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Context manager; afterwards ``counts``, ``bytes`` and ``ring_bytes`` map each kind of
+    collective to its call count, payload bytes and bytes sent per rank."""
 
     def __init__(self):
-        self._mode = CommDebugMode()
+        super().__init__()
         self.counts: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.ring_bytes: Counter[str] = Counter()
 
-    def __enter__(self) -> CollectiveCounter:
-        # CommDebugMode's module hooks warn when no module input requires grad (token ids)
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-        self._warnings.__exit__(*exc)
-        for op, n in self._mode.get_comm_counts().items():
-            name = str(op).split(".")[-1]
-            self.counts[KIND_OF_OP.get(name, name)] += n
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = getattr(func, "_overloadpacket", None)
+        kind = KIND_OF_OP.get(getattr(packet, "__name__", ""))
+        if kind is not None:
+            payload, n = _payload_bytes(args), _group_size(args)
+            self.counts[kind] += 1
+            self.bytes[kind] += payload
+            share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+            self.ring_bytes[kind] += round(payload * share)
+        return out

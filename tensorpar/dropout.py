@@ -37,7 +37,13 @@ class TensorParallelRNG:
     """
 
     def __init__(self, seed: int, group: ProcessGroup | None = None):
-        self.seeds = {"replicated": seed, "sharded": seed + SHARDED_SEED_OFFSET + tp_rank(group)}
+        self.group = group
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart both streams from ``seed`` (a trainer can derive it from the step)."""
+        self.seeds = {"replicated": seed,
+                      "sharded": seed + SHARDED_SEED_OFFSET + tp_rank(self.group)}
         self._generators: dict[tuple[str, torch.device], torch.Generator] = {}
 
     def generator(self, region: str, device: torch.device | str = "cpu") -> torch.Generator:

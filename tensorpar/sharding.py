@@ -68,3 +68,12 @@ def replicated_parameter(dense: torch.Tensor) -> torch.nn.Parameter:
     p = torch.nn.Parameter(dense.detach().clone(), requires_grad=dense.requires_grad)
     p.tp_shard = REPLICATED
     return p
+
+
+def dense_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the dense tensor that parameter ``p`` (tagged with ``tp_shard``) is cut from."""
+    spec = getattr(p, "tp_shard", REPLICATED)
+    shape = list(p.shape)
+    if spec.dim is not None:
+        shape[spec.dim] = spec.full_size
+    return tuple(shape)
