@@ -1,6 +1,11 @@
 """The ``tensorpar`` command line (also ``python -m tensorpar``).
 
-    tensorpar verify --tp 2 [--sequence-parallel]   parallel layers vs the dense model
+    tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see train.py)
+    tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
+    tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
+    tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
+
+The train flags are the fields of ``TrainConfig`` and ``GPTConfig``, one per field.
 """
 
 from __future__ import annotations
@@ -23,25 +28,96 @@ def _add_verify(sub) -> None:
                        help=f"{f.metadata['help']} (default {f.default})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_verify(sub)
-    args = parser.parse_args(argv)
+_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def _add_dataclass_flags(p, cls, group_title: str) -> None:
+    """One flag per field, default None (so the trainer can tell what was given explicitly)."""
+    g = p.add_argument_group(group_title)
+    for f in dataclasses.fields(cls):
+        flag = f"--{f.name.replace('_', '-')}"
+        helptext = f"{f.metadata['help']} (default {f.default})"
+        if f.type == "bool":
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           dest=f.name, help=helptext)
+        else:
+            g.add_argument(flag, type=_TYPES[f.type], default=None, dest=f.name, help=helptext)
+
+
+def _add_train(sub) -> None:
+    from tensorpar.model import GPTConfig
+    from tensorpar.train import TrainConfig
+
+    p = sub.add_parser("train", help="train the GPT with tensor parallelism")
+    _add_dataclass_flags(p, TrainConfig, "training")
+    _add_dataclass_flags(p, GPTConfig, "model (taken from the checkpoint on --resume)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint")
+    p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
+                   "step-* checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (any; resharded)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to add")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors")
+    p.add_argument("--ckpt", required=True, help="a run directory or a step-* directory")
+    p.add_argument("--out", required=True, help="the .safetensors file to write")
+
+
+def _run(args) -> int:
     if args.command == "verify":
         from tensorpar.verify import run_verify
 
         sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)}
-        cfg = BlockConfig(**sizes)
-        try:
-            ok = run_verify(args.tp, args.sequence_parallel, args.seed, cfg)
-        except ValueError as e:  # bad sizes: say so plainly, no traceback
-            print(f"tensorpar verify: {e}", file=sys.stderr)
-            return 2
+        ok = run_verify(args.tp, args.sequence_parallel, args.seed, BlockConfig(**sizes))
         return 0 if ok else 1
+    if args.command == "train":
+        from tensorpar.model import GPTConfig
+        from tensorpar.train import TrainConfig, resolve, run_train
+
+        pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
+        cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
+        if cfg.resume and resume_from is None:
+            print(f"tensorpar train: no checkpoint in {cfg.out}; starting from step 0",
+                  file=sys.stderr)
+        elif resume_from is not None:
+            print(f"tensorpar train: resuming from {resume_from}", file=sys.stderr)
+        run_train(cfg, model_cfg, resume_from)
+        return 0
+    if args.command == "generate":
+        from tensorpar.generate import run_generate
+
+        return run_generate(args.ckpt, args.tp, args.prompt, args.max_new_tokens,
+                            args.temperature, args.seed)
+    if args.command == "export":
+        from tensorpar.checkpoint import export_dense
+
+        path = export_dense(args.ckpt, args.out)
+        print(f"wrote {path}")
+        return 0
     return 2
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_generate(sub)
+    _add_export(sub)
+    _add_verify(sub)
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as e:  # bad sizes, flags or checkpoints: say so plainly, no traceback
+        print(f"tensorpar {args.command}: {e}", file=sys.stderr)
+        return 2
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,85 @@
+"""Training text, tokenizer and a deterministic batch order; nothing to download.
+
+The default corpus is Python's own help text (``pydoc_data.topics``, about 465 KB of English that
+ships with every CPython). The tokenizer is byte-level UTF-8 (vocabulary 256), so any text file
+works with ``--data`` and generation can print any string.
+
+Batches depend only on (seed, step): the corpus is cut into windows of ``seq_len + 1`` tokens, each
+epoch visits them in a permutation seeded by (seed, epoch), and step s takes windows
+``s*B .. s*B + B - 1`` of that sequence. Every rank of a TP group computes the same batch, a
+resumed run continues exactly where it stopped, and the data position is just the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255; decoding replaces invalid sequences."""
+
+    vocab_size = 256
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def default_corpus() -> str:
+    """Python's help topics, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def load_text(path: str | None) -> tuple[str, str]:
+    """The corpus text and a label for it (the file path, or ``pydoc_data``)."""
+    if path is None:
+        return default_corpus(), "pydoc_data"
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+
+
+class TokenBatches:
+    """Batches of (input, target) windows, (B, T) each, in an order fixed by (seed, step)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.windows = (len(tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than --seq-len "
+                             f"{seq_len} + 1")
+        self._perm: tuple[int, torch.Tensor] | None = None
+        self.digest = hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16]
+
+    @classmethod
+    def from_text(cls, text: str, seq_len: int, batch_size: int, seed: int,
+                  tokenizer: ByteTokenizer | None = None) -> TokenBatches:
+        tok = tokenizer or ByteTokenizer()
+        return cls(torch.tensor(tok.encode(text), dtype=torch.long), seq_len, batch_size, seed)
+
+    def _window_order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.windows, generator=gen))
+        return self._perm[1]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets for ``step``: (B, T) int64 each."""
+        rows = []
+        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
+            w = int(self._window_order(i // self.windows)[i % self.windows])
+            rows.append(self.tokens[w * self.seq_len: (w + 1) * self.seq_len + 1])
+        chunk = torch.stack(rows)  # (B, T + 1)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch_size / self.windows

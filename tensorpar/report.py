@@ -1,0 +1,131 @@
+"""What the trainer shows and writes on rank 0: a progress line, ``metrics.jsonl``, ``loss.png``
+and the summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+class Metrics:
+    """``metrics.jsonl``: one JSON object per optimizer step, flushed as it is written.
+
+    On resume from step S the entries after S (from the interrupted run) are dropped first, so the
+    file reads like one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        kept = []
+        if resume_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
+                if row.get("step", 0) <= resume_step:
+                    kept.append(row)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+        self.rows = kept
+        self._f = open(path, "a")
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ProgressLine:
+    """A rich progress bar on a terminal; plain lines about every 10% of the run otherwise."""
+
+    def __init__(self, start: int, total: int):
+        self.console = Console(file=sys.stdout)
+        self.total, self.every = total, max(1, (total - start) // 10)
+        self.bar = None
+        if self.console.is_terminal:
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]:.4f}"),
+                                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                TimeRemainingColumn(), console=self.console)
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=0.0, tps=0)
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tps: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+        elif step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    """Loss against step, written atomically to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def summary(rows: list[dict], sizes: list[dict], comm: dict, tp: int, sp: bool) -> Table:
+    """The end-of-run table: loss, speed, memory per rank against the dense model, comm per step."""
+    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    if rows:
+        table.add_row("loss (first -> final step)",
+                      f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
+                      f"(steps {rows[0]['step']}-{rows[-1]['step']})")
+        steady = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
+        table.add_row("tokens/s (median of steps)", f"{statistics.median(steady):,.0f}")
+    dense = sizes[0]["dense"]
+    per_param = sum(BYTES_PER_PARAM.values())
+    table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
+                  "weights + grads + AdamW (fp32)")
+    for r, s in enumerate(sizes):
+        table.add_row(f"rank {r}", f"{s['local']:,} params ({s['local'] / dense:.1%}); "
+                      f"{human_bytes(s['local'] * per_param)}")
+    if comm["counts"]:
+        for kind in sorted(comm["counts"]):
+            table.add_row(f"{kind} per step", f"{comm['counts'][kind]} calls, "
+                          f"{human_bytes(comm['bytes'][kind])} payload, "
+                          f"{human_bytes(comm['ring_bytes'][kind])} sent per rank (ring)")
+    else:
+        table.add_row("communication per step", "none (TP=1)")
+    return table
