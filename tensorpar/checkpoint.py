@@ -175,6 +175,11 @@ class CheckpointReader:
         self.tensors: dict[str, dict] = m["tensors"]
         self._files: dict[int, object] = {}
 
+    def verify(self) -> None:
+        """Check every file against the manifest now (loading checks each file it opens)."""
+        for rank in range(len(self.manifest["files"])):
+            self._file(rank)
+
     def _file(self, rank: int):
         if rank not in self._files:
             info = self.manifest["files"][rank]

@@ -93,7 +93,9 @@ def generate_rank(ckpt: str, prompt: str, max_new_tokens: int, temperature: floa
 def check_request(ckpt: str, prompt: str, max_new_tokens: int, temperature: float,
                   tp: int) -> None:
     """Raise ValueError for a request that cannot run, before any rank starts."""
-    manifest = CheckpointReader(ckpt).manifest
+    reader = CheckpointReader(ckpt)
+    reader.verify()
+    manifest = reader.manifest
     GPTConfig(**manifest["config"]).check(tp)
     if manifest.get("tokenizer", "bytes") != ByteTokenizer.name:
         raise ValueError(f"checkpoint tokenizer {manifest.get('tokenizer')!r} is not supported")

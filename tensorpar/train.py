@@ -202,7 +202,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
             manifest = CheckpointReader(ckpt).manifest
             resume_from, saved_model = str(ckpt), manifest["config"]
             saved_train = {k: v for k, v in manifest["train"].items()
-                           if k not in ("resume", "out", "tp", "sequence_parallel")}
+                           if k not in ("resume", "out")}
             for k, v in model_args.items():
                 if v is not None and saved_model.get(k) != v:
                     raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
@@ -214,9 +214,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
     model_cfg.check(cfg.tp)
     load_text(cfg.data)  # a missing --data file fails here, before any rank starts
     if resume_from is not None:
-        for f in CheckpointReader(resume_from).manifest["files"]:
-            if not (Path(resume_from) / f["name"]).is_file():
-                raise ValueError(f"checkpoint {resume_from} is incomplete: {f['name']} is missing")
+        CheckpointReader(resume_from).verify()  # a corrupted file too
     return cfg, model_cfg, resume_from
 
 

@@ -83,3 +83,16 @@ def counts_ok(results: list[dict], forward: dict, backward: dict) -> None:
     for rank, counts in enumerate(results):
         assert counts["forward"] == forward, f"rank {rank} forward {counts['forward']}"
         assert counts["backward"] == backward, f"rank {rank} backward {counts['backward']}"
+
+
+_SOLO: dict = {}
+
+
+def solo_group():
+    """A one-rank process group of this rank: the single-device reference runs inside it.
+    Collective to create (every rank calls it), cached per process."""
+    if "group" not in _SOLO:
+        import torch.distributed as dist
+
+        _SOLO["group"] = dist.new_subgroups(group_size=1)[0]
+    return _SOLO["group"]
