@@ -68,7 +68,7 @@ class RankPool:
     nprocs: number of ranks.
     backend: "gloo" or "nccl"; default: NCCL when every rank can have a GPU, else gloo.
     threads: torch threads per rank; default: the machine's cores divided among the ranks.
-    timeout_s: longest one ``run`` may take before the pool is stopped.
+    timeout_s: longest one ``run`` may take before the pool is stopped (None: no limit).
     grace_s: how long to wait for the other ranks once one has failed.
     """
 
@@ -77,7 +77,7 @@ class RankPool:
         nprocs: int,
         backend: str | None = None,
         threads: int | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = 600.0,
         grace_s: float = 10.0,
     ):
         if nprocs < 1:
@@ -109,9 +109,9 @@ class RankPool:
             q.put((fn, args, kwargs))
         return self._collect(self.timeout_s)
 
-    def _collect(self, timeout_s: float) -> list[Any]:
+    def _collect(self, timeout_s: float | None) -> list[Any]:
         got: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (float("inf") if timeout_s is None else timeout_s)
         while len(got) < self.nprocs:
             failed = any(not ok for ok, _ in got.values())
             if failed:
@@ -153,8 +153,8 @@ class RankPool:
     def __enter__(self) -> RankPool:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(force=exc_type is not None)  # interrupted (Ctrl-C): do not wait for the ranks
 
 
 def _report(got: dict[int, tuple[bool, Any]], why: str | None) -> str:
@@ -166,7 +166,10 @@ def _report(got: dict[int, tuple[bool, Any]], why: str | None) -> str:
     return "\n".join(lines)
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results."""
-    with RankPool(nprocs) as pool:
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
+           **kwargs: Any) -> list[Any]:
+    """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results.
+
+    timeout_s: the longest the job may run (None: no limit, as for a training run)."""
+    with RankPool(nprocs, timeout_s=timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)

@@ -53,9 +53,9 @@ class GPTConfig:
 
     vocab_size: int = dataclasses.field(default=256, metadata={
         "help": "vocabulary size (256: the byte tokenizer)"})
-    n_layer: int = dataclasses.field(default=4, metadata={"help": "transformer blocks"})
-    dim: int = dataclasses.field(default=128, metadata={"help": "model width"})
-    n_head: int = dataclasses.field(default=4, metadata={"help": "query heads"})
+    n_layer: int = dataclasses.field(default=6, metadata={"help": "transformer blocks"})
+    dim: int = dataclasses.field(default=192, metadata={"help": "model width"})
+    n_head: int = dataclasses.field(default=6, metadata={"help": "query heads"})
     n_kv_head: int = dataclasses.field(default=2, metadata={
         "help": "key/value heads (GQA; 1 is MQA, n_head is MHA)"})
     hidden_dim: int = dataclasses.field(default=0, metadata={

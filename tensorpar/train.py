@@ -46,10 +46,10 @@ class TrainConfig:
     tp: int = dataclasses.field(default=2, metadata={"help": "tensor-parallel size"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
-    steps: int = dataclasses.field(default=300, metadata={
+    steps: int = dataclasses.field(default=400, metadata={
         "help": "optimizer steps, counted from the start of training (a resumed run stops here)"})
     batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per step"})
-    seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per sequence"})
+    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int = dataclasses.field(default=20, metadata={
         "help": "linear warmup, then cosine decay to lr/10 at --steps"})
@@ -207,6 +207,9 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
                 if v is not None and saved_model.get(k) != v:
                     raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
                                      f"{ckpt} ({k}={saved_model.get(k)})")
+    elif find_checkpoint(explicit.get("out", TrainConfig.out)) is not None:
+        raise ValueError(f"{explicit.get('out', TrainConfig.out)} already holds checkpoints: pass "
+                         "--resume to continue that run, or choose another --out")
     cfg = TrainConfig(**(saved_train | explicit))
     model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
                                              if v is not None}))

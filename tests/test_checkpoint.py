@@ -24,8 +24,8 @@ from tensorpar.train import TrainConfig, make_optimizer
 
 from tp_check import assert_close
 
-TINY = dict(vocab_size=50, n_layer=2, dim=32, n_head=4, n_kv_head=2, hidden_dim=40,
-            tie_embeddings=False)
+TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2,
+        "hidden_dim": 40, "tie_embeddings": False}
 
 
 def _step(model, opt, seed):

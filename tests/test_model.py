@@ -14,7 +14,7 @@ from tp_check import assert_close, assert_grads, solo_group
 
 # 4 query heads, 2 KV heads (shared between ranks at TP=3 and 4); vocab 50 and hidden 40 are
 # uneven over 3 and 4 ranks
-TINY = dict(vocab_size=50, n_layer=2, dim=32, n_head=4, n_kv_head=2, hidden_dim=40)
+TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
 
 
 def _gpt_body(tied, sp, n_kv_head):
@@ -108,7 +108,7 @@ def test_generation_equal_across_tp(ranks, temperature):
     """Greedy and seeded sampled tokens are identical at TP=1, 2 and 4 (Gumbel-max sampling:
     every rank adds the same noise to its slice of the vocabulary)."""
     outs = [ranks(n).run(_generate_body, temperature) for n in (1, 2, 4)]
-    for n, out in zip((1, 2, 4), outs):
+    for n, out in zip((1, 2, 4), outs, strict=True):
         assert all(o == outs[0][0] for o in out), f"TP={n}: {out[0]} vs {outs[0][0]}"
     assert len(outs[0][0][0]) == 20
     assert len(set(outs[0][0][0][4:] + outs[0][0][1][4:])) >= 6  # not a degenerate repeat

@@ -11,7 +11,7 @@ from tensorpar.data import TokenBatches, default_corpus
 from tensorpar.model import GPTConfig
 from tensorpar.train import TrainConfig, train_rank
 
-MODEL = dict(n_layer=2, dim=32, n_head=4, n_kv_head=2, hidden_dim=64)
+MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 24
 
 
@@ -28,7 +28,7 @@ def _curve(ranks, n, *args, **kwargs):
 
 def _assert_same_curve(a, b, tol, what):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, len(a) + 1))
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         for key in ("loss", "grad_norm"):
             err = abs(ra[key] - rb[key]) / abs(rb[key])
             assert err <= tol, f"{what}: step {ra['step']} {key} {ra[key]} vs {rb[key]}"
