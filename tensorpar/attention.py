@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.comm import enter_tp_region
 from tensorpar.distributed import tp_rank, tp_size
-from tensorpar.grad_sync import sum_grads_in_backward
+from tensorpar.grad_sync import sum_shared_shard_grads
 from tensorpar.kv_cache import LayerKVCache
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.rotary import apply_rotary
@@ -126,16 +126,7 @@ class ParallelSelfAttention(nn.Module):
         params = [self.k_proj.weight, self.v_proj.weight, self.k_proj.bias, self.v_proj.bias]
         if not self.kv_shared:
             return params
-        present = [p for p in params if p is not None]
-        # place each local slice where it sits in the dense K/V tensors: one flat buffer, summed
-        offsets, total = [], 0
-        for p in present:
-            full = p.tp_shard.full_size
-            row = p.numel() // (p.tp_shard.stop - p.tp_shard.start)
-            offsets.append(total + p.tp_shard.start * row)
-            total += full * row
-        summed = iter(sum_grads_in_backward(present, self.group, offsets, total))
-        return [None if p is None else next(summed) for p in params]
+        return sum_shared_shard_grads(params, self.group)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,

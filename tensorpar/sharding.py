@@ -36,12 +36,25 @@ class ShardSpec:
     dim: the dense dimension that is split, or None for a replicated parameter.
     start, stop: the slice ``[start, stop)`` of that dimension held by this rank.
     full_size: the size of that dimension in the dense tensor.
+    parts: for a fused dimension made of ``parts`` equal blocks (GPT-2's c_attn packs q, k, v),
+        the rank holds ``[start, stop)`` of every block (start/stop count within one block).
     """
 
     dim: int | None
     start: int = 0
     stop: int = 0
     full_size: int = 0
+    parts: int = 1  # a fused dim (GPT-2's q|k|v): ``parts`` equal blocks, each split alike
+
+    def take(self, dense: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the dense tensor (the blocks' slices, concatenated)."""
+        if self.dim is None:
+            return dense
+        if self.parts == 1:
+            return dense.narrow(self.dim, self.start, self.stop - self.start)
+        block = self.full_size // self.parts
+        return torch.cat([dense.narrow(self.dim, i * block + self.start, self.stop - self.start)
+                          for i in range(self.parts)], dim=self.dim)
 
 
 REPLICATED = ShardSpec(dim=None)
@@ -77,3 +90,10 @@ def dense_shape(p: torch.Tensor) -> tuple[int, ...]:
     if spec.dim is not None:
         shape[spec.dim] = spec.full_size
     return tuple(shape)
+
+
+def local_parameter(local: torch.Tensor, spec: ShardSpec, requires_grad: bool = True):
+    """A parameter holding ``local``, already this rank's piece, tagged with ``spec``."""
+    p = torch.nn.Parameter(local.contiguous(), requires_grad=requires_grad)
+    p.tp_shard = spec
+    return p

@@ -48,9 +48,7 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def dense_shard(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """The slice of the dense tensor ``t`` that a parameter with ``spec`` holds."""
-    if spec is None or spec.dim is None:
-        return t
-    return t.narrow(spec.dim, spec.start, spec.stop - spec.start)
+    return t if spec is None else spec.take(t)
 
 
 class ParallelBlock(nn.Module):

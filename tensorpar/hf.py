@@ -1,0 +1,198 @@
+"""Hugging Face transformers models: built-in plans, ``parallelize`` and ``from_pretrained``.
+
+Needs the ``hf`` extra (``pip install tensorpar[hf]``); the rest of tensorpar never imports it.
+
+The built-in plans (the whole layout of each family)::
+
+    GPT-2:                                      Llama, Mistral, Qwen2, Qwen3:
+    transformer.wte        vocab                model.embed_tokens        vocab
+    transformer.h.*.attn   attention            model.layers.*.self_attn  attention
+    transformer.h.*.mlp    mlp                  model.layers.*.mlp        mlp
+    lm_head                column_gather        lm_head                   column_gather
+
+Position embeddings (GPT-2's ``wpe``), norms and Qwen3's per-head q/k norms stay replicated.
+Another model that declares ``base_model_tp_plan`` in its config gets a plan translated from it.
+``lm_head`` gathers its vocab-split logits, so the model's own loss and ``generate()`` run
+unchanged (use ``vocab_parallel_cross_entropy`` on a ``column`` head to avoid the gather).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallelize import _is_conv1d, apply_plan
+from tensorpar.sharding import REPLICATED
+
+GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn": "attention",
+    "transformer.h.*.mlp": "mlp",
+    "lm_head": "column_gather",
+}
+LLAMA_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.mlp": "mlp",
+    "lm_head": "column_gather",
+}
+PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN, "mistral": LLAMA_PLAN, "qwen2": LLAMA_PLAN,
+         "qwen3": LLAMA_PLAN}
+
+_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
+              "colwise_rep": "column_gather", "embedding_rowwise": "vocab"}
+
+
+def translate_hf_plan(hf_plan: dict[str, str], prefix: str) -> dict[str, str]:
+    """A transformers ``base_model_tp_plan`` as a tensorpar plan: q/k/v column + o row under one
+    parent become ``attention``; column children + one row child become ``mlp``."""
+    children: dict[str, dict[str, str]] = {}
+    plan: dict[str, str] = {}
+    for key, style in hf_plan.items():
+        parent, _, child = key.rpartition(".")
+        if style.startswith("replicated"):
+            continue
+        children.setdefault(parent, {})[child] = style
+    for parent, kids in children.items():
+        rows = [c for c, s in kids.items() if s == "rowwise"]
+        full = f"{prefix}.{parent}" if prefix and parent else (parent or prefix)
+        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= kids.keys():
+            plan[full] = "attention"
+        elif len(rows) == 1 and len(kids) > 1 and all(s == "colwise" for c, s in kids.items()
+                                                     if c not in rows):
+            plan[full] = "mlp"
+        else:
+            for child, style in kids.items():
+                if style not in _HF_STYLES:
+                    raise ValueError(f"base_model_tp_plan style {style!r} for {key!r} has no "
+                                     f"tensorpar equivalent")
+                plan[f"{full}.{child}"] = _HF_STYLES[style]
+    return plan
+
+
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def plan_for(model: nn.Module) -> dict[str, str]:
+    """The built-in plan for ``model``'s family, or one translated from its config's
+    ``base_model_tp_plan``; otherwise a ValueError listing its linear layers."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in PLANS:
+        return dict(PLANS[model_type])
+    hf_plan = getattr(cfg, "base_model_tp_plan", None)
+    if hf_plan:
+        plan = translate_hf_plan(hf_plan, getattr(model, "base_model_prefix", ""))
+        emb = _module_name(model, model.get_input_embeddings())
+        if emb and emb not in plan:
+            plan[emb] = "vocab"
+        if isinstance(getattr(model, "lm_head", None), nn.Linear):
+            plan["lm_head"] = "column_gather"
+        return plan
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)]
+    shown = "\n  ".join(linears[:12]) + ("\n  ..." if len(linears) > 12 else "")
+    raise ValueError(
+        f"no tensor-parallel plan for {type(model).__name__} (model_type={model_type!r}). Its "
+        f"linear layers:\n  {shown}\nPass plan={{pattern: style}}, for example "
+        "{'model.layers.*.self_attn': 'attention', 'model.layers.*.mlp': 'mlp', "
+        "'model.embed_tokens': 'vocab', 'lm_head': 'column_gather'}; styles: vocab, column, "
+        "column_gather, row, attention, mlp, replicated ('*' matches one name component).")
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """{'lm_head': embedding module name} when the head shares the input embedding's weight."""
+    cfg = getattr(model, "config", None)
+    head, emb = getattr(model, "lm_head", None), model.get_input_embeddings() \
+        if hasattr(model, "get_input_embeddings") else None
+    if head is None or emb is None:
+        return {}
+    if head.weight is emb.weight or getattr(cfg, "tie_word_embeddings", False):
+        return {"lm_head": _module_name(model, emb)}
+    return {}
+
+
+def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
+                group: ProcessGroup | None = None) -> nn.Module:
+    """Convert a dense model in place to tensor parallelism over ``group`` and return it.
+
+    Every rank must hold the same dense model (same seed or the same checkpoint). ``plan``
+    defaults to the built-in plan of the model's family (see the module docstring).
+    """
+    return apply_plan(model, plan or plan_for(model), group, tied=_tied(model))
+
+
+class SafetensorsSource:
+    """Slices of the tensors of a Hugging Face model directory, read without loading the rest."""
+
+    def __init__(self, path: str | Path, prefix: str = ""):
+        from safetensors import safe_open
+
+        self.path, self.prefix = Path(path), prefix
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self._files: dict[str, object] = {}
+        if weight_map is None:
+            f = self._open("model.safetensors", safe_open)
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+        self.weight_map = weight_map
+        self._safe_open = safe_open
+
+    def _open(self, fname: str, safe_open=None):
+        if fname not in self._files:
+            self._files[fname] = (safe_open or self._safe_open)(self.path / fname, framework="pt")
+        return self._files[fname]
+
+    def _key(self, key: str) -> str:
+        if key in self.weight_map:
+            return key
+        bare = key.removeprefix(f"{self.prefix}.")  # older files omit the base model's prefix
+        if bare in self.weight_map:
+            return bare
+        raise KeyError(f"{self.path}: no tensor {key!r} in the checkpoint")
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        key = self._key(key)
+        piece = self._open(self.weight_map[key]).get_slice(key)
+        if dim is None:
+            return piece[:]
+        stop = piece.get_shape()[dim] if stop is None else stop
+        return piece[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
+                    dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
+                    attn_implementation: str | None = None) -> nn.Module:
+    """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
+
+    The model is built with its parameters on the meta device; each rank then reads only its own
+    slices of the split weights (and the replicated ones whole), so per-rank memory is about 1/N
+    of the split weights plus the replicated ones.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    source = SafetensorsSource(path, model.base_model_prefix)
+    apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
+               tied=_tied(model))
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            if p.is_meta:  # everything the plan left whole: norms, position embeddings, ...
+                owner, _, attr = name.rpartition(".")
+                local = nn.Parameter(source.read(name).to(dtype), requires_grad=p.requires_grad)
+                local.tp_shard = REPLICATED
+                setattr(model.get_submodule(owner), attr, local)
+    return model.eval()

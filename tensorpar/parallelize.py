@@ -1,0 +1,295 @@
+"""Convert an existing dense model (a Hugging Face transformer, or your own) in place, following a
+plan: a dict from module-name patterns to styles, so a model's whole layout fits on one screen::
+
+    LLAMA = {
+        "model.embed_tokens":       "vocab",          # VocabParallelEmbedding
+        "model.layers.*.self_attn": "attention",      # q/k/v column by heads, o row; one f
+        "model.layers.*.mlp":       "mlp",            # gate/up column, down row; one f
+        "lm_head":                  "column_gather",  # logits gathered for the model's own loss
+    }
+
+``*`` matches one name component. Styles:
+
+- ``vocab``: an ``nn.Embedding`` split by vocabulary rows.
+- ``column`` / ``column_gather`` / ``row``: one ``nn.Linear`` (or GPT-2 ``Conv1D``) split on its
+  output / its output, gathered after / its input (partial sums all-reduced, bias added once).
+- ``attention``: an attention module with ``q_proj, k_proj, v_proj, o_proj`` (Llama, Mistral,
+  Qwen) or ``c_attn, c_proj`` (GPT-2). Heads are dealt like ``tensor_split``; the module's input
+  enters the TP region once (a forward pre-hook applies f), and its head-count attributes are set
+  to the local values. With fewer KV heads than ranks, each rank holds the KV heads its query heads
+  read (their gradients summed over the ranks that share them); when a rank's query heads do not
+  map onto its KV heads as a uniform repeat, the KV heads are repeated per query head locally.
+- ``mlp``: an MLP whose linear children map D -> H (column, e.g. gate and up) and H -> D (row);
+  the input enters the TP region once, the activation runs on shards.
+- ``replicated``: left whole on every rank (the default for everything the plan does not name).
+
+Weights come from a *source*: the dense model itself (``parallelize``) or the safetensors files of
+a checkpoint, read slice by slice (``from_pretrained``), so the dense weights never need to exist.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.attention import head_layout
+from tensorpar.comm import copy_to_tp
+from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.embedding import VocabParallelEmbedding
+from tensorpar.grad_sync import sum_shared_shard_grads
+from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
+
+STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
+
+
+class ModuleSource:
+    """Dense tensors read from the model being converted (by parameter name)."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = dict(model.named_parameters(remove_duplicate=False))
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        t = self.tensors[key].detach()
+        if dim is not None:
+            t = t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
+        return t.clone()
+
+
+def _is_conv1d(m: nn.Module) -> bool:  # GPT-2's Conv1D: weight (in, out), y = x W + b
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
+
+
+def _features(m: nn.Module) -> tuple[int, int]:
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    if _is_conv1d(m):
+        return m.weight.shape[0], m.nf
+    raise TypeError(f"{type(m).__name__} is not an nn.Linear or Conv1D")
+
+
+class _Reader:
+    """Reads this rank's slices of a linear layer's weight in nn.Linear (out, in) layout."""
+
+    def __init__(self, source, name: str, module: nn.Module, dtype):
+        self.source, self.name, self.conv, self.dtype = source, name, _is_conv1d(module), dtype
+
+    def rows(self, key: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Output rows (or bias entries) from each range, concatenated."""
+        dim = 1 if self.conv and key == "weight" else 0
+        parts = [self.source.read(f"{self.name}.{key}", dim, a, b) for a, b in ranges]
+        t = torch.cat(parts, dim=dim)
+        return (t.t() if self.conv and key == "weight" else t).to(self.dtype)
+
+    def cols(self, a: int, b: int) -> torch.Tensor:
+        t = self.source.read(f"{self.name}.weight", 0 if self.conv else 1, a, b)
+        return (t.t() if self.conv else t).to(self.dtype)
+
+    def whole(self, key: str) -> torch.Tensor:
+        t = self.source.read(f"{self.name}.{key}")
+        return (t.t() if self.conv and key == "weight" else t).to(self.dtype)
+
+
+class InRegionColumn(ColumnParallelLinear):
+    """A column projection inside a block whose input already entered the TP region (the block's
+    pre-hook applied f once for q, k and v, or gate and up): forward is the local matmul.
+
+    shared: this rank's rows are also held by other ranks (KV heads shared when there are fewer
+    than ranks): their gradients are summed over exactly those ranks in backward.
+    expand: local head index per output head (KV heads repeated per local query head).
+    """
+
+    shared = False
+    expand: torch.Tensor | None = None
+    head_dim = 0
+
+    def forward(self, x_tp: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.shared:
+            w, b = sum_shared_shard_grads([w, b], self.group)
+        y = F.linear(x_tp, w, b)
+        if self.expand is not None:  # (..., kv_local * hd) -> (..., h_local * hd)
+            y = y.unflatten(-1, (-1, self.head_dim)).index_select(-2, self.expand).flatten(-2)
+        return y
+
+
+def _enter_region_once(module: nn.Module, group) -> None:
+    """f (identity forward, all-reduce backward) on the module's input, applied once."""
+    def hook(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+        else:
+            args = (copy_to_tp(args[0], group), *args[1:])
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class _Converter:
+    def __init__(self, source, group: ProcessGroup | None, dtype):
+        self.source, self.group, self.dtype = source, group, dtype
+        self.n, self.rank = tp_size(group), tp_rank(group)
+
+    def column(self, name, m, ranges=None, parts=1, gather=False, cls=ColumnParallelLinear,
+               weight=None):
+        """ranges: output rows to hold, one range per block of a fused (``parts``) weight; their
+        positions within a block are the same. weight: an existing shard to use (tied head)."""
+        in_f, out_f = _features(m)
+        if ranges is None:
+            ranges = [shard_range(out_f, self.n, self.rank)]
+        a, b = ranges[0]  # block 0 starts at 0, so its range is the in-block range
+        layer = cls(in_f, out_f, m.bias is not None, gather_output=gather, group=self.group,
+                    device="meta", out_range=(a, b) if parts == 1 else None)
+        read = _Reader(self.source, name, m, self.dtype)
+        spec = ShardSpec(0, a, b, out_f, parts)
+        layer.weight = weight if weight is not None else \
+            local_parameter(read.rows("weight", ranges), spec, m.weight.requires_grad)
+        layer.bias = None if m.bias is None else \
+            local_parameter(read.rows("bias", ranges), spec, m.bias.requires_grad)
+        layer.shard_start, layer.shard_stop = a, b
+        return layer
+
+    def row(self, name, m, in_range=None):
+        in_f, out_f = _features(m)
+        a, b = in_range or shard_range(in_f, self.n, self.rank)
+        layer = RowParallelLinear(in_f, out_f, m.bias is not None, input_is_parallel=True,
+                                  group=self.group, device="meta", in_range=(a, b))
+        read = _Reader(self.source, name, m, self.dtype)
+        layer.weight = local_parameter(read.cols(a, b), ShardSpec(1, a, b, in_f),
+                                       m.weight.requires_grad)
+        layer.bias = None if m.bias is None else \
+            local_parameter(read.whole("bias"), REPLICATED, m.bias.requires_grad)
+        return layer
+
+    def vocab(self, name, m: nn.Embedding):
+        layer = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
+                                       group=self.group, device="meta")
+        a, b = layer.vocab_start, layer.vocab_stop
+        layer.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b).to(self.dtype),
+                                       ShardSpec(0, a, b, m.num_embeddings),
+                                       m.weight.requires_grad)
+        return layer
+
+    def attention(self, name, m):
+        cfg = getattr(m, "config", None)
+        if hasattr(m, "c_attn"):  # GPT-2: fused q|k|v Conv1D, multi-head only
+            H, hd = m.num_heads, m.head_dim
+            (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
+            E = H * hd
+            m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
+                                   ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
+            m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd))
+            m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
+        elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            H = getattr(cfg, "num_attention_heads", None) or m.num_heads
+            K = getattr(cfg, "num_key_value_heads", None) or H
+            hd = m.head_dim
+            (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
+            m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
+                                   cls=InRegionColumn)
+            groups = H // K
+            kv_index = torch.arange(h0, h1) // groups - k0  # local KV head of each query head
+            h_local, k_local = h1 - h0, k1 - k0
+            uniform = h_local % k_local == 0 and torch.equal(
+                kv_index, torch.arange(h_local) // (h_local // k_local))
+            for proj in ("k_proj", "v_proj"):
+                layer = self.column(f"{name}.{proj}", getattr(m, proj), [(k0 * hd, k1 * hd)],
+                                    cls=InRegionColumn)
+                layer.shared, layer.head_dim = shared, hd
+                if not uniform:
+                    layer.expand = kv_index
+                setattr(m, proj, layer)
+            m.o_proj = self.row(f"{name}.o_proj", m.o_proj, (h0 * hd, h1 * hd))
+            m.num_key_value_groups = h_local // k_local if uniform else 1
+            for attr, value in (("num_heads", h_local), ("num_key_value_heads",
+                                                         k_local if uniform else h_local)):
+                if hasattr(m, attr):
+                    setattr(m, attr, value)
+        else:
+            raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj/o_proj or "
+                             f"c_attn/c_proj; {type(m).__name__} has "
+                             f"{[c for c, _ in m.named_children()]}")
+        _enter_region_once(m, self.group)
+        return m
+
+    def mlp(self, name, m):
+        linears = [(c, sub) for c, sub in m.named_children()
+                   if isinstance(sub, nn.Linear) or _is_conv1d(sub)]
+        shapes = {c: _features(sub) for c, sub in linears}
+        rows = [c for c, (i, o) in shapes.items()
+                if any(shapes[d] == (o, i) for d in shapes if d != c)]
+        if len(linears) < 2 or not rows:
+            raise ValueError(f"{name}: style 'mlp' needs linear children D -> H and H -> D; "
+                             f"found {shapes}")
+        row = rows[-1]  # the down projection: registered last in every family
+        for c, sub in linears:
+            if c == row:
+                setattr(m, c, self.row(f"{name}.{c}", sub))
+            elif shapes[c][0] == shapes[row][1]:
+                setattr(m, c, self.column(f"{name}.{c}", sub, cls=InRegionColumn))
+        _enter_region_once(m, self.group)
+        return m
+
+
+def _pattern(p: str) -> re.Pattern:
+    return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
+
+
+def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
+    """Module names each pattern matches; ValueError for unknown styles or unmatched patterns."""
+    names = [n for n, _ in model.named_modules() if n]
+    matches = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; use one of "
+                             f"{STYLES}")
+        matches[pattern] = [n for n in names if _pattern(pattern).match(n)]
+        if not matches[pattern]:
+            raise ValueError(f"plan entry {pattern!r} matches no module of "
+                             f"{type(model).__name__}")
+    return matches
+
+
+@torch.no_grad()
+def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | None = None,
+               source=None, dtype: torch.dtype | None = None,
+               tied: dict[str, str] | None = None) -> nn.Module:
+    """Swap the modules ``plan`` names for their tensor-parallel versions (see module doc).
+
+    source: where dense weights are read (default: the model itself). tied: column module name ->
+    embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
+    """
+    matches = check_plan(model, plan)
+    source = source or ModuleSource(model)
+    dtype = dtype or next(model.parameters()).dtype
+    conv = _Converter(source, group, dtype)
+    tied, embeddings = tied or {}, {}
+    # embeddings first, so that a tied head finds its shard
+    for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
+        for name in matches[pattern]:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            m = getattr(parent, child)
+            if style == "vocab":
+                new = embeddings[name] = conv.vocab(name, m)
+            elif style in ("column", "column_gather"):
+                emb = embeddings.get(tied.get(name, ""))
+                new = conv.column(name, m, gather=style == "column_gather",
+                                  weight=None if emb is None else emb.weight)
+            elif style == "row":
+                new = conv.row(name, m)
+            elif style == "attention":
+                new = conv.attention(name, m)
+            elif style == "mlp":
+                new = conv.mlp(name, m)
+            else:
+                continue
+            setattr(parent, child, new)
+    for p in model.parameters():
+        if not hasattr(p, "tp_shard"):
+            p.tp_shard = REPLICATED
+    return model
