@@ -132,24 +132,20 @@ class SafetensorsSource:
     def __init__(self, path: str | Path, prefix: str = ""):
         from safetensors import safe_open
 
-        self.path, self.prefix = Path(path), prefix
+        self.path, self.prefix, self._safe_open = Path(path), prefix, safe_open
+        self._files: dict[str, object] = {}
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            self.weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.path / "model.safetensors").is_file():
-            weight_map = None
+            keys = self._open("model.safetensors").keys()
+            self.weight_map = dict.fromkeys(keys, "model.safetensors")
         else:
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        self._files: dict[str, object] = {}
-        if weight_map is None:
-            f = self._open("model.safetensors", safe_open)
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-        self.weight_map = weight_map
-        self._safe_open = safe_open
 
-    def _open(self, fname: str, safe_open=None):
+    def _open(self, fname: str):
         if fname not in self._files:
-            self._files[fname] = (safe_open or self._safe_open)(self.path / fname, framework="pt")
+            self._files[fname] = self._safe_open(self.path / fname, framework="pt")
         return self._files[fname]
 
     def _key(self, key: str) -> str:
