@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallelize import _is_conv1d, apply_plan
-from tensorpar.sharding import REPLICATED
+from tensorpar.parallelize import OUT_PROJ, _is_conv1d, apply_plan
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -60,7 +59,7 @@ def translate_hf_plan(hf_plan: dict[str, str], prefix: str) -> dict[str, str]:
     for parent, kids in children.items():
         rows = [c for c, s in kids.items() if s == "rowwise"]
         full = f"{prefix}.{parent}" if prefix and parent else (parent or prefix)
-        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= kids.keys():
+        if {"q_proj", "k_proj", "v_proj"} <= kids.keys() and kids.keys() & set(OUT_PROJ):
             plan[full] = "attention"
         elif len(rows) == 1 and len(kids) > 1 and all(s == "colwise" for c, s in kids.items()
                                                      if c not in rows):
@@ -68,8 +67,9 @@ def translate_hf_plan(hf_plan: dict[str, str], prefix: str) -> dict[str, str]:
         else:
             for child, style in kids.items():
                 if style not in _HF_STYLES:
-                    raise ValueError(f"base_model_tp_plan style {style!r} for {key!r} has no "
-                                     f"tensorpar equivalent")
+                    raise ValueError(f"base_model_tp_plan style {style!r} for "
+                                     f"{parent}.{child!r} has no tensorpar equivalent; pass "
+                                     "plan= (see tensorpar.parallelize)")
                 plan[f"{full}.{child}"] = _HF_STYLES[style]
     return plan
 
@@ -184,11 +184,4 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     source = SafetensorsSource(path, model.base_model_prefix)
     apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
                tied=_tied(model))
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()):
-            if p.is_meta:  # everything the plan left whole: norms, position embeddings, ...
-                owner, _, attr = name.rpartition(".")
-                local = nn.Parameter(source.read(name).to(dtype), requires_grad=p.requires_grad)
-                local.tp_shard = REPLICATED
-                setattr(model.get_submodule(owner), attr, local)
     return model.eval()

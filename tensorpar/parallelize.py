@@ -30,6 +30,7 @@ a checkpoint, read slice by slice (``from_pretrained``), so the dense weights ne
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.attention import head_layout
-from tensorpar.comm import copy_to_tp
+from tensorpar.comm import _all_reduce, copy_to_tp
 from tensorpar.distributed import tp_rank, tp_size
 from tensorpar.embedding import VocabParallelEmbedding
 from tensorpar.grad_sync import sum_shared_shard_grads
@@ -45,6 +46,7 @@ from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 
 STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
+OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
 
 
 class ModuleSource:
@@ -133,6 +135,7 @@ class _Converter:
     def __init__(self, source, group: ProcessGroup | None, dtype):
         self.source, self.group, self.dtype = source, group, dtype
         self.n, self.rank = tp_size(group), tp_rank(group)
+        self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
 
     def column(self, name, m, ranges=None, parts=1, gather=False, cls=ColumnParallelLinear,
                weight=None):
@@ -184,7 +187,9 @@ class _Converter:
                                    ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
             m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd))
             m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
-        elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
+                any(hasattr(m, p) for p in OUT_PROJ):
+            out = next(p for p in OUT_PROJ if hasattr(m, p))
             H = getattr(cfg, "num_attention_heads", None) or m.num_heads
             K = getattr(cfg, "num_key_value_heads", None) or H
             hd = m.head_dim
@@ -203,16 +208,23 @@ class _Converter:
                 if not uniform:
                     layer.expand = kv_index
                 setattr(m, proj, layer)
-            m.o_proj = self.row(f"{name}.o_proj", m.o_proj, (h0 * hd, h1 * hd))
+            setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd)))
             m.num_key_value_groups = h_local // k_local if uniform else 1
             for attr, value in (("num_heads", h_local), ("num_key_value_heads",
                                                          k_local if uniform else h_local)):
                 if hasattr(m, attr):
                     setattr(m, attr, value)
         else:
-            raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj/o_proj or "
-                             f"c_attn/c_proj; {type(m).__name__} has "
+            raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj and one of "
+                             f"{OUT_PROJ}, or c_attn/c_proj; "
+                             f"{type(m).__name__} has "
                              f"{[c for c, _ in m.named_children()]}")
+        # other parameters (Qwen3's per-head q/k norms) stay whole but see only this rank's
+        # heads: their gradients are partial sums, completed over the group in backward
+        converted = {"c_attn", "c_proj"} if hasattr(m, "c_attn") else {"q_proj", "k_proj",
+                                                                        "v_proj", out}
+        self.grad_sum += [f"{name}.{c}.{p}" for c, child in m.named_children()
+                          if c not in converted for p, _ in child.named_parameters()]
         _enter_region_once(m, self.group)
         return m
 
@@ -289,7 +301,14 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
             else:
                 continue
             setattr(parent, child, new)
-    for p in model.parameters():
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:  # loading from files: what the plan left whole (norms, position tables)
+            owner, _, attr = name.rpartition(".")
+            p = nn.Parameter(source.read(name).to(dtype), requires_grad=p.requires_grad)
+            setattr(model.get_submodule(owner), attr, p)
         if not hasattr(p, "tp_shard"):
             p.tp_shard = REPLICATED
+    if conv.n > 1:
+        for name in conv.grad_sum:
+            model.get_parameter(name).register_hook(partial(_all_reduce, group=group))
     return model

@@ -1,0 +1,117 @@
+"""Hugging Face models converted with ``parallelize`` or loaded with ``from_pretrained``: logits,
+loss, greedy generation and one fine-tuning step equal the dense model's at TP=1-4, for GPT-2,
+Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorpar.counting import CollectiveCounter  # noqa: E402
+from tensorpar.hf import LLAMA_PLAN, from_pretrained, parallelize, plan_for, translate_hf_plan  # noqa: E402
+from tensorpar.parallelize import _is_conv1d  # noqa: E402
+from tensorpar.verify import dense_shard  # noqa: E402
+
+from tp_check import assert_close  # noqa: E402
+
+SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def tiny_configs():
+    T = transformers
+    return {
+        "gpt2": T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                             n_inner=80, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0),
+        "llama": T.LlamaConfig(**SIZES),
+        "llama-mqa": T.LlamaConfig(**(SIZES | {"num_key_value_heads": 1})),
+        "qwen2-tied": T.Qwen2Config(**SIZES, tie_word_embeddings=True),
+        "qwen3": T.Qwen3Config(**SIZES, head_dim=16),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Small random models of each family, saved with save_pretrained (nothing is downloaded)."""
+    transformers.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("hf")
+    for name, cfg in tiny_configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.save_pretrained(root / name)
+    return root
+
+
+def _dense(path):
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _parity_body(path, how):
+    """Both models: logits and loss, greedy tokens, gradients, one SGD step."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 96, (2, 10))
+    dense = _dense(path)
+    model = from_pretrained(path) if how == "load" else parallelize(_dense(path))
+    ref = dense(ids, labels=ids)
+    with CollectiveCounter() as fwd:
+        out = model(ids, labels=ids)
+    assert_close("logits", out.logits, ref.logits)
+    assert_close("loss", out.loss, ref.loss)
+    greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **greedy), dense.generate(ids, **greedy))
+    # one fine-tuning step: the same gradients and the same updated weights, shard by shard
+    for m in (dense, model):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    dense_params = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        ref_p, ref_g = dense_params[name], dense_params[name].grad
+        if name.endswith("weight") and _is_conv1d(dense.get_submodule(name.rpartition(".")[0])):
+            ref_p, ref_g = ref_p.t(), ref_g.t()  # GPT-2's Conv1D is (in, out); shards are (out, in)
+        assert_close(f"grad {name}", p.grad, dense_shard(ref_g, p.tp_shard))
+        assert_close(f"updated {name}", p, dense_shard(ref_p, p.tp_shard))
+    local = sum(p.numel() for p in model.parameters())
+    return {"forward": dict(fwd.counts), "params": local,
+            "dense": sum(p.numel() for p in dense.parameters())}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-mqa", "qwen2-tied", "qwen3"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_from_pretrained_matches_dense(ranks, hf_dirs, family, n):
+    """Logits and loss to 1e-5, identical greedy tokens, and after one SGD step every weight
+    shard equal to its slice of the dense model's; each rank holds about 1/n of the weights."""
+    results = ranks(n).run(_parity_body, str(hf_dirs / family), "load")
+    for r in results:
+        assert r["params"] <= r["dense"] / n + 0.15 * r["dense"], r  # + replicated norms etc.
+    if n > 1:  # the embedding's all-reduce and one per attention and MLP; the head's all-gather
+        assert results[0]["forward"] == {"all_reduce": 1 + 2 * 2, "all_gather": 1}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2-tied"])
+def test_parallelize_in_place_uneven(ranks, hf_dirs, family):
+    """parallelize() on a loaded dense model, 3 ranks: 4 heads dealt 2, 1, 1 (KV heads shared),
+    vocab 96 and hidden 80 uneven."""
+    ranks(3).run(_parity_body, str(hf_dirs / family), "convert")
+
+
+def test_plans():
+    """The built-in Llama-family plan is what transformers' own base_model_tp_plan translates to
+    (Qwen3's q/k norms stay replicated)."""
+    for cls in (transformers.LlamaConfig, transformers.Qwen2Config, transformers.Qwen3Config):
+        assert translate_hf_plan(cls.base_model_tp_plan, "model") == {
+            k: v for k, v in LLAMA_PLAN.items() if k.startswith("model.layers")}
+
+
+def test_no_plan_is_a_clear_error():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan for Sequential(.|\n)*0\n  2"
+                                         r"(.|\n)*Pass plan="):
+        plan_for(model)
+    with pytest.raises(ValueError, match="unknown style 'colwise'"):
+        parallelize(model, {"0": "colwise"})
+    with pytest.raises(ValueError, match="'layers.*.mlp' matches no module"):
+        parallelize(model, {"layers.*.mlp": "mlp"})
