@@ -4,6 +4,8 @@
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
     tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
     tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
+    tensorpar verify --hf PATH --tp 2                       a HF model vs its dense self
+    tensorpar generate --hf PATH --tp 2 --prompt "..."
 
 The train flags are the fields of ``TrainConfig`` and ``GPTConfig``, one per field.
 """
@@ -22,6 +24,8 @@ def _add_verify(sub) -> None:
                        "and collective counts; exit 1 on any mismatch")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks spawned)")
     p.add_argument("--sequence-parallel", action="store_true", help="also shard the sequence")
+    p.add_argument("--hf", metavar="PATH", help="instead: a local Hugging Face model directory, "
+                   "loaded tensor-parallel and compared layer by layer with the dense model")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     for f in dataclasses.fields(BlockConfig):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
@@ -54,11 +58,14 @@ def _add_train(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a checkpoint")
-    p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
-                   "step-* checkpoint directory")
+    p = sub.add_parser("generate", help="generate text from a checkpoint or a HF model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="a run directory (its newest checkpoint) or a step-* "
+                     "checkpoint directory")
+    src.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (any; resharded)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", help="text to continue")
+    p.add_argument("--prompt-ids", help="--hf without a tokenizer: token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to add")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -71,6 +78,10 @@ def _add_export(sub) -> None:
 
 
 def _run(args) -> int:
+    if args.command == "verify" and args.hf:
+        from tensorpar.hf_cli import run_verify_hf
+
+        return 0 if run_verify_hf(args.hf, args.tp, args.seed) else 1
     if args.command == "verify":
         from tensorpar.verify import run_verify
 
@@ -90,8 +101,16 @@ def _run(args) -> int:
             print(f"tensorpar train: resuming from {resume_from}", file=sys.stderr)
         run_train(cfg, model_cfg, resume_from)
         return 0
+    if args.command == "generate" and args.hf:
+        from tensorpar.hf_cli import run_generate_hf
+
+        return run_generate_hf(args.hf, args.tp, args.prompt, args.prompt_ids,
+                               args.max_new_tokens, args.temperature, args.seed)
     if args.command == "generate":
         from tensorpar.generate import run_generate
+
+        if args.prompt is None:
+            raise ValueError("--prompt is required with --ckpt")
 
         return run_generate(args.ckpt, args.tp, args.prompt, args.max_new_tokens,
                             args.temperature, args.seed)

@@ -159,10 +159,14 @@ class SafetensorsSource:
     def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
         key = self._key(key)
         piece = self._open(self.weight_map[key]).get_slice(key)
-        if dim is None:
-            return piece[:]
-        stop = piece.get_shape()[dim] if stop is None else stop
-        return piece[(slice(None),) * dim + (slice(start, stop),)]
+        if dim is not None:
+            stop = piece.get_shape()[dim] if stop is None else stop
+        t = piece[:] if dim is None else piece[(slice(None),) * dim + (slice(start, stop),)]
+        # an owned, compact copy: the result may view the memory-mapped file or whole rows of it
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        self._files.clear()  # unmaps the files
 
 
 def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
@@ -184,4 +188,5 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     source = SafetensorsSource(path, model.base_model_prefix)
     apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
                tied=_tied(model))
+    source.close()
     return model.eval()

@@ -2,6 +2,10 @@
 loss, greedy generation and one fine-tuning step equal the dense model's at TP=1-4, for GPT-2,
 Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -41,7 +45,19 @@ def hf_dirs(tmp_path_factory):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.save_pretrained(root / name)
+    char_tokenizer().save_pretrained(root / "llama")
     return root
+
+
+def char_tokenizer():
+    """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def _dense(path):
@@ -115,3 +131,33 @@ def test_no_plan_is_a_clear_error():
         parallelize(model, {"0": "colwise"})
     with pytest.raises(ValueError, match="'layers.*.mlp' matches no module"):
         parallelize(model, {"layers.*.mlp": "mlp"})
+
+
+def _tensorpar(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_verify_and_generate(hf_dirs):
+    """``verify --hf`` prints the per-layer table and passes; ``generate --hf`` gives the same
+    text at TP=1 and TP=2 (character tokenizer); clear errors without a tokenizer or config."""
+    out = _tensorpar("verify", "--hf", hf_dirs / "qwen3", "--tp", 2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
+                 "rank 1: parameters", "all outputs, gradients and greedy tokens match"):
+        assert text in out.stdout, out.stdout
+    texts = []
+    for tp in (1, 2):
+        gen = _tensorpar("generate", "--hf", hf_dirs / "llama", "--tp", tp, "--prompt", "Hi ",
+                         "--max-new-tokens", 12)
+        assert gen.returncode == 0, gen.stderr
+        texts.append(gen.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("Hi ") and len(texts[0]) > 10
+    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
+    assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
+    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids", "5,6,7",
+                     "--max-new-tokens", 4)
+    assert gen.returncode == 0 and gen.stdout.startswith("5 6 7 "), gen.stderr
+    bad = _tensorpar("verify", "--hf", hf_dirs, "--tp", 2)
+    assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
