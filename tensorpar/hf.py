@@ -19,6 +19,7 @@ unchanged (use ``vocab_parallel_cross_entropy`` on a ``column`` head to avoid th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ LLAMA_PLAN = {
 PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN, "mistral": LLAMA_PLAN, "qwen2": LLAMA_PLAN,
          "qwen3": LLAMA_PLAN}
 
+MLP_NAMES = ("mlp", "feed_forward", "ffn")  # parents translated to style "mlp"
 _HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
               "colwise_rep": "column_gather", "embedding_rowwise": "vocab"}
 
@@ -61,14 +63,14 @@ def translate_hf_plan(hf_plan: dict[str, str], prefix: str) -> dict[str, str]:
         full = f"{prefix}.{parent}" if prefix and parent else (parent or prefix)
         if {"q_proj", "k_proj", "v_proj"} <= kids.keys() and kids.keys() & set(OUT_PROJ):
             plan[full] = "attention"
-        elif len(rows) == 1 and len(kids) > 1 and all(s == "colwise" for c, s in kids.items()
-                                                     if c not in rows):
+        elif parent.rpartition(".")[2] in MLP_NAMES and len(rows) == 1 and len(kids) > 1 and \
+                all(s == "colwise" for c, s in kids.items() if c not in rows):
             plan[full] = "mlp"
         else:
             for child, style in kids.items():
                 if style not in _HF_STYLES:
                     raise ValueError(f"base_model_tp_plan style {style!r} for "
-                                     f"{parent}.{child!r} has no tensorpar equivalent; pass "
+                                     f"{parent + '.' + child!r} has no tensorpar equivalent; pass "
                                      "plan= (see tensorpar.parallelize)")
                 plan[f"{full}.{child}"] = _HF_STYLES[style]
     return plan
@@ -129,7 +131,8 @@ def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
 class SafetensorsSource:
     """Slices of the tensors of a Hugging Face model directory, read without loading the rest."""
 
-    def __init__(self, path: str | Path, prefix: str = ""):
+    def __init__(self, path: str | Path, prefix: str = "",
+                 renames: list[tuple[str, str]] = ()):
         from safetensors import safe_open
 
         self.path, self.prefix, self._safe_open = Path(path), prefix, safe_open
@@ -142,19 +145,25 @@ class SafetensorsSource:
             self.weight_map = dict.fromkeys(keys, "model.safetensors")
         else:
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        # model parameter name -> key in the files (older checkpoints use older names)
+        self.file_key = {}
+        for key in self.weight_map:
+            name = key
+            for pattern, repl in renames:
+                name = re.sub(pattern, repl, name)
+            self.file_key[name] = key
 
     def _open(self, fname: str):
         if fname not in self._files:
             self._files[fname] = self._safe_open(self.path / fname, framework="pt")
         return self._files[fname]
 
-    def _key(self, key: str) -> str:
-        if key in self.weight_map:
-            return key
-        bare = key.removeprefix(f"{self.prefix}.")  # older files omit the base model's prefix
-        if bare in self.weight_map:
-            return bare
-        raise KeyError(f"{self.path}: no tensor {key!r} in the checkpoint")
+    def _key(self, name: str) -> str:
+        bare = name.removeprefix(f"{self.prefix}.")  # older files omit the base model's prefix
+        for candidate in (name, bare):
+            if candidate in self.file_key:
+                return self.file_key[candidate]
+        raise ValueError(f"{self.path}: no tensor for {name!r} in the checkpoint")
 
     def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
         key = self._key(key)
@@ -167,6 +176,21 @@ class SafetensorsSource:
 
     def close(self) -> None:
         self._files.clear()  # unmaps the files
+
+
+def _renames(model: nn.Module) -> list[tuple[str, str]]:
+    """The plain key renamings transformers applies when loading this model's checkpoints
+    (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``). Other conversions (packed experts) are not
+    supported: their tensors are then reported missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        rules = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):  # older transformers: no renamings
+        return []
+    return [(r.source_patterns[0], r.target_patterns[0]) for r in rules
+            if type(r) is WeightRenaming and len(r.source_patterns) == 1]
 
 
 def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
@@ -185,7 +209,7 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-    source = SafetensorsSource(path, model.base_model_prefix)
+    source = SafetensorsSource(path, model.base_model_prefix, _renames(model))
     apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
                tied=_tied(model))
     source.close()

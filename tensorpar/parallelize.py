@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.attention import head_layout
-from tensorpar.comm import _all_reduce, copy_to_tp
+from tensorpar.comm import _all_reduce, copy_to_tp, reduce_from_tp
 from tensorpar.distributed import tp_rank, tp_size
 from tensorpar.embedding import VocabParallelEmbedding
 from tensorpar.grad_sync import sum_shared_shard_grads
@@ -169,6 +169,8 @@ class _Converter:
         return layer
 
     def vocab(self, name, m: nn.Embedding):
+        if type(m) is not nn.Embedding:
+            return self.vocab_in_place(name, m)
         layer = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
                                        group=self.group, device="meta")
         a, b = layer.vocab_start, layer.vocab_stop
@@ -176,6 +178,33 @@ class _Converter:
                                        ShardSpec(0, a, b, m.num_embeddings),
                                        m.weight.requires_grad)
         return layer
+
+    def vocab_in_place(self, name, m: nn.Embedding):
+        """An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own forward, run on
+        this rank's rows: ids elsewhere are looked up as row 0 and their outputs zeroed, then
+        summed over the group. Exact when the subclass only scales the lookup."""
+        V, group = m.num_embeddings, self.group
+        a, b = shard_range(V, self.n, self.rank)
+        m.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b).to(self.dtype),
+                                   ShardSpec(0, a, b, V), m.weight.requires_grad)
+        m.vocab_start, m.vocab_stop = a, b
+        if m.padding_idx is not None:
+            m.padding_idx = m.padding_idx - a if a <= m.padding_idx < b else None
+
+        def to_local(mod, args):
+            ids = args[0]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+                raise ValueError(f"{name}: ids outside the vocabulary [0, {V})")
+            mod._tp_mine = (ids >= a) & (ids < b)
+            return (torch.where(mod._tp_mine, ids - a, 0), *args[1:])
+
+        def sum_over_group(mod, args, out):
+            mine = mod.__dict__.pop("_tp_mine")
+            return reduce_from_tp(out * mine.unsqueeze(-1).to(out.dtype), group)
+
+        m.register_forward_pre_hook(to_local)
+        m.register_forward_hook(sum_over_group)
+        return m
 
     def attention(self, name, m):
         cfg = getattr(m, "config", None)
@@ -223,8 +252,14 @@ class _Converter:
         # heads: their gradients are partial sums, completed over the group in backward
         converted = {"c_attn", "c_proj"} if hasattr(m, "c_attn") else {"q_proj", "k_proj",
                                                                         "v_proj", out}
-        self.grad_sum += [f"{name}.{c}.{p}" for c, child in m.named_children()
-                          if c not in converted for p, _ in child.named_parameters()]
+        others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
+                  if c not in converted for p, t in child.named_parameters()]
+        for pname, t in others:
+            if t.numel() > hd:  # e.g. OLMo-2's q_norm: one norm over all heads together
+                raise ValueError(f"{pname} has {t.numel()} elements, more than one head "
+                                 f"({hd}): it mixes heads, so it cannot run on a rank's heads "
+                                 "alone; this attention is not supported by style 'attention'")
+        self.grad_sum += [pname for pname, _ in others]
         _enter_region_once(m, self.group)
         return m
 
