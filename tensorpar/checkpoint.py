@@ -60,6 +60,22 @@ def _barrier(group):
         dist.barrier(group=group)
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _readable(path: Path) -> None:
+    """safetensors writes 0600; give the file the mode the user's umask asks for."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -79,7 +95,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        for stale in run_dir.glob(".step-*.tmp"):  # left by saves that were killed
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(group)
     tensors = {}
@@ -92,6 +109,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
     fname = f"rank{rank:02d}-of{n:02d}.safetensors"
     save_file(tensors, tmp / fname, metadata={"format": FORMAT, "rank": str(rank)})
+    _readable(tmp / fname)
+    _fsync(tmp / fname)
     info = {"name": fname, "bytes": (tmp / fname).stat().st_size, "sha256": _sha256(tmp / fname),
             "keys": sorted(tensors)}
     infos = [info]
@@ -101,11 +120,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     if rank == 0:
         manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync(tmp)
         old = run_dir / f".step-{step:08d}.old"
-        if final.exists():  # the same step saved again (a resumed run): swap, then drop the old
-            shutil.rmtree(old, ignore_errors=True)
+        if final.exists():  # the same step saved again: swap (the .old still counts until
+            shutil.rmtree(old, ignore_errors=True)  # the new one is in place), drop the old
             os.rename(final, old)
         os.rename(tmp, final)
+        _fsync(run_dir)
         shutil.rmtree(old, ignore_errors=True)
         for stale in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -142,7 +163,11 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return sorted(d for d in run_dir.glob("step-*") if (d / "manifest.json").is_file())
+    # a ".step-N.old" is complete: it exists only while a re-save of step N swaps directories
+    found = [d for d in [*run_dir.glob("step-*"), *run_dir.glob(".step-*.old")]
+             if (d / "manifest.json").is_file()]
+    return sorted(found, key=lambda d: (int(d.name.strip(".").split("-")[1].split(".")[0]),
+                                        d.name.startswith(".")))
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -169,9 +194,16 @@ class CheckpointReader:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{found}/manifest.json is corrupted: {e}") from None
         m = self.manifest
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise CheckpointError(f"{found}: not a {FORMAT} v{VERSION} checkpoint "
-                                  f"(format={m.get('format')!r}, version={m.get('version')!r})")
+        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+            what = (f"format={m.get('format')!r}, version={m.get('version')!r}"
+                    if isinstance(m, dict) else f"a JSON {type(m).__name__}")
+            raise CheckpointError(f"{found}: not a {FORMAT} v{VERSION} checkpoint ({what})")
+        shape = {"tp_size": int, "step": int, "config": dict, "files": list, "tensors": dict}
+        bad = [k for k, t in shape.items() if not isinstance(m.get(k), t)]
+        if bad or len(m["files"]) != m["tp_size"]:
+            raise CheckpointError(f"{found}/manifest.json is corrupted: "
+                                  f"{'missing or invalid ' + ', '.join(bad) if bad else ''}"
+                                  f"{'' if bad else 'files do not match tp_size'}")
         self.tensors: dict[str, dict] = m["tensors"]
         self._files: dict[int, object] = {}
 
@@ -278,5 +310,6 @@ def export_dense(path: str | Path, out_file: str | Path) -> Path:
     meta = {"format": "tensorpar-dense", "step": str(reader.manifest["step"]),
             "config": json.dumps(reader.manifest.get("config", {}))}
     save_file(tensors, tmp, metadata=meta)
+    _readable(tmp)
     os.replace(tmp, out_file)
     return out_file

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from tensorpar.reference import BlockConfig
@@ -94,7 +95,9 @@ def _run(args) -> int:
 
         pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
         cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
-        if cfg.resume and resume_from is None:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks
+            pass
+        elif cfg.resume and resume_from is None:
             print(f"tensorpar train: no checkpoint in {cfg.out}; starting from step 0",
                   file=sys.stderr)
         elif resume_from is not None:

@@ -28,7 +28,15 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        """Bytes to text; invalid UTF-8 and ids outside 0..255 become U+FFFD."""
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                out.append(run.decode("utf-8", errors="replace") + "\ufffd")
+                run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
 
 
 def default_corpus() -> str:

@@ -55,8 +55,8 @@ def pick_token(logits_BV_local: torch.Tensor, vocab_start: int, vocab_size: int,
 def generate(model: GPT, ids_BT: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0) -> torch.Tensor:
     """Extend ``ids_BT`` (the same on every rank) by ``max_new_tokens``; returns (B, T + K)."""
-    if temperature < 0:
-        raise ValueError(f"temperature {temperature} must be >= 0")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature {temperature} must be finite and >= 0")
     was_training = model.training
     model.eval()
     cache = model.new_cache(ids_BT.shape[1] + max_new_tokens)
@@ -93,6 +93,8 @@ def generate_rank(ckpt: str, prompt: str, max_new_tokens: int, temperature: floa
 def check_request(ckpt: str, prompt: str, max_new_tokens: int, temperature: float,
                   tp: int) -> None:
     """Raise ValueError for a request that cannot run, before any rank starts."""
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be >= 1")
     reader = CheckpointReader(ckpt)
     reader.verify()
     manifest = reader.manifest
@@ -101,7 +103,7 @@ def check_request(ckpt: str, prompt: str, max_new_tokens: int, temperature: floa
         raise ValueError(f"checkpoint tokenizer {manifest.get('tokenizer')!r} is not supported")
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character")
-    if max_new_tokens < 1 or temperature < 0:
+    if max_new_tokens < 1 or not temperature >= 0 or temperature == float("inf"):
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1 and --temperature "
                          f"{temperature} >= 0")
 

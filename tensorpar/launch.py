@@ -9,7 +9,8 @@ Failure handling, so that nothing hangs:
 - a function that raises on a rank comes back as :class:`RankError` with that rank's traceback;
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
   ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
-- a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool.
+- a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool;
+- ranks exit when the process that started them dies (``kill PID``), so none is left behind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -35,7 +38,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results):
+def _exit_with_parent(parent: int) -> None:
+    """Make this rank die when the process that spawned it dies (``kill PID`` of a launcher):
+    the kernel's parent-death signal on Linux, a watcher thread elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL) == 0:  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before prctl
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
+            parent: int):
+    _exit_with_parent(parent)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -91,7 +118,8 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, nprocs, port, backend, threads, self._tasks[r], self._results),
+                args=(r, nprocs, port, backend, threads, self._tasks[r], self._results,
+                      os.getpid()),
                 daemon=True,
             )
             for r in range(nprocs)

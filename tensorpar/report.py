@@ -127,5 +127,6 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, tp: int, sp: bool) 
                           f"{human_bytes(comm['bytes'][kind])} payload, "
                           f"{human_bytes(comm['ring_bytes'][kind])} sent per rank (ring)")
     else:
-        table.add_row("communication per step", "none (TP=1)")
+        table.add_row("communication per step", "none (TP=1)" if tp == 1 or rows else
+                      "not measured (no step ran)")
     return table

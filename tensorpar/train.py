@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,11 @@ class TrainConfig:
         for flag in ("tp", "steps", "batch_size", "seq_len", "save_every"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
+        for flag in ("warmup_steps", "weight_decay", "grad_clip"):
+            if not getattr(self, flag) >= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
         if self.sequence_parallel and self.seq_len % self.tp:
@@ -164,8 +170,6 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
             progress.update(step + 1, loss_value, tokens / dt)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save(step + 1)
-    if start >= cfg.steps:  # nothing left to do: still leave a checkpoint for this TP size
-        save(start)
     sizes = [rank_sizes(model, layout)]
     if tp_size(group) > 1:
         sizes = [None] * tp_size(group)
@@ -204,18 +208,33 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
             saved_train = {k: v for k, v in manifest["train"].items()
                            if k not in ("resume", "out")}
             for k, v in model_args.items():
+                if k == "hidden_dim" and v == 0:  # 0 means "the default for dim"
+                    continue
                 if v is not None and saved_model.get(k) != v:
                     raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
                                      f"{ckpt} ({k}={saved_model.get(k)})")
     elif find_checkpoint(explicit.get("out", TrainConfig.out)) is not None:
         raise ValueError(f"{explicit.get('out', TrainConfig.out)} already holds checkpoints: pass "
                          "--resume to continue that run, or choose another --out")
+    changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype")
+               if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
+    if changed:
+        print(f"tensorpar train: note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
+              "differ from the checkpoint's; the resumed run is not an exact continuation",
+              file=sys.stderr)
     cfg = TrainConfig(**(saved_train | explicit))
     model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
                                              if v is not None}))
     cfg.check()
     model_cfg.check(cfg.tp)
-    load_text(cfg.data)  # a missing --data file fails here, before any rank starts
+    if model_cfg.vocab_size != ByteTokenizer.vocab_size:
+        raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
+                         f"{ByteTokenizer.vocab_size}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
+    if len(ByteTokenizer().encode(text)) < cfg.seq_len + 1:
+        raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
     if resume_from is not None:
         CheckpointReader(resume_from).verify()  # a corrupted file too
     return cfg, model_cfg, resume_from

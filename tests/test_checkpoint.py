@@ -119,6 +119,10 @@ def test_corrupted_and_missing_files_rejected(tmp_path):
     (ckpt / "manifest.json").write_text('{"format": "tensorpar-checkpoint", "vers')
     with pytest.raises(CheckpointError, match="manifest.json is corrupted"):
         CheckpointReader(tmp_path)
+    (ckpt / "manifest.json").write_text(json.dumps({"format": "tensorpar-checkpoint",
+                                                    "version": 1, "step": 1}))
+    with pytest.raises(CheckpointError, match="missing or invalid tp_size, config, files"):
+        CheckpointReader(tmp_path)
     (ckpt / "manifest.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(CheckpointError, match="not a tensorpar-checkpoint"):
         CheckpointReader(tmp_path)
@@ -150,3 +154,9 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
         save_checkpoint(tmp_path, step, model, Layout.gather(model), meta={"config": {}})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000020", "step-00000030"]
     assert sorted(os.listdir(tmp_path)) == ["step-00000020", "step-00000030"]
+    # killed between the two renames of a re-save: the swapped-out copy is still found
+    os.rename(tmp_path / "step-00000030", tmp_path / ".step-00000030.old")
+    assert find_checkpoint(tmp_path).name == ".step-00000030.old"
+    load_checkpoint(tmp_path, model)
+    mode = (tmp_path / ".step-00000030.old" / "rank00-of01.safetensors").stat().st_mode
+    assert mode & 0o044, "checkpoint files are readable by others (as the umask allows)"

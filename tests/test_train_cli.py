@@ -125,6 +125,8 @@ def test_under_torchrun(tmp_path):
     (["train", "--tp", 2, "--sequence-parallel", "--seq-len", 33], "--seq-len 33 does not divide"),
     (["train", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
     (["generate", "--ckpt", "/nonexistent", "--prompt", "x"], "no checkpoint in /nonexistent"),
+    (["train", "--vocab-size", 100], "--vocab-size 100: the byte tokenizer needs 256"),
+    (["train", "--lr", -1], "--lr -1.0 must be > 0"),
 ])
 def test_bad_requests_exit_2(args, message):
     out = _tensorpar(*args)
@@ -147,3 +149,47 @@ def test_bad_checkpoints_exit_2(trained, tmp_path):
         out = _tensorpar(*args)
         assert out.returncode == 2 and "rank01-of02.safetensors is corrupted" in out.stderr, \
             out.stderr
+
+
+def test_short_data_and_bad_generate_flags(trained, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words")
+    out = _tensorpar("train", "--data", short, "--out", tmp_path / "run", *TINY)
+    assert out.returncode == 2 and "fewer than --seq-len 32 + 1 tokens" in out.stderr
+    for flags, message in ((["--tp", 0], "--tp 0 must be >= 1"),
+                           (["--temperature", "nan"], "--temperature nan >= 0")):
+        out = _tensorpar("generate", "--ckpt", trained[0], "--prompt", "x", *flags)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def _children(pid):
+    kids = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(stat))
+    return kids
+
+
+def test_ranks_exit_with_the_launcher(tmp_path):
+    """``kill PID`` of the tensorpar process alone (not its group): its ranks exit too, and stop
+    writing to the run directory."""
+    cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", "100000",
+           "--out", str(tmp_path), *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists() or len(_children(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    ranks = _children(proc.pid)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{r}") and open(f"/proc/{r}/stat").read().rsplit(")", 1)[1]
+              .split()[0] != "Z" for r in ranks):
+        assert time.monotonic() < deadline, "ranks still running after their launcher died"
+        time.sleep(0.2)
