@@ -23,9 +23,11 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.distributed import tp_size
 from tensorpar.parallelize import OUT_PROJ, _is_conv1d, apply_plan
 
 GPT2_PLAN = {
@@ -118,14 +120,34 @@ def _tied(model: nn.Module) -> dict[str, str]:
     return {}
 
 
+def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> None:
+    """Raise ValueError on every rank unless all ranks hold the same dense weights (one small
+    all-gather of per-parameter checksums)."""
+    if tp_size(group) == 1:
+        return
+    names = [n for n, p in model.named_parameters() if not p.is_meta]
+    sums = torch.stack([p.detach().double().sum() for n, p in model.named_parameters()
+                        if not p.is_meta]).cpu()
+    every = [torch.empty_like(sums) for _ in range(tp_size(group))]
+    dist.all_gather(every, sums, group=group)
+    differ = [names[i] for i in range(len(names))
+              if any(not torch.equal(e[i], every[0][i]) for e in every)]
+    if differ:
+        raise ValueError(f"the ranks hold different dense weights ({', '.join(differ[:3])}"
+                         f"{', ...' if len(differ) > 3 else ''}): build the model from the same "
+                         "seed or checkpoint on every rank before parallelize()")
+
+
 def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
                 group: ProcessGroup | None = None) -> nn.Module:
     """Convert a dense model in place to tensor parallelism over ``group`` and return it.
 
-    Every rank must hold the same dense model (same seed or the same checkpoint). ``plan``
-    defaults to the built-in plan of the model's family (see the module docstring).
+    Every rank must hold the same dense model (same seed or the same checkpoint); this is
+    checked. ``plan`` defaults to the built-in plan of the model's family (module docstring).
     """
-    return apply_plan(model, plan or plan_for(model), group, tied=_tied(model))
+    plan = plan or plan_for(model)
+    check_same_weights(model, group)
+    return apply_plan(model, plan, group, tied=_tied(model))
 
 
 class SafetensorsSource:

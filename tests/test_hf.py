@@ -141,6 +141,26 @@ def test_families_without_builtin_plan(ranks, hf_dirs, family):
     ranks(2).run(_parity_body, str(hf_dirs / family), "load", OPT_PLAN if family == "opt" else None)
 
 
+def _different_weights_body(path):
+    torch.manual_seed(dist_rank())  # forgot to seed alike
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match="the ranks hold different dense weights"):
+        parallelize(model)
+
+
+def dist_rank():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_parallelize_refuses_different_weights(ranks, hf_dirs):
+    """Ranks whose dense models differ (a random init without a shared seed) are refused on
+    every rank, instead of silently mixing shards of different models."""
+    ranks(2).run(_different_weights_body, str(hf_dirs / "llama"))
+
+
 def test_plans():
     """The built-in Llama-family plan is what transformers' own base_model_tp_plan translates to
     (Qwen3's q/k norms stay replicated)."""
