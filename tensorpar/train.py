@@ -120,7 +120,8 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
     opt = make_optimizer(model, cfg)
     start = 0
     if resume_from is not None:
-        start = load_checkpoint(resume_from, model, opt)["step"]
+        # the files were hashed once by resolve(), before the ranks started
+        start = load_checkpoint(resume_from, model, opt, check_hashes=False)["step"]
     out = Path(cfg.out)
     meta = {"config": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": ByteTokenizer.name,
