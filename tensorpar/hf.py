@@ -235,4 +235,8 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
                tied=_tied(model))
     source.close()
+    if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()

@@ -9,6 +9,7 @@ like, the dense model::
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from tensorpar.counting import CollectiveCounter
 from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
-from tensorpar.launch import launch
+from tensorpar.launch import RankError, launch
 from tensorpar.report import human_bytes
 from tensorpar.verify import dense_shard, max_rel_error
 
@@ -68,7 +69,7 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
     rss0, t0 = _private_memory(), time.perf_counter()
     model = from_pretrained(path, group)
     load_s, rss1 = time.perf_counter() - t0, _private_memory()
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen)
     ref = dense(ids, labels=ids, output_hidden_states=True)
@@ -154,7 +155,13 @@ def _run(fn, n: int, *args):
             return results if tp_rank(group) == 0 else None
         finally:
             dist.destroy_process_group()
-    return launch(fn, n, *args)
+    try:
+        return launch(fn, n, *args)
+    except RankError as e:  # a ValueError on the ranks (unsupported model, ...): one line
+        errors = re.findall(r"^(?:\w+\.)*(?:ValueError|CheckpointError): (.*)$", str(e), re.M)
+        if errors:
+            raise ValueError(errors[-1]) from None
+        raise
 
 
 def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int = 16) -> bool:
@@ -177,8 +184,12 @@ def generate_hf_rank(path: str, prompt: str | None, prompt_ids: list[int] | None
     torch.manual_seed(seed)  # the same on every rank: the gathered logits are, too
     kw = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False}
+    gen_cfg = model.generation_config
+    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else model.config.eos_token_id
+    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else \
+        (eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else 0)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         pad_token_id=model.config.eos_token_id or 0, **kw)[0].tolist()
+                         pad_token_id=pad, **kw)[0].tolist()
     return tok.decode(out) if tok is not None else " ".join(map(str, out))
 
 

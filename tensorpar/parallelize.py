@@ -78,7 +78,8 @@ class _Reader:
     """Reads this rank's slices of a linear layer's weight in nn.Linear (out, in) layout."""
 
     def __init__(self, source, name: str, module: nn.Module, dtype):
-        self.source, self.name, self.conv, self.dtype = source, name, _is_conv1d(module), dtype
+        self.source, self.name, self.conv = source, name, _is_conv1d(module)
+        self.dtype = dtype or module.weight.dtype  # default: the layer keeps its own dtype
 
     def rows(self, key: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """Output rows (or bias entries) from each range, concatenated."""
@@ -174,7 +175,8 @@ class _Converter:
         layer = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
                                        group=self.group, device="meta")
         a, b = layer.vocab_start, layer.vocab_stop
-        layer.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b).to(self.dtype),
+        layer.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b)
+                                       .to(self.dtype or m.weight.dtype),
                                        ShardSpec(0, a, b, m.num_embeddings),
                                        m.weight.requires_grad)
         return layer
@@ -185,7 +187,8 @@ class _Converter:
         summed over the group. Exact when the subclass only scales the lookup."""
         V, group = m.num_embeddings, self.group
         a, b = shard_range(V, self.n, self.rank)
-        m.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b).to(self.dtype),
+        m.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b)
+                                   .to(self.dtype or m.weight.dtype),
                                    ShardSpec(0, a, b, V), m.weight.requires_grad)
         m.vocab_start, m.vocab_stop = a, b
         if m.padding_idx is not None:
@@ -212,6 +215,11 @@ class _Converter:
             H, hd = m.num_heads, m.head_dim
             (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
             E = H * hd
+            if not _is_conv1d(m.c_attn) or _features(m.c_attn)[1] != 3 * E or \
+                    getattr(m, "is_cross_attention", False):
+                raise ValueError(f"{name}.c_attn is not GPT-2's Conv1D packing q|k|v of "
+                                 f"{H} heads each ({_features(m.c_attn)} features): style "
+                                 "'attention' does not know this layout")
             m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
                                    ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
             m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd))
@@ -239,10 +247,14 @@ class _Converter:
                 setattr(m, proj, layer)
             setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd)))
             m.num_key_value_groups = h_local // k_local if uniform else 1
-            for attr, value in (("num_heads", h_local), ("num_key_value_heads",
-                                                         k_local if uniform else h_local)):
-                if hasattr(m, attr):
+            kv_local = k_local if uniform else h_local
+            for attr, value in (("num_heads", h_local), ("num_attention_heads", h_local),
+                                ("n_head", h_local), ("num_key_value_heads", kv_local),
+                                ("num_kv_heads", kv_local)):
+                if isinstance(getattr(m, attr, None), int):
                     setattr(m, attr, value)
+            if isinstance(getattr(m, "embed_dim", None), int):
+                m.embed_dim = h_local * hd
         else:
             raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj and one of "
                              f"{OUT_PROJ}, or c_attn/c_proj; "
@@ -252,6 +264,10 @@ class _Converter:
         # heads: their gradients are partial sums, completed over the group in backward
         converted = {"c_attn", "c_proj"} if hasattr(m, "c_attn") else {"q_proj", "k_proj",
                                                                         "v_proj", out}
+        own = [p for p, _ in m.named_parameters(recurse=False)]
+        if own:  # e.g. per-head attention sinks: they would need splitting by heads too
+            raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
+                             "splits only its projections")
         others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
                   if c not in converted for p, t in child.named_parameters()]
         for pname, t in others:
@@ -312,8 +328,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     """
     matches = check_plan(model, plan)
     source = source or ModuleSource(model)
-    dtype = dtype or next(model.parameters()).dtype
-    conv = _Converter(source, group, dtype)
+    conv = _Converter(source, group, dtype)  # dtype None: each layer keeps its own
     tied, embeddings = tied or {}, {}
     # embeddings first, so that a tied head finds its shard
     for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
@@ -324,6 +339,9 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
             if style == "vocab":
                 new = embeddings[name] = conv.vocab(name, m)
             elif style in ("column", "column_gather"):
+                if name in tied and tied[name] not in embeddings:
+                    raise ValueError(f"{name} shares its weight with {tied[name]}: the plan must "
+                                     f"also give {tied[name]!r} the style 'vocab'")
                 emb = embeddings.get(tied.get(name, ""))
                 new = conv.column(name, m, gather=style == "column_gather",
                                   weight=None if emb is None else emb.weight)
@@ -339,7 +357,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     for name, p in list(model.named_parameters()):
         if p.is_meta:  # loading from files: what the plan left whole (norms, position tables)
             owner, _, attr = name.rpartition(".")
-            p = nn.Parameter(source.read(name).to(dtype), requires_grad=p.requires_grad)
+            p = nn.Parameter(source.read(name).to(dtype or p.dtype), requires_grad=p.requires_grad)
             setattr(model.get_submodule(owner), attr, p)
         if not hasattr(p, "tp_shard"):
             p.tp_shard = REPLICATED

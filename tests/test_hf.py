@@ -61,6 +61,9 @@ def hf_dirs(tmp_path_factory):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.save_pretrained(root / name)
     char_tokenizer().save_pretrained(root / "llama")
+    # generation settings of the directory (eos list as in Llama 3, a penalty) apply too
+    transformers.GenerationConfig(eos_token_id=[2, 7], repetition_penalty=1.3).save_pretrained(
+        root / "llama")
     return root
 
 
@@ -161,6 +164,19 @@ def test_parallelize_refuses_different_weights(ranks, hf_dirs):
     ranks(2).run(_different_weights_body, str(hf_dirs / "llama"))
 
 
+def test_unsupported_layouts_refused():
+    """A plan that would silently give wrong results is refused: a tied head without its
+    embedding, and a c_attn that is not GPT-2's q|k|v packing (GPT-BigCode's multi-query)."""
+    cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="lm_head shares its weight with model.embed_tokens"):
+        parallelize(model, {"model.layers.*.mlp": "mlp", "lm_head": "column_gather"})
+    bigcode = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(
+        vocab_size=96, n_embd=48, n_layer=1, n_head=6))
+    with pytest.raises(ValueError, match="is not GPT-2's Conv1D packing q|k|v"):
+        parallelize(bigcode, {"transformer.h.*.attn": "attention"})
+
+
 def test_plans():
     """The built-in Llama-family plan is what transformers' own base_model_tp_plan translates to
     (Qwen3's q/k norms stay replicated)."""
@@ -200,7 +216,7 @@ def test_cli_verify_and_generate(hf_dirs):
                          "--max-new-tokens", 12)
         assert gen.returncode == 0, gen.stderr
         texts.append(gen.stdout)
-    assert texts[0] == texts[1] and texts[0].startswith("Hi ") and len(texts[0]) > 10
+    assert texts[0] == texts[1] and texts[0].startswith("Hi ") and len(texts[0]) > 4
     gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
     assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
     gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids", "5,6,7",
