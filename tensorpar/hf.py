@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.distributed import tp_size
-from tensorpar.parallelize import OUT_PROJ, _is_conv1d, apply_plan
+from tensorpar.parallelize import apply_plan
+from tensorpar.styles import OUT_PROJ, is_conv1d
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -98,7 +99,7 @@ def plan_for(model: nn.Module) -> dict[str, str]:
         if isinstance(getattr(model, "lm_head", None), nn.Linear):
             plan["lm_head"] = "column_gather"
         return plan
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)]
     shown = "\n  ".join(linears[:12]) + ("\n  ..." if len(linears) > 12 else "")
     raise ValueError(
         f"no tensor-parallel plan for {type(model).__name__} (model_type={model_type!r}). Its "

@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")
 
 from tensorpar.counting import CollectiveCounter  # noqa: E402
 from tensorpar.hf import LLAMA_PLAN, from_pretrained, parallelize, plan_for, translate_hf_plan  # noqa: E402
-from tensorpar.parallelize import _is_conv1d  # noqa: E402
+from tensorpar.styles import is_conv1d  # noqa: E402
 from tensorpar.verify import dense_shard  # noqa: E402
 
 from tp_check import assert_close  # noqa: E402
@@ -105,7 +105,7 @@ def _parity_body(path, how, plan=None):
     dense_params = dict(dense.named_parameters())
     for name, p in model.named_parameters():
         ref_p, ref_g = dense_params[name], dense_params[name].grad
-        if name.endswith("weight") and _is_conv1d(dense.get_submodule(name.rpartition(".")[0])):
+        if name.endswith("weight") and is_conv1d(dense.get_submodule(name.rpartition(".")[0])):
             ref_p, ref_g = ref_p.t(), ref_g.t()  # GPT-2's Conv1D is (in, out); shards are (out, in)
         if ref_g.abs().max() < 1e-6:  # a key bias without rotary: exactly zero, noise only
             assert p.grad.abs().max() < 1e-6, name
