@@ -77,3 +77,10 @@ def init_tensor_parallel(
         return dist.group.WORLD
     group, _ = dist.new_subgroups(group_size=tp)
     return group
+
+
+def device_for(group: ProcessGroup | None = None) -> torch.device:
+    """Where this rank computes: its GPU when the group runs on NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

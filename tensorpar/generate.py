@@ -14,7 +14,6 @@ exact sample from softmax(logits/T) and the same token at every TP size.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -23,8 +22,8 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.checkpoint import CheckpointReader, load_checkpoint
 from tensorpar.data import ByteTokenizer
-from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
-from tensorpar.launch import launch
+from tensorpar.distributed import device_for, tp_rank, tp_size
+from tensorpar.launch import run_ranks
 from tensorpar.model import GPT, GPTConfig
 
 
@@ -78,9 +77,7 @@ def generate_rank(ckpt: str, prompt: str, max_new_tokens: int, temperature: floa
                   group: ProcessGroup | None = None) -> str | None:
     """Load ``ckpt`` at this group's TP size and generate; rank 0 returns the text."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    device = torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device_for(group)
     cfg = GPTConfig(**CheckpointReader(ckpt).manifest["config"])
     model = GPT(cfg, group, device=device)
     load_checkpoint(ckpt, model, check_hashes=False)  # hashed once by check_request()
@@ -111,16 +108,8 @@ def check_request(ckpt: str, prompt: str, max_new_tokens: int, temperature: floa
 def run_generate(ckpt: str, tp: int, prompt: str, max_new_tokens: int, temperature: float,
                  seed: int) -> int:
     check_request(ckpt, prompt, max_new_tokens, temperature, tp)
-    args = (ckpt, prompt, max_new_tokens, temperature, seed)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        group = init_tensor_parallel(tp)
-        try:
-            texts = [generate_rank(*args, group=group)]
-        finally:
-            dist.destroy_process_group()
-    else:
-        texts = launch(generate_rank, tp, *args)
-    if texts[0] is not None:
+    texts = run_ranks(generate_rank, tp, ckpt, prompt, max_new_tokens, temperature, seed)
+    if texts is not None and texts[0] is not None:
         sys.stdout.write(texts[0] + "\n")
         sys.stdout.flush()
     return 0

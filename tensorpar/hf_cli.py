@@ -8,18 +8,15 @@ like, the dense model::
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tensorpar.counting import CollectiveCounter
-from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
-from tensorpar.launch import RankError, launch
+from tensorpar.launch import RankError, run_ranks
 from tensorpar.report import human_bytes
 from tensorpar.verify import dense_shard, max_rel_error
 
@@ -146,17 +143,8 @@ def _check_dir(path: str) -> None:
 
 
 def _run(fn, n: int, *args):
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        group = init_tensor_parallel(n)
-        try:
-            result = fn(*args, group=group)
-            results = [None] * tp_size(group)
-            dist.all_gather_object(results, result, group=group)
-            return results if tp_rank(group) == 0 else None
-        finally:
-            dist.destroy_process_group()
     try:
-        return launch(fn, n, *args)
+        return run_ranks(fn, n, *args)
     except RankError as e:  # a ValueError on the ranks (unsupported model, ...): one line
         errors = re.findall(r"^(?:\w+\.)*(?:ValueError|CheckpointError): (.*)$", str(e), re.M)
         if errors:

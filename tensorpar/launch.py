@@ -194,6 +194,26 @@ def _report(got: dict[int, tuple[bool, Any]], why: str | None) -> str:
     return "\n".join(lines)
 
 
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any] | None:
+    """Run ``fn(*args, group=...)`` on ``nprocs`` ranks: spawn them, or, under torchrun, be one of
+    them. Returns every rank's result in rank order (under torchrun, gathered to rank 0; the
+    other ranks get None)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return launch(fn, nprocs, *args)
+    import torch.distributed as dist
+
+    from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
+
+    group = init_tensor_parallel(nprocs)
+    try:
+        result = fn(*args, group=group)
+        results = [None] * tp_size(group)
+        dist.all_gather_object(results, result, group=group)
+        return results if tp_rank(group) == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
            **kwargs: Any) -> list[Any]:
     """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results.

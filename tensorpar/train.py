@@ -33,8 +33,8 @@ import torch.distributed as dist
 from tensorpar.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint, save_checkpoint
 from tensorpar.counting import CollectiveCounter
 from tensorpar.data import ByteTokenizer, TokenBatches, load_text
-from tensorpar.distributed import init_tensor_parallel, tp_rank, tp_size
-from tensorpar.launch import launch
+from tensorpar.distributed import device_for, tp_rank, tp_size
+from tensorpar.launch import run_ranks
 from tensorpar.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.model import GPT, GPTConfig
 from tensorpar.report import Metrics, ProgressLine, plot_loss, summary
@@ -102,17 +102,11 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
                              lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _device(group) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                group=None) -> dict:
     """The training loop of one rank. Returns what the run measured (on every rank)."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    rank, device = tp_rank(group), _device(group)
+    rank, device = tp_rank(group), device_for(group)
     text, label = load_text(cfg.data)
     batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
     model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device)
@@ -241,16 +235,10 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
     return cfg, model_cfg, resume_from
 
 
-def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> list[dict]:
+def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> list | None:
     """Spawn ``cfg.tp`` local ranks, or, under torchrun, be one of its ranks."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.tp:
-            raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}; "
-                             "tensorpar train runs one TP group (world size = --tp)")
-        group = init_tensor_parallel(cfg.tp)
-        try:
-            return [train_rank(cfg, model_cfg, resume_from, group)]
-        finally:
-            dist.destroy_process_group()
-    return launch(train_rank, cfg.tp, cfg, model_cfg, resume_from)
+    world = int(os.environ.get("WORLD_SIZE", cfg.tp))
+    if "TORCHELASTIC_RUN_ID" in os.environ and world != cfg.tp:
+        raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}; "
+                         "tensorpar train runs one TP group (world size = --tp)")
+    return run_ranks(train_rank, cfg.tp, cfg, model_cfg, resume_from)

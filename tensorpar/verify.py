@@ -13,10 +13,7 @@ Megatron scheme prescribes. Exits non-zero on any mismatch.
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -24,9 +21,9 @@ from torch.distributed import ProcessGroup
 from tensorpar.attention import ParallelSelfAttention, head_layout
 from tensorpar.counting import KINDS, CollectiveCounter
 from tensorpar.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.distributed import init_tensor_parallel, tp_size
+from tensorpar.distributed import device_for
 from tensorpar.embedding import VocabParallelEmbedding
-from tensorpar.launch import launch
+from tensorpar.launch import run_ranks
 from tensorpar.linear import ColumnParallelLinear
 from tensorpar.mlp import ParallelMLP
 from tensorpar.norm import LayerNorm, RMSNorm
@@ -98,8 +95,7 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
 
     Runs on this rank's GPU when the group uses NCCL, on the CPU otherwise.
     """
-    nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = device_for(group)
     torch.manual_seed(seed)
     dense = DenseBlock(cfg).to(device)
     ids = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).to(device)
@@ -179,14 +175,6 @@ def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
 def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> bool:
     """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
     check_config(cfg, n, sequence_parallel)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: we are one of the ranks
-        group = init_tensor_parallel(tp_size=n)
-        result = verify_rank(cfg, sequence_parallel, seed, group)
-        results = [None] * tp_size(group)
-        dist.all_gather_object(results, result, group=group)
-        ok = report(results, cfg, n, sequence_parallel) if dist.get_rank() == 0 else True
-        dist.destroy_process_group()
-        return ok
-    results = launch(verify_rank, n, cfg, sequence_parallel, seed)
-    return report(results, cfg, n, sequence_parallel)
+    results = run_ranks(verify_rank, n, cfg, sequence_parallel, seed)
+    return True if results is None else report(results, cfg, n, sequence_parallel)
 
