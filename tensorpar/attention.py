@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.comm import enter_tp_region
 from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.fused import fused_column
 from tensorpar.grad_sync import sum_shared_shard_grads
 from tensorpar.kv_cache import LayerKVCache
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
@@ -59,12 +60,14 @@ class ParallelSelfAttention(nn.Module):
     dim: model width. num_heads, num_kv_heads: query and key/value head counts (GQA when fewer KV
     heads; default num_heads). head_dim: default dim // num_heads. causal: mask future tokens.
     sequence_parallel: input and output are sequence shards (B, T/n, dim).
+    fused: Q, K and V as one autograd op whose backward all-reduce is overlapped with the
+        weight-gradient matmuls (``fused.py``); the same numbers and collectives.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, causal: bool = True,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 *, device=None, dtype=None):
+                 *, device=None, dtype=None, fused: bool = False):
         super().__init__()
         kv_heads = num_kv_heads or num_heads
         n, rank = tp_size(group), tp_rank(group)
@@ -76,6 +79,7 @@ class ParallelSelfAttention(nn.Module):
             head_dim = dim // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
+        self.fused = fused
         self.heads, self.kv_heads, self.kv_shared = (h0, h1), (k0, k1), shared
         hd, kw = head_dim, {"bias": bias, "group": group, "device": device, "dtype": dtype}
         self.q_proj = ColumnParallelLinear(dim, num_heads * hd, out_range=(h0 * hd, h1 * hd), **kw)
@@ -94,7 +98,8 @@ class ParallelSelfAttention(nn.Module):
     @classmethod
     def from_dense(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
                    num_kv_heads: int | None = None, causal: bool = True,
-                   sequence_parallel: bool = False, group: ProcessGroup | None = None):
+                   sequence_parallel: bool = False, group: ProcessGroup | None = None,
+                   fused: bool = False):
         """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
         kv_heads = num_kv_heads or num_heads
         head_layout(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
@@ -113,7 +118,7 @@ class ParallelSelfAttention(nn.Module):
                     f"num_heads={num_heads}, num_kv_heads={kv_heads}, head_dim={hd}")
         attn = cls(dim, num_heads, kv_heads, hd, bias=False, causal=causal,
                    sequence_parallel=sequence_parallel, group=group, device="meta",
-                   dtype=q.weight.dtype)
+                   dtype=q.weight.dtype, fused=fused)
         for mine, dense in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v),
                             (attn.o_proj, o)):
             mine.load_dense(dense.weight, dense.bias)
@@ -137,12 +142,17 @@ class ParallelSelfAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
-        x = enter_tp_region(x, self.sequence_parallel, self.group)  # (B, T, D), the block's f
-        B, T, _ = x.shape
         wk, wv, bk, bv = self._kv_params()
-        q = self.q_proj.forward_local(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = F.linear(x, wk, bk).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = F.linear(x, wv, bv).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.fused:
+            q, k, v = fused_column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
+                                   sequence_parallel=self.sequence_parallel, group=self.group)
+        else:
+            x = enter_tp_region(x, self.sequence_parallel, self.group)  # (B, T, D): f
+            q, k, v = self.q_proj.forward_local(x), F.linear(x, wk, bk), F.linear(x, wv, bv)
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         # q: (B, h_local, T, hd); k, v: (B, kv_local, T, hd)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

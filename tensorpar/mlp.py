@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.comm import enter_tp_region
+from tensorpar.fused import fused_column
 from tensorpar.linear import ColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -49,14 +50,17 @@ class ParallelMLP(nn.Module):
     dim, hidden_dim: model and hidden widths. gated: add a gate projection (SwiGLU style).
     activation: a name in ``ACTIVATIONS`` or an elementwise callable.
     sequence_parallel: input and output are sequence shards (B, T/n, dim).
+    fused: gate and up as one autograd op whose backward all-reduce is overlapped with the
+        weight-gradient matmuls (``fused.py``); the same numbers and collectives.
     """
 
     def __init__(self, dim: int, hidden_dim: int, gated: bool = False,
                  activation: str | Callable = "gelu", bias: bool = True,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 *, device=None, dtype=None):
+                 *, device=None, dtype=None, fused: bool = False):
         super().__init__()
         self.act = _activation(activation)
+        self.fused = fused
         self.sequence_parallel, self.group = sequence_parallel, group
         kw = {"group": group, "device": device, "dtype": dtype}
         self.gate = ColumnParallelLinear(dim, hidden_dim, bias, **kw) if gated else None
@@ -67,7 +71,7 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_dense(cls, up: nn.Linear, down: nn.Linear, gate: nn.Linear | None = None,
                    activation: str | Callable = "gelu", sequence_parallel: bool = False,
-                   group: ProcessGroup | None = None) -> ParallelMLP:
+                   group: ProcessGroup | None = None, fused: bool = False) -> ParallelMLP:
         """Shard dense ``up`` (dim -> hidden), ``down`` (hidden -> dim) and optional ``gate``."""
         if up.out_features != down.in_features or up.in_features != down.out_features:
             raise ValueError(f"ParallelMLP: up is {up.in_features}->{up.out_features} but down "
@@ -77,7 +81,7 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"ParallelMLP: gate is {gate.in_features}->{gate.out_features}, "
                              f"up is {up.in_features}->{up.out_features}")
         mlp = cls(up.in_features, up.out_features, gate is not None, activation,
-                  sequence_parallel=sequence_parallel, group=group, device="meta")
+                  sequence_parallel=sequence_parallel, group=group, device="meta", fused=fused)
         mlp.gate = None if gate is None else ColumnParallelLinear.from_dense(gate, group=group)
         mlp.up = ColumnParallelLinear.from_dense(up, group=group)
         mlp.down = RowParallelLinear.from_dense(down, input_is_parallel=True,
@@ -88,6 +92,12 @@ class ParallelMLP(nn.Module):
         if x.shape[-1] != self.up.in_features:
             raise ValueError(f"ParallelMLP: input last dim {x.shape[-1]}, expected "
                              f"{self.up.in_features}")
+        if self.fused:  # the block's only f, inside the fused op
+            linears = [self.up] if self.gate is None else [self.gate, self.up]
+            hs = fused_column(x, [m.weight for m in linears], [m.bias for m in linears],
+                              sequence_parallel=self.sequence_parallel, group=self.group)
+            h = self.act(hs[0]) if self.gate is None else self.act(hs[0]) * hs[1]
+            return self.down(h)
         x_tp = enter_tp_region(x, self.sequence_parallel, self.group)  # the block's only f
         h = self.up.forward_local(x_tp)
         if self.gate is None:

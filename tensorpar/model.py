@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from tensorpar.attention import ParallelSelfAttention, head_layout
 from tensorpar.comm import enter_tp_region
@@ -39,6 +40,7 @@ from tensorpar.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.distributed import tp_size
 from tensorpar.dropout import ParallelDropout, TensorParallelRNG, region_for
 from tensorpar.embedding import VocabParallelEmbedding
+from tensorpar.fused import fused_column
 from tensorpar.kv_cache import KVCache
 from tensorpar.linear import ColumnParallelLinear
 from tensorpar.mlp import ParallelMLP
@@ -99,15 +101,15 @@ class Block(nn.Module):
     """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool, group: ProcessGroup | None,
-                 rng: TensorParallelRNG, device=None):
+                 rng: TensorParallelRNG, device=None, fused: bool = True):
         super().__init__()
         kw = {"sequence_parallel": sequence_parallel, "group": group}
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.attn = ParallelSelfAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=False,
-                                          device=device, **kw)
+                                          device=device, fused=fused, **kw)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.mlp = ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
-                               bias=False, device=device, **kw)
+                               bias=False, device=device, fused=fused, **kw)
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
@@ -122,20 +124,31 @@ class GPT(nn.Module):
     sequence_parallel: the residual stream between blocks holds T/n tokens per rank.
     rng: dropout streams (reseed them with ``rng.manual_seed``); only used when cfg.dropout > 0.
     seed: weights depend on it and on each parameter's name, never on the TP size.
+    fused: QKV, gate/up and the LM head each as one autograd op that overlaps the backward
+        all-reduce of the input gradient with the weight-gradient matmuls (``fused.py``); False:
+        the plain layers. Same parameters, same numbers (to fp32 rounding), same collectives.
+    recompute: keep only each block's input in forward and recompute the block in backward
+        (full activation recomputation: less memory, one more forward per block, whose
+        collectives run again).
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, seed: int = 0,
-                 rng: TensorParallelRNG | None = None, device=None):
+                 rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
+                 recompute: bool = False):
         super().__init__()
         cfg.check(tp_size(group))
+        if recompute and cfg.dropout > 0:
+            raise ValueError(f"recompute with --dropout {cfg.dropout}: recomputed blocks would "
+                             "draw other dropout masks; use one or the other")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.fused, self.recompute = fused, recompute
         self.rng = rng or TensorParallelRNG(seed, group)
         kw = {"sequence_parallel": sequence_parallel, "group": group, "device": device}
         # built on the meta device, then every parameter drawn by ``init_weights``
         meta = {**kw, "device": "meta"}
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta)
-        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta")
+        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused)
                                     for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta)
         self.lm_head = None if cfg.tie_embeddings else \
@@ -159,8 +172,8 @@ class GPT(nn.Module):
                 full = torch.empty(dense_shape(p)).normal_(0.0, std, generator=gen)
             if spec.dim is not None:
                 full = full.narrow(spec.dim, spec.start, spec.stop - spec.start)
-            local = nn.Parameter(full.to(device=device, dtype=p.dtype).contiguous(),
-                                 requires_grad=p.requires_grad)
+            local = nn.Parameter(full.to(device=device, dtype=p.dtype).clone(),  # not a view:
+                                 requires_grad=p.requires_grad)  # it would keep all of `full`
             local.tp_shard = spec
             owner, attr = self._owner(name)
             setattr(owner, attr, local)
@@ -184,14 +197,21 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         x = self.embed(ids_BT)  # (B, T, D); under SP (B, T/n, D)
         rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None)
+            if recompute:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, cache.layers[i] if cache is not None else None)
         x = self.norm(x)
-        if self.lm_head is not None:
-            logits_BTV_local = self.lm_head(x)
-        else:  # tied: the embedding's vocab rows are exactly a column-parallel head's shard
+        # tied: the embedding's vocab rows are exactly a column-parallel head's shard
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused:
+            (logits_BTV_local,) = fused_column(x, [head], sequence_parallel=self.sequence_parallel,
+                                               group=self.group)
+        else:
             x = enter_tp_region(x, self.sequence_parallel, self.group)
-            logits_BTV_local = F.linear(x, self.embed.weight)
+            logits_BTV_local = F.linear(x, head)
         if targets_BT is None:
             return logits_BTV_local
         return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group)

@@ -19,23 +19,27 @@ def _sp_shards(sp):
     return (lambda t: shard(t, 1)) if sp else (lambda t: t)
 
 
-def _mlp_body(gated, bias, sp):
+def _mlp_body(gated, bias, sp, fused=False):
     torch.manual_seed(0)
     act = F.silu if gated else F.gelu
     dense = DenseMLP(D, 50, gated=gated, bias=bias, activation=act)  # 50: uneven over 3 and 4
     mlp = ParallelMLP.from_dense(dense.up, dense.down, dense.gate,
-                                 activation="silu" if gated else "gelu", sequence_parallel=sp)
+                                 activation="silu" if gated else "gelu", sequence_parallel=sp,
+                                 fused=fused)
     return compare_module(dense, mlp, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp))
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("gated,bias,sp", [(False, True, False), (True, False, False),
                                            (True, False, True), (False, True, True)])
-def test_parallel_mlp(ranks, n, gated, bias, sp):
+@pytest.mark.parametrize("fused", [False, True])
+def test_parallel_mlp(ranks, n, gated, bias, sp, fused):
     """Column then row: the activation runs on hidden shards with no sync, so the MLP costs
     exactly one all-reduce forward and one backward (one all-gather + one reduce-scatter each way
-    under SP, plus the all-reduce of the replicated down-bias gradient when there is a bias)."""
-    results = ranks(n).run(_mlp_body, gated, bias, sp)
+    under SP, plus the all-reduce of the replicated down-bias gradient when there is a bias).
+    Fused (gate and up as one matmul, the backward collective overlapped): the same numbers and
+    the same collectives."""
+    results = ranks(n).run(_mlp_body, gated, bias, sp, fused)
     if n == 1:
         return counts_ok(results, {}, {})
     if not sp:
@@ -44,7 +48,7 @@ def test_parallel_mlp(ranks, n, gated, bias, sp):
     counts_ok(results, {"all_gather": 1, "reduce_scatter": 1}, bwd)
 
 
-def _attention_body(heads, kv_heads, sp, causal, bias=False):
+def _attention_body(heads, kv_heads, sp, causal, bias=False, fused=False):
     """bias: True (all four projections), False, or a string naming the ones that have one."""
     torch.manual_seed(0)
     dense = DenseAttention(D, heads, kv_heads, head_dim=4, bias=bias is True, causal=causal)
@@ -54,7 +58,7 @@ def _attention_body(heads, kv_heads, sp, causal, bias=False):
             proj.bias = torch.nn.Parameter(torch.randn(proj.out_features))
     attn = ParallelSelfAttention.from_dense(dense.q_proj, dense.k_proj, dense.v_proj,
                                             dense.o_proj, heads, kv_heads, causal=causal,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, fused=fused)
     return compare_module(dense, attn, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp),
                           zero_grads=("k_proj.bias",))
 
@@ -66,12 +70,14 @@ ATTENTION_LAYOUTS = [  # (heads, kv_heads): MHA, GQA, MQA, uneven heads
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("heads,kv_heads", ATTENTION_LAYOUTS)
 @pytest.mark.parametrize("sp", [False, True])
-def test_parallel_attention(ranks, n, heads, kv_heads, sp):
+@pytest.mark.parametrize("fused", [False, True])
+def test_parallel_attention(ranks, n, heads, kv_heads, sp, fused):
     """Heads split across ranks (tensor_split over heads); KV heads shared by several ranks when
-    there are fewer than ranks, their gradients summed with one all-reduce in backward."""
+    there are fewer than ranks, their gradients summed with one all-reduce in backward. Fused
+    QKV (one matmul, the backward collective overlapped): the same numbers and collectives."""
     if heads < n:
         pytest.skip("fewer heads than ranks is refused: see test_attention_errors")
-    results = ranks(n).run(_attention_body, heads, kv_heads, sp, True)
+    results = ranks(n).run(_attention_body, heads, kv_heads, sp, True, False, fused)
     if n == 1:
         return counts_ok(results, {}, {})
     shared = head_layout(heads, kv_heads, n, 0)[2]
@@ -84,9 +90,10 @@ def test_parallel_attention(ranks, n, heads, kv_heads, sp):
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("bias", ["v", "k", "qo"])
-def test_parallel_attention_partial_biases(ranks, n, bias):
+@pytest.mark.parametrize("fused", [False, True])
+def test_parallel_attention_partial_biases(ranks, n, bias, fused):
     """Any subset of the projections may carry a bias (K without V, V without K, ...)."""
-    ranks(n).run(_attention_body, 8, 2, False, True, bias)
+    ranks(n).run(_attention_body, 8, 2, False, True, bias, fused)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -97,10 +104,11 @@ def test_parallel_attention_not_causal(ranks, n):
 
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("sp", [False, True])
-def test_parallel_attention_with_biases(ranks, n, sp):
+@pytest.mark.parametrize("fused", [False, True])
+def test_parallel_attention_with_biases(ranks, n, sp, fused):
     """Q/K/V/O biases (Qwen-style): the shared-KV gradient sum covers the KV biases, and under SP
     the replicated output bias gradient is summed too (one all-reduce for all of them each)."""
-    results = ranks(n).run(_attention_body, 8, 2, sp, True, True)
+    results = ranks(n).run(_attention_body, 8, 2, sp, True, True, fused)
     if n == 1:
         return counts_ok(results, {}, {})
     fwd = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
