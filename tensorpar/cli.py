@@ -6,6 +6,7 @@
     tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
     tensorpar verify --hf PATH --tp 2                       a HF model vs its dense self
     tensorpar generate --hf PATH --tp 2 --prompt "..."
+    tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB
 
 The train flags are the fields of ``TrainConfig`` and ``GPTConfig``, one per field.
 """
@@ -79,6 +80,8 @@ def _add_export(sub) -> None:
 
 
 def _run(args) -> int:
+    if hasattr(args, "func"):  # subcommands that bring their own parser (plan, bench)
+        return args.func(args)
     if args.command == "verify" and args.hf:
         from tensorpar.hf_cli import run_verify_hf
 
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_export(sub)
     _add_verify(sub)
+    from tensorpar import plan_cli
+
+    plan_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return _run(args)

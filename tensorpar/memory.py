@@ -1,0 +1,163 @@
+"""Per-rank memory meter: bytes of tensor storage alive at entry and at the peak, CPU or CUDA.
+
+::
+
+    with MemoryMeter("cpu") as mem:
+        loss = model(ids, targets); loss.backward(); opt.step()
+    mem.entry_bytes  # weights, grads, optimizer states, ... alive when the block began
+    mem.peak_bytes   # the most alive at any moment inside it, entry_bytes included
+
+What it counts: the storage bytes of every tensor on the meter's device (``untyped_storage()
+.nbytes()``), each storage once however many tensors view it.
+
+- CUDA: the caching allocator's own statistics, ``torch.cuda.memory_allocated`` at entry and
+  ``max_memory_allocated`` (its peak is reset at entry), so it sees every allocation, inside
+  kernels too, rounded to the allocator's 512-byte blocks.
+- CPU: torch keeps no allocator statistics, so the meter tracks storages itself. At entry it
+  scans the live tensors once (``gc``, plus each one's ``.grad``, which autograd holds in C++);
+  inside the block a ``TorchDispatchMode`` sees the output of every aten op (in forward, in the
+  autograd engine's backward, in the optimizer step) and a weakref on each new storage subtracts
+  its bytes when it is freed. Torch keeps one Python object per storage while the storage lives,
+  so a weakref fires exactly when the memory is released.
+
+What it does not count: the allocator's slack (CUDA's reserved-but-free cache and rounding,
+the CPU allocator's and the OS's page overhead), non-tensor memory (Python objects, the autograd
+graph's nodes, communication buffers inside gloo/NCCL, CUDA context, kernels' workspaces). On CPU
+also: scratch memory a single kernel allocates and frees before it returns (oneDNN's or the CPU
+flash-attention kernel's per-thread buffers), and tensors alive at entry that no Python object
+reaches (saved activations of a graph built before the block) until an op returns a view of them.
+The peak is sampled at op boundaries: after each op returns, with its inputs still alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts the live bytes of the storages on one device type; keeps their running peak."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted for it
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage if it is new (or has grown, as ``resize_`` and ``out=`` do)."""
+        if t.device.type != self.device_type or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse and other storage-less tensors
+            return
+        nbytes = storage.nbytes()
+        key = id(storage)
+        with self._lock:
+            old = self._sizes.get(key)
+            if old is None:
+                if nbytes == 0:
+                    return
+                self._refs[key] = weakref.ref(storage, self._freed_callback(key))
+            elif old == nbytes:
+                return
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes - (old or 0)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _freed_callback(self, key: int):
+        def freed(_ref):
+            with self._lock:
+                if self._closed:
+                    return
+                self.live_bytes -= self._sizes.pop(key, 0)
+                self._refs.pop(key, None)
+        return freed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._sizes.clear()
+            self._refs.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+
+def _live_tensors():
+    """Every tensor a Python object reaches, and the gradients autograd holds for them."""
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some objects make warn
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        yield obj
+        if obj.is_leaf:  # .grad of a non-leaf is never kept (and reading it warns)
+            grad = obj.grad
+            if isinstance(grad, torch.Tensor):
+                yield grad
+
+
+class MemoryMeter:
+    """Context manager measuring this process's tensor memory on ``device`` (None: CPU).
+
+    After (or inside) the block: ``entry_bytes``, the storage alive when it began, and
+    ``peak_bytes``, the most alive at any moment inside it, ``entry_bytes`` included. See the
+    module docstring for what is and is not counted.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.entry_bytes = 0
+        self._peak = 0
+        self._tracker: _StorageTracker | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        if self._tracker is not None:  # inside the block: the running peak
+            return self._tracker.peak_bytes
+        if self.device.type == "cuda" and self._peak < 0:
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._peak
+
+    def __enter__(self) -> MemoryMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.entry_bytes = torch.cuda.memory_allocated(self.device)
+            self._peak = -1  # read from the allocator until exit
+            return self
+        tracker = _StorageTracker(self.device.type)
+        gc.collect()  # what is already garbage is not alive
+        for t in _live_tensors():
+            tracker.add(t)
+        tracker.peak_bytes = tracker.live_bytes
+        self.entry_bytes = tracker.live_bytes
+        tracker.__enter__()
+        self._tracker = tracker
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(*exc)
+        self._peak = tracker.peak_bytes
+        tracker.close()

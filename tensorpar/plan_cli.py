@@ -1,0 +1,211 @@
+"""``tensorpar plan``: per-rank memory and communication of a training step, before running it.
+
+::
+
+    tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB --seq 4096
+    tensorpar plan --config path/to/config.json --tp 2 --dtype fp32,bf16 --json
+    tensorpar plan --model gpt2 --tp 4 --split       # which split of gelu(X W1) W2 moves least
+
+Formulas and their checks: ``planner.py`` (memory), ``plan_comm.py`` (communication).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from tensorpar.model_zoo import PRESETS, load_spec, preset
+from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
+from tensorpar.planner import DTYPES, RECOMPUTE, plan_memory, smallest_fitting
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10, '24GiB' -> 24·2^30, '1.5e9' -> 1.5e9."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"--device-memory {text!r}: expected a size like 80GB, 24GiB or 8e10")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected integers like 1,2,4,8") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} {text!r}: every value must be >= 1")
+    return values
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="per-rank memory and communication of a training step",
+                              description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="llama-2-7b", help=f"a preset: {', '.join(PRESETS)}")
+    src.add_argument("--config", help="a JSON file: GPTConfig, checkpoint manifest or HF config")
+    p.add_argument("--tp", default="1,2,4,8", help="TP size or a list (1,2,4,8): one row each")
+    p.add_argument("--dtype", default="bf16",
+                   help=f"{', '.join(DTYPES)}, a list, or 'all' (bf16: Megatron mixed precision)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch (sequences per step)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--device-memory", default="80GB", help="memory per device (80GB, 24GiB)")
+    p.add_argument("--reserve", type=float, default=0.10,
+                   help="fraction of device memory kept free (fragmentation, context, buffers)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--png", help="write a chart: per-rank memory by component against TP size")
+    p.add_argument("--split", action="store_true",
+                   help="also compare the ways of splitting gelu(X W1) W2 (bytes moved)")
+    p.set_defaults(func=main)
+
+
+_AT = {"loss backward": "loss bwd", "block backward": "block bwd", "optimizer step": "opt step"}
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:,.2f}"
+
+
+def build(args) -> dict:
+    """Everything the command shows, as plain data (what --json prints)."""
+    spec = load_spec(args.config) if args.config else preset(args.model)
+    tps = _ints(str(args.tp), "--tp")
+    dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"--dtype {d!r}: expected one of {', '.join(DTYPES)} or all")
+    if args.batch < 1 or args.seq < 1:
+        raise ValueError(f"--batch {args.batch} and --seq {args.seq} must be >= 1")
+    device = parse_bytes(args.device_memory)
+    rows = []
+    for dtype in dtypes:
+        for tp in tps:
+            try:
+                rows.append(plan_memory(spec, tp, args.batch, args.seq, dtype,
+                                        args.sequence_parallel, args.recompute, device,
+                                        args.reserve))
+            except ValueError as e:
+                raise ValueError(f"--tp {tp} for {spec.name}: {e}") from None
+    verdicts = {}
+    for dtype in dtypes:
+        best = smallest_fitting([r for r in rows if r["dtype"] == dtype])
+        verdicts[dtype] = (f"{dtype}: TP={best['tp']} is the smallest that fits "
+                           f"({_gb(best['total'])} of {_gb(best['usable'])} GB usable per device)"
+                           if best else f"{dtype}: no TP size in {tps} fits {args.device_memory}")
+    comm_dtype = "fp32" if dtypes == ["fp32"] else "bf16"
+    rec = "full" if args.recompute == "full" else "none"
+    comm = {tp: predicted_comm(spec, args.batch, args.seq, tp, args.sequence_parallel,
+                               comm_dtype, rec) for tp in tps}
+    out = {"model": spec.name, "params": spec.params(), "rows": rows, "verdict": verdicts,
+           "comm": {str(tp): c for tp, c in comm.items()}}
+    fp32 = plan_memory(spec, 1, args.batch, args.seq, "fp32")
+    bf16 = plan_memory(spec, 1, args.batch, args.seq, "bf16")
+    out["savings_16bit"] = {
+        "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
+        "training_fp32_tp1": fp32["total"], "training_bf16_tp1": bf16["total"],
+        "note": "16-bit halves the weights (what inference needs); mixed-precision training "
+                "keeps fp32 master weights and AdamW moments, 16 B/param either way, so the "
+                "training saving is the activations'"}
+    if args.split:
+        out["split"] = mlp_split_comparison(args.batch, args.seq, spec.dim, spec.hidden_dim,
+                                            max(tps), 2 if comm_dtype == "bf16" else 4)
+    return out
+
+
+def _write_png(data: dict, path: str, device: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(data["verdict"]), figsize=(5 * len(data["verdict"]), 4),
+                             squeeze=False)
+    for ax, dtype in zip(axes[0], data["verdict"], strict=True):
+        rows = [r for r in data["rows"] if r["dtype"] == dtype]
+        x = [str(r["tp"]) for r in rows]
+        bottom = [0.0] * len(rows)
+        for part, label in (("weights", "weights"), ("optimizer", "optimizer states"),
+                            ("peak_bytes", "activations or gradients at the peak")):
+            vals = [r[part] / 1e9 for r in rows]
+            ax.bar(x, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.axhline(device / 1e9, color="black", linestyle="--", label="device memory")
+        ax.set(title=f"{data['model']} {dtype}", xlabel="TP size", ylabel="GB per rank")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=Path(path).resolve().parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _print_tables(data: dict, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=120)
+    t = Table(title=f"{data['model']} ({data['params'] / 1e9:.2f}B params), batch {args.batch} x "
+              f"seq {args.seq}{', SP' if args.sequence_parallel else ''}, recompute "
+              f"{args.recompute}: GB per rank")
+    for col in ("dtype", "TP", "weights", "optim", "grads", "activ", "paper", "peak", "at",
+                "fits"):
+        t.add_column(col, justify="right")
+    for r in data["rows"]:
+        t.add_row(r["dtype"], str(r["tp"]), _gb(r["weights"]), _gb(r["optimizer"]),
+                  _gb(r["grads"]), _gb(r["activations"]), _gb(r["activations_paper"]),
+                  _gb(r["total"]), _AT[r["peak_at"]], "yes" if r.get("fits") else "no")
+    console.print(t)
+    console.print("optim: AdamW states (bf16: + fp32 master weights); activ: what tensorpar's "
+                  "GPT keeps for backward; paper: Korthikanti et al. 2022. peak = weights + "
+                  "optim + the step's largest moment (at): activations and the loss backward's "
+                  "temporaries, a block's backward, or gradients and the optimizer step. "
+                  "fits: peak <= device memory less the reserve.")
+    for line in data["verdict"].values():
+        console.print(line)
+    s = data["savings_16bit"]
+    console.print(f"16-bit vs 32-bit: weights {_gb(s['weights_fp32'])} -> "
+                  f"{_gb(s['weights_16bit'])} GB; training at TP=1 "
+                  f"{_gb(s['training_fp32_tp1'])} -> {_gb(s['training_bf16_tp1'])} GB. "
+                  f"{s['note']}")
+    c = Table(title="communication per step and rank (tensorpar's GPT)")
+    for col in ("TP", "kind", "calls", "payload MB", "ring MB sent"):
+        c.add_column(col, justify="right")
+    for tp, comm in data["comm"].items():
+        for kind, calls in comm["counts"].items():
+            c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
+                      f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
+    console.print(c)
+    if "split" in data:
+        sp = Table(title="gelu(X W1) W2: forward + backward communication")
+        for col in ("split", "collectives", "ring MB per rank"):
+            sp.add_column(col)
+        for r in data["split"]:
+            sp.add_row(r["split"], r["collectives"], f"{r['ring_bytes'] / 1e6:,.1f}")
+        console.print(sp)
+        console.print(f"fewest bytes: {data['split'][0]['split']} (no N x hidden tensor moves)")
+
+
+def main(args) -> int:
+    try:
+        data = build(args)
+    except ValueError as e:
+        print(f"tensorpar plan: {e}", file=sys.stderr)
+        return 2
+    if args.png:
+        _write_png(data, args.png, parse_bytes(args.device_memory))
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        _print_tables(data, args)
+    return 0
