@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -44,19 +45,25 @@ KIND_OF_OP = {
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _payload_bytes(args) -> int:
-    """The largest argument's total tensor bytes: the full side of the collective."""
+def _payload_bytes(args, out) -> int:
+    """The largest argument's or result's total tensor bytes: the full side of the collective
+    (a c10d all-gather takes its output as an argument, a functional one returns it)."""
     sizes = [sum(t.numel() * t.element_size() for t in tree_leaves(a)
-                 if isinstance(t, torch.Tensor)) for a in args]
+                 if isinstance(t, torch.Tensor)) for a in (*args, out)]
     return max(sizes, default=0)
 
 
 def _group_size(args) -> int:
-    for a in args:  # c10d ops carry their group as a boxed ProcessGroup
-        if isinstance(a, torch.ScriptObject):
+    for a in args:
+        if isinstance(a, torch.ScriptObject):  # c10d ops carry their group as a boxed one
             try:
                 return ProcessGroup.unbox(a).size()
             except (RuntimeError, TypeError):
+                continue
+        if isinstance(a, str):  # functional collectives (DTensor's) carry the group's name
+            try:
+                return _resolve_process_group(a).size()
+            except (RuntimeError, ValueError, KeyError):
                 continue
     return 1
 
@@ -72,11 +79,15 @@ class CollectiveCounter(TorchDispatchMode):
         self.ring_bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and hasattr(t, "__tensor_flatten__") for t in types):
+            # a wrapper subclass (DTensor): let it run, so the collectives it issues on its
+            # local tensors, inside its own dispatch too, come back here and are counted
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         packet = getattr(func, "_overloadpacket", None)
         kind = KIND_OF_OP.get(getattr(packet, "__name__", ""))
         if kind is not None:
-            payload, n = _payload_bytes(args), _group_size(args)
+            payload, n = _payload_bytes(args, out), _group_size(args)
             self.counts[kind] += 1
             self.bytes[kind] += payload
             share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n

@@ -36,7 +36,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -55,6 +55,12 @@ class _StorageTracker(TorchDispatchMode):
 
     def add(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage if it is new (or has grown, as ``resize_`` and ``out=`` do)."""
+        if is_traceable_wrapper_subclass(t):  # a DTensor: only its local tensor holds memory
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name, None)
+                if isinstance(inner, torch.Tensor):
+                    self.add(inner)
+            return
         if t.device.type != self.device_type or t.is_meta:
             return
         try:
@@ -91,6 +97,11 @@ class _StorageTracker(TorchDispatchMode):
             self._refs.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, torch.Tensor) and t is not torch.Tensor and
+               hasattr(t, "__tensor_flatten__") for t in types):
+            # let a wrapper subclass (DTensor) run its op: the local ops it issues come back
+            # here, so its allocations, inside its dispatch too, are seen
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
