@@ -8,18 +8,21 @@ Rank i holds the logits of its vocabulary slice, z_i of shape (..., V_i). Per to
 Every term is a sum or a logsumexp over the vocabulary, so each rank reduces its own slice first and
 only per-token statistics cross the wire:
 
-1. one all-gather of (logsumexp z_i, sum z_i) per token plus V_i: every rank then knows the global
-   logsumexp, the sum of all logits, V = sum V_i and where its slice starts;
+1. one all-gather of logsumexp z_i per token (and sum z_i, with label smoothing) plus V_i: every
+   rank then knows the global logsumexp, the sum of all logits, V = sum V_i and where its slice
+   starts;
 2. one all-reduce of z[target], which only the owning rank can pick out.
 
-Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V.
-Statistics are computed in float32 whatever the logits' dtype, as Megatron does.
+Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V, computed
+in place in one buffer of the logits' size. Statistics are computed in float32 whatever the
+logits' dtype, as Megatron does. With one rank this is ``F.cross_entropy`` on float32 logits.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tensorpar.comm import _all_gather
@@ -36,14 +39,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z = logits.float()
         v_local = z.shape[-1]
         lse_local = torch.logsumexp(z, dim=-1)
-        stats = torch.stack([lse_local, z.sum(-1)], dim=-1).reshape(-1)
+        columns = [lse_local, z.sum(-1)] if smoothing > 0 else [lse_local]
+        stats = torch.stack(columns, dim=-1).reshape(-1)
         stats = torch.cat([stats, stats.new_tensor([float(v_local)])])
         if n > 1:
             gathered = _all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
         else:
             gathered = stats.view(1, -1)
         sizes = gathered[:, -1].round().long().tolist()
-        per_rank = gathered[:, :-1].view(n, *lse_local.shape, 2)
+        per_rank = gathered[:, :-1].view(n, *lse_local.shape, len(columns))
         vocab = sum(sizes)
         start = sum(sizes[:rank])
         if sizes != shard_sizes(vocab, n):  # the same sizes on every rank: all raise together
@@ -72,13 +76,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, lse, local_t, mine, valid = ctx.saved_tensors
         e = ctx.smoothing
-        grad = torch.exp(logits.float() - lse.unsqueeze(-1))  # softmax over the whole vocabulary
+        # one new buffer, then in place: softmax over the whole vocabulary, minus the one-hot of
+        # the target where this rank owns it, times the incoming gradient
+        grad = torch.sub(logits.float(), lse.unsqueeze(-1)).exp_()
         if e > 0:
-            grad = grad - e / ctx.vocab
-        onehot = torch.zeros_like(grad).scatter_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
-                                                 mine.unsqueeze(-1).to(grad.dtype))
+            grad.sub_(e / ctx.vocab)
+        grad.scatter_add_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
+                          mine.unsqueeze(-1).to(grad.dtype) * -(1 - e))
         # where, not a product: with every token ignored, "mean" divides by 0 and grad_loss is inf
-        grad = (grad - (1 - e) * onehot) * torch.where(valid, grad_loss, 0.0).unsqueeze(-1)
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
         return grad.to(logits.dtype), None, None, None, None
 
 
@@ -111,6 +117,8 @@ def vocab_parallel_cross_entropy(
     if bad.any():
         raise ValueError(f"vocab_parallel_cross_entropy: negative target {int(target[bad][0])} "
                          f"(ignore_index is {ignore_index})")
+    if tp_size(group) == 1:  # the whole vocabulary is here: torch's own fused kernel
+        return _one_rank(logits_local, target, ignore_index, label_smoothing, reduction)
     loss = _VocabParallelCrossEntropy.apply(logits_local, target.long(), group, ignore_index,
                                             float(label_smoothing))
     if reduction == "none":
@@ -118,3 +126,17 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum()
+
+
+def _one_rank(logits, target, ignore_index, smoothing, reduction) -> torch.Tensor:
+    """World size 1: ``F.cross_entropy`` on float32 logits, with the same error for a target
+    outside the vocabulary as the parallel path."""
+    vocab = logits.shape[-1]
+    outside = (target >= vocab) & (target != ignore_index)
+    if outside.any():
+        raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[outside].max())} "
+                         f"is outside the vocabulary of {vocab} (sum of the shards [{vocab}])")
+    loss = F.cross_entropy(logits.float().flatten(0, -2), target.long().flatten(),
+                           ignore_index=ignore_index, label_smoothing=smoothing,
+                           reduction=reduction)
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -91,8 +91,9 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
     Computed in the dtype of the matmuls and returned in the input's (fp32 under bf16 autocast),
     so the collective moves what the plain path's ``f`` would."""
     dx = torch.matmul(dys[0], weights[0])
+    dx_2d = dx.view(-1, dx.shape[-1])
     for dy, w in zip(dys[1:], weights[1:], strict=True):
-        dx = dx.add_(torch.matmul(dy, w))
+        dx_2d.addmm_(dy.reshape(-1, dy.shape[-1]), w)  # accumulate in place: no temporary
     return dx.to(dtype)
 
 

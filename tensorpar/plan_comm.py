@@ -9,7 +9,8 @@ per rank), as ``tests/test_plan.py`` checks. With N = B·T tokens, width D and T
                 SP: each all-reduce becomes an all-gather + a reduce-scatter of the same N·D
     embedding   forward g (SP: reduce-scatter; its backward all-gather)
     LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter backward)
-    loss        1 all-gather of t·(2N + 1) fp32 statistics, 1 all-reduce of N fp32 logits
+    loss        1 all-gather of t·(N + 1) fp32 statistics (logsumexp per token, and the
+                vocab size), 1 all-reduce of N fp32 target logits
     grad norm   1 all-reduce of one fp32 scalar
     SP norms    backward: 1 all-reduce of each norm's weight gradient (2 per block + final)
     shared KV   backward: 1 all-reduce per block of the dense K and V weight gradient (fp32),
@@ -92,7 +93,7 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
         enter_region("recompute: mlp entry", "backward", L)
     enter_region("LM head f", "forward", 1)
     enter_backward("LM head f", 1)
-    add("loss statistics", "forward", "all_gather", 1, t * (2 * N + 1) * 4)
+    add("loss statistics", "forward", "all_gather", 1, t * (N + 1) * 4)
     add("loss target logits", "forward", "all_reduce", 1, N * 4)
     if sp:
         norm_elems = D * (2 if spec.norm == "layer" else 1)

@@ -28,8 +28,8 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   a logsumexp per query, never the s x s scores (so selective recomputation saves nothing); no
   dropout masks at dropout 0; RMSNorm keeps x·rstd and rstd; the loss keeps the vocab-parallel
   logits (b·s·V/t) and a few per-token statistics. The step's peak adds what is alive only for a
-  moment: the loss backward's softmax copies (4 of b·s·V/t in fp32), or a block's backward, or
-  the optimizer step. It is checked against ``MemoryMeter`` around real steps within 10%.
+  moment: the loss backward's gradient of the logits (one b·s·V/t fp32 buffer; two with one rank,
+  where the loss is ``F.cross_entropy``), or a block's backward, or the optimizer step. It is checked against ``MemoryMeter`` around real steps within 10%.
 
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
 fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
@@ -130,7 +130,10 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
     final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + N * D * act
     head_copy = s["vocab"] * D * 2 if autocast else 0
-    logits = N * s["vocab"] * act
+    if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
+        logits = N * s["vocab"] * 4
+    else:  # the vocab-parallel loss keeps this rank's logits
+        logits = N * s["vocab"] * act
     loss = N * 14 + 12  # lse, local targets, two masks
     rope = 4 * T * spec.head_dim
     tail = final_norm + head_copy + logits + loss
@@ -139,9 +142,11 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     else:
         blocks = L * block
     activations = embed + blocks + tail + rope
-    # the loss backward: softmax, one-hot, their difference and its scaling, in fp32 (under
-    # autocast the final cast to bf16 happens once the one-hot is freed: no higher)
-    loss_bwd = 4 * N * s["vocab"] * 4
+    # the loss backward: the vocab-parallel loss builds its gradient in one fp32 buffer, in
+    # place; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
+    # autocast the gradient is then cast to bf16 for the head's matmuls.
+    loss_bwd = (2 if tp == 1 else 1) * N * s["vocab"] * 4 + (N * s["vocab"] * 2 if autocast
+                                                               else 0)
     peaks = {"loss backward": activations + loss_bwd}
     # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
     # full recomputation also the recomputed block
