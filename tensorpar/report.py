@@ -103,8 +103,16 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     os.replace(tmp, path)
 
 
-def summary(rows: list[dict], sizes: list[dict], comm: dict, tp: int, sp: bool) -> Table:
-    """The end-of-run table: loss, speed, memory per rank against the dense model, comm per step."""
+def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg) -> Table:
+    """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
+    prediction) and the collectives of one step (measured against the analytic minimum)."""
+    from tensorpar.model_zoo import ModelSpec
+    from tensorpar.plan_comm import predicted_comm
+    from tensorpar.planner import tensorpar_memory
+
+    tp, sp = cfg.tp, cfg.sequence_parallel
+    spec = ModelSpec.from_gpt_config(model_cfg)
+    recompute = "full" if cfg.recompute else "none"
     table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
@@ -119,14 +127,41 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, tp: int, sp: bool) 
     table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
                   "weights + grads + AdamW (fp32)")
     for r, s in enumerate(sizes):
-        table.add_row(f"rank {r}", f"{s['local']:,} params ({s['local'] / dense:.1%}); "
-                      f"{human_bytes(s['local'] * per_param)}")
+        line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
+                f"{human_bytes(s['local'] * per_param)}")
+        if s.get("peak_memory"):
+            planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
+                                       "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
+                                       recompute, cfg.fused, rank=r)["total"]
+            line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
+                     f"(planned {human_bytes(planned)}, {planned / s['peak_memory'] - 1:+.1%})")
+        table.add_row(f"rank {r}", line)
     if comm["counts"]:
-        for kind in sorted(comm["counts"]):
-            table.add_row(f"{kind} per step", f"{comm['counts'][kind]} calls, "
-                          f"{human_bytes(comm['bytes'][kind])} payload, "
-                          f"{human_bytes(comm['ring_bytes'][kind])} sent per rank (ring)")
+        minimum = predicted_comm(spec, cfg.batch_size, cfg.seq_len, tp, sp, cfg.dtype, recompute)
+        for kind in sorted(set(comm["counts"]) | set(minimum["counts"])):
+            measured = (comm["counts"].get(kind, 0), comm["bytes"].get(kind, 0))
+            expected = (minimum["counts"].get(kind, 0), minimum["bytes"].get(kind, 0))
+            verdict = "= the analytic minimum" if measured == expected else \
+                f"analytic minimum: {expected[0]} calls, {human_bytes(expected[1])}"
+            table.add_row(f"{kind} per step",
+                          f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
+                          f"{human_bytes(comm['ring_bytes'].get(kind, 0))} sent per rank "
+                          f"(ring); {verdict}")
+        table.add_row("analytic minimum (payload)", _by_source(minimum))
     else:
         table.add_row("communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
     return table
+
+
+def _by_source(predicted: dict) -> str:
+    """'blocks 36.00 MiB (Megatron: 4·L·B·T·D) + embedding 1.50 MiB + ...' from a prediction."""
+    parts: dict[str, int] = {}
+    for row in predicted["breakdown"]:
+        source = row["source"]
+        if source.startswith(("attention", "mlp")):
+            source = "blocks"
+        parts[source] = parts.get(source, 0) + row["bytes"]
+    text = [f"{name} {human_bytes(b)}" + (" (Megatron's 4 B·T·D per layer)" if name == "blocks"
+                                          else "") for name, b in parts.items()]
+    return " + ".join(text)

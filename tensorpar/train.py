@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from tensorpar.counting import CollectiveCounter
 from tensorpar.data import ByteTokenizer, TokenBatches, load_text
 from tensorpar.distributed import device_for, tp_rank, tp_size
 from tensorpar.launch import run_ranks
+from tensorpar.memory import MemoryMeter
 from tensorpar.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.model import GPT, GPTConfig
 from tensorpar.report import Metrics, ProgressLine, plot_loss, summary
@@ -69,6 +71,10 @@ class TrainConfig:
         "help": "continue from the newest checkpoint in --out (at any --tp)"})
     save_every: int = dataclasses.field(default=100, metadata={
         "help": "checkpoint every N steps (and always at the end)"})
+    recompute: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute each block in backward instead of keeping its activations"})
+    fused: bool = dataclasses.field(default=True, metadata={
+        "help": "overlap each block's backward all-reduce with its weight gradients (fused.py)"})
 
     def check(self) -> None:
         for flag in ("tp", "steps", "batch_size", "seq_len", "save_every"):
@@ -109,7 +115,8 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
     rank, device = tp_rank(group), device_for(group)
     text, label = load_text(cfg.data)
     batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
-    model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device)
+    model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device,
+                fused=cfg.fused, recompute=cfg.recompute)
     layout = Layout.gather(model, group)
     opt = make_optimizer(model, cfg)
     start = 0
@@ -129,7 +136,10 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
         metrics, progress = Metrics(out / "metrics.jsonl", start), ProgressLine(start, cfg.steps)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     comm = {"counts": {}, "bytes": {}, "ring_bytes": {}}
+    peak_memory = None
     tokens = cfg.batch_size * cfg.seq_len
+    # collectives and memory are measured over one step, once AdamW's states exist (the second)
+    measured_step = start + 1 if cfg.steps - start >= 2 else start
 
     def save(step: int) -> None:
         meta["data"]["position"] = {"step": step, "sequences": step * cfg.batch_size,
@@ -142,18 +152,18 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
             g["lr"] = learning_rate(cfg, step)
         x, y = (t.to(device) for t in batches.batch(step))
         model.rng.manual_seed(cfg.seed * 1_000_003 + step)
-        counter = CollectiveCounter() if step == start else None  # one step, by kind
-        if counter:
-            counter.__enter__()
-        with autocast:
-            loss = model(x, y)
-        loss.backward()
-        norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
-        if counter:
-            counter.__exit__(None, None, None)
+        measure = step == measured_step
+        counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure else (None, None)
+        with counter or nullcontext(), meter or nullcontext():
+            with autocast:
+                loss = model(x, y)
+            loss.backward()
+            norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if measure:
             comm = {k: dict(getattr(counter, k)) for k in comm}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            peak_memory = meter.peak_bytes
         loss_value = loss.item()
         dt = time.perf_counter() - t0
         if not math.isfinite(loss_value):
@@ -165,10 +175,11 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
             progress.update(step + 1, loss_value, tokens / dt)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save(step + 1)
-    sizes = [rank_sizes(model, layout)]
+    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory}
+    sizes = [mine]
     if tp_size(group) > 1:
         sizes = [None] * tp_size(group)
-        dist.all_gather_object(sizes, rank_sizes(model, layout), group=group)
+        dist.all_gather_object(sizes, mine, group=group)
     result = {"rank": rank, "sizes": sizes, "comm": comm, "start": start}
     if rank == 0:
         progress.close()
@@ -178,7 +189,7 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                       f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
-        progress.console.print(summary(ran, sizes, comm, cfg.tp, cfg.sequence_parallel))
+        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg))
         progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                                f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
     return result
