@@ -7,6 +7,7 @@
     tensorpar verify --hf PATH --tp 2                       a HF model vs its dense self
     tensorpar generate --hf PATH --tp 2 --prompt "..."
     tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB
+    tensorpar bench                                          tensorpar vs DTensor TP vs dense
 
 The train flags are the fields of ``TrainConfig`` and ``GPTConfig``, one per field.
 """
@@ -138,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_verify(sub)
     from tensorpar import plan_cli
+    from tensorpar.bench import bench_cli
 
     plan_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return _run(args)

@@ -1,0 +1,223 @@
+"""The contenders of ``tensorpar bench``: the same model and step, built by each library.
+
+Each contender is a ``setup(spec, state, group) -> step`` run on every rank of its pool (see
+``spec.py``), plus where it runs::
+
+    name               ranks  threads  pool                what it is
+    tensorpar          tp     1        the TP pool         tensorpar's GPT (fused, overlapped)
+    tensorpar-sp       tp     1        the TP pool         the same with sequence parallelism
+    tensorpar-unfused  tp     1        the TP pool         fused=False: plain layers, no overlap
+    tensorpar-tp1      1      1        a one-rank pool     GPT at TP=1 (vs dense-1t: its overhead)
+    dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
+    dtensor-sp         tp     1        the TP pool         the same with SequenceParallel norms
+    megatron           tp     1        a pool of its own   megatron-core (megatron_core.py)
+    dense-1t           1      1        a one-rank pool     DenseLlama, one thread
+    dense-Nt           1      cores    a one-rank pool     DenseLlama, one thread per core
+
+Pools that are not running a contender wait on their task queue, so they take no CPU time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch.distributed import ProcessGroup
+
+from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer
+from tensorpar.model import GPT
+
+# the same AdamW implementation for everyone: foreach (DTensor supports it)
+FOREACH = True
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:
+    def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        loss = model(ids_BT, targets_BT)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+                    sequence_parallel: bool = False, fused: bool = True) -> StepFn:
+    """tensorpar's GPT on ``group``, each rank loading its slice of the dense weights."""
+    kwargs = {}
+    if "fused" in inspect.signature(GPT).parameters:
+        kwargs["fused"] = fused
+    elif not fused:
+        raise ValueError("this tensorpar has no GPT(fused=...) yet: tensorpar-unfused is the "
+                         "tensorpar contender")
+    model = GPT(spec.gpt_config(), group, sequence_parallel, seed=spec.seed, **kwargs)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(p.tp_shard.take(state[name]))
+    return _train_step(model, make_optimizer(model.parameters(), spec, foreach=FOREACH))
+
+
+def setup_dense(spec: BenchSpec, state: dict[str, torch.Tensor],
+                group: ProcessGroup | None) -> StepFn:
+    """The unsharded plain-PyTorch model (the group is not used)."""
+    model = DenseLlama(spec, state)
+    return _train_step(model, make_optimizer(model.parameters(), spec, foreach=FOREACH))
+
+
+def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+                  sequence_parallel: bool = False) -> StepFn:
+    """PyTorch's tensor parallel on DenseLlama, the way torchtitan shards Llama.
+
+    Heads: q/k/v colwise, o rowwise; MLP: gate/up colwise, down rowwise; the embedding rowwise
+    (its vocabulary rows split, input replicated ids); the head colwise with vocab-sharded
+    DTensor logits, consumed by ``loss_parallel`` (the logits are never gathered). Under SP the
+    norms are ``SequenceParallel`` and each attention / MLP input is gathered by
+    ``PrepareModuleInput``; the rowwise outputs become reduce-scatters onto sequence shards.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    group = group or dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = DenseLlama(spec, state)
+    residual = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
+    top = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.blocks:
+        plan = {
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=residual),
+            "mlp.gate": ColwiseParallel(),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attn_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                           desired_input_layouts=(Replicate(), None, None)),
+                "mlp_norm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, mesh, plan)
+    # without SP the norms keep plain tensors, and one foreach op cannot mix them with DTensors
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if isinstance(p, DTensor) == is_dt]}
+              for is_dt in (True, False)]
+    opt = make_optimizer([g for g in groups if g["params"]], spec, foreach=FOREACH)
+
+    def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        # loss_parallel must cover the backward too: it patches the loss's gradient ops
+        with loss_parallel():
+            loss = model(ids_BT, targets_BT)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().full_tensor()
+
+    return step
+
+
+def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
+                   group: ProcessGroup | None) -> StepFn:
+    """megatron-core's GPT (``tensorpar/bench/megatron_core.py``), imported only when used."""
+    module = importlib.import_module("tensorpar.bench.megatron_core")
+    return module.setup_megatron(spec, state, group,
+                                 make_optimizer=partial(make_optimizer, foreach=FOREACH))
+
+
+def megatron_missing() -> str | None:
+    """Why the megatron contender cannot run here, or None when it can."""
+    if importlib.util.find_spec("megatron") is None or \
+            importlib.util.find_spec("megatron.core") is None:
+        return "not installed (megatron-core)"
+    if importlib.util.find_spec("tensorpar.bench.megatron_core") is None:
+        return "not installed (tensorpar/bench/megatron_core.py)"
+    return None
+
+
+@dataclass(frozen=True)
+class Contender:
+    """How to build one contender and where it runs.
+
+    world: "tp" (the TP size) or 1. threads: torch threads per rank (0: one per core).
+    own_pool: it needs processes of its own (megatron-core keeps global parallel state).
+    missing: a function returning why it cannot run here (None: it can).
+    """
+
+    name: str
+    setup: Callable[..., StepFn]
+    world: str | int
+    threads: int = 1
+    own_pool: bool = False
+    missing: Callable[[], str | None] | None = None
+    about: str = ""
+
+    def ranks(self, tp: int) -> int:
+        return tp if self.world == "tp" else int(self.world)
+
+    def n_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
+
+    def label(self, tp: int) -> str:
+        """ranks x threads, e.g. "2x1"."""
+        return f"{self.ranks(tp)}x{self.n_threads()}"
+
+
+CONTENDERS: dict[str, Contender] = {c.name: c for c in [
+    Contender("tensorpar", partial(setup_tensorpar), "tp",
+              about="tensorpar GPT (fused QKV and gate/up, overlapped backward all-reduce)"),
+    Contender("tensorpar-sp", partial(setup_tensorpar, sequence_parallel=True), "tp",
+              about="tensorpar GPT with sequence parallelism"),
+    Contender("tensorpar-unfused", partial(setup_tensorpar, fused=False), "tp",
+              about="tensorpar GPT with the plain layers (fused=False)"),
+    Contender("tensorpar-tp1", partial(setup_tensorpar), 1,
+              about="tensorpar GPT at TP=1, one process"),
+    Contender("dtensor", partial(setup_dtensor), "tp",
+              about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
+    Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp",
+              about="PyTorch DTensor TP with SequenceParallel"),
+    Contender("megatron", setup_megatron, "tp", own_pool=True, missing=megatron_missing,
+              about="megatron-core GPT on gloo"),
+    Contender("dense-1t", setup_dense, 1, threads=1,
+              about="plain PyTorch, one process, one thread"),
+    Contender("dense-Nt", setup_dense, 1, threads=0,
+              about="plain PyTorch, one process, one thread per core"),
+]}
+
+DEFAULT = ("tensorpar", "tensorpar-sp", "tensorpar-unfused", "tensorpar-tp1", "dtensor",
+           "dtensor-sp", "megatron", "dense-1t", "dense-Nt")
+
+
+def parse_contenders(text: str) -> list[str]:
+    """"a,b,c" -> names, each known, in the order given; ValueError naming an unknown one."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        raise ValueError(f"--contenders: unknown {unknown or 'empty list'}; choose from "
+                         f"{', '.join(CONTENDERS)}")
+    return list(dict.fromkeys(names))

@@ -1,0 +1,148 @@
+"""The benchmark's report: a markdown table, the JSON of every number, a PNG chart.
+
+Every file is written to a temporary name in the output directory and renamed into place, so a
+reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.1f}"
+
+
+def _calls(calls: dict) -> str:
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+    return " ".join(f"{n} {short.get(k, k)}" for k, n in sorted(calls.items())) or "none"
+
+
+def _sent(comm: dict) -> str:
+    """Bytes each rank sends; "n/a" where the counter saw a collective whose group it could not
+    size (it then reports 0 sent for a nonzero payload: DTensor's functional collectives)."""
+    if any(comm["payload_bytes"].get(k) and not comm["ring_bytes"].get(k)
+           for k in comm["payload_bytes"]):
+        return "n/a"
+    return f"{sum(comm['ring_bytes'].values()) / MiB:,.2f}"
+
+
+def table(results: dict) -> str:
+    """The markdown table: one row per contender, then the two target ratios."""
+    rows = results["contenders"]
+    by_name = {r["name"]: r for r in rows if r["status"] == "ok"}
+    base = by_name.get("dtensor")
+    head = ("| contender | ranks×threads | step ms (median) | IQR ms | min-max ms | tokens/s "
+            "| vs dtensor | peak MiB/rank | state MiB/rank | sent MiB/rank/step | payload "
+            "MiB/step | collectives/step | loss max rel diff |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r.get('ranks_x_threads', '')} | {r['status']} |"
+                         + " |" * 10)
+            continue
+        s = r["step_s"]
+        comm = r["comm_per_rank"]
+        ratio = f"{s['median'] / base['step_s']['median']:.2f}x" if base else "-"
+        diff = r.get("loss_max_rel_diff")
+        lines.append(
+            f"| {r['name']} | {r['ranks_x_threads']} | {_ms(s['median'])} "
+            f"| {_ms(s['q1'])}-{_ms(s['q3'])} | {_ms(s['min'])}-{_ms(s['max'])} "
+            f"| {r['tokens_per_s']:,.0f} | {ratio} "
+            f"| {max(r['peak_bytes_per_rank']) / MiB:,.1f} "
+            f"| {max(r['state_bytes_per_rank']) / MiB:,.1f} "
+            f"| {_sent(comm)} "
+            f"| {sum(comm['payload_bytes'].values()) / MiB:,.2f} | {_calls(comm['calls'])} "
+            f"| {'-' if diff is None else f'{diff:.1e}'} |")
+    notes = []
+    for a, b, what in (("tensorpar", "dtensor", "target <= 0.70"),
+                       ("tensorpar", "megatron", "target <= 1.00"),
+                       ("tensorpar-tp1", "dense-1t", "target <= 1.03")):
+        if a in by_name and b in by_name:
+            q = by_name[a]["step_s"]["median"] / by_name[b]["step_s"]["median"]
+            notes.append(f"- {a} / {b} step time: {q:.3f} ({what})")
+    return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
+
+
+def profile_table(profile: dict) -> str:
+    """Per rank: time by category, then the top ops."""
+    out = [f"Profile of `{profile['contender']}` (self CPU time per step, torch.profiler)\n"]
+    cats = list(profile["ranks"][0]["categories_ms_per_step"])
+    out.append("| category | " + " | ".join(f"rank {i} ms" for i in
+                                              range(len(profile["ranks"]))) + " |")
+    out.append("|---|" + "---|" * len(profile["ranks"]))
+    for c in cats:
+        out.append(f"| {c} | " + " | ".join(f"{p['categories_ms_per_step'][c]:.1f}"
+                                           for p in profile["ranks"]) + " |")
+    out.append("| wall time per step | " + " | ".join(f"{p['wall_ms_per_step']:.1f}"
+                                                      for p in profile["ranks"]) + " |")
+    out += ["\nTop ops on rank 0:\n", "| op | category | ms/step | calls/step |",
+            "|---|---|---|---|"]
+    for op in profile["ranks"][0]["top_ops"]:
+        out.append(f"| `{op['name']}` | {op['category']} | {op['ms_per_step']:.2f} "
+                   f"| {op['calls_per_step']:g} |")
+    return "\n".join(out) + "\n"
+
+
+def chart(results: dict, path: Path) -> None:
+    """Median step time per contender, the bar's whisker spanning the interquartile range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["contenders"] if r["status"] == "ok"]
+    names = [f"{r['name']}\n({r['ranks_x_threads']})" for r in rows]
+    med = [1e3 * r["step_s"]["median"] for r in rows]
+    low = [m - 1e3 * r["step_s"]["q1"] for m, r in zip(med, rows, strict=True)]
+    high = [1e3 * r["step_s"]["q3"] - m for m, r in zip(med, rows, strict=True)]
+    colors = ["tab:blue" if r["name"].startswith("tensorpar") else
+              "tab:orange" if r["name"].startswith("dtensor") else
+              "tab:green" if r["name"].startswith("megatron") else "tab:gray" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.2))
+    ax.bar(range(len(rows)), med, yerr=[low, high], capsize=4, color=colors)
+    ax.set_xticks(range(len(rows)), names, fontsize=8)
+    ax.set_ylabel("training step, ms (median, IQR)")
+    s = results["spec"]
+    ax.set_title(f"d={s['dim']} L={s['n_layer']} heads={s['n_head']}/{s['n_kv_head']} "
+                 f"V={s['vocab_size']} B×T={s['batch_size']}×{s['seq_len']}, fp32", fontsize=9)
+    for i, m in enumerate(med):
+        ax.text(i, m, f"{m:,.0f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    plt.close(fig)
+
+
+def write_results(results: dict, out_dir: str | Path, command: str = "") -> dict[str, Path]:
+    """bench.md, bench.json, bench.png (and profile.md with a profile) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "bench.md", "json": out / "bench.json", "png": out / "bench.png"}
+    md = table(results)
+    if command:
+        md = f"`{command}`\n\n{md}"
+    if results.get("profile"):
+        paths["profile"] = out / "profile.md"
+        _text(paths["profile"], profile_table(results["profile"]))
+    _text(paths["md"], md)
+    _text(paths["json"], json.dumps(results | {"command": command}, indent=1) + "\n")
+    chart(results, paths["png"])
+    return paths

@@ -1,0 +1,198 @@
+"""Run the contenders side by side: same model, same weights, same batches, interleaved.
+
+::
+
+    setup      every contender is built in its pool and runs ``warmup`` untimed steps; the last
+               one is measured (collectives, memory)
+    round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, the
+               order rotated every round; r = 0 .. repeats-1
+    profile    (optional) a few more steps of the tensorpar contender under torch.profiler
+
+A pool is a set of spawned ranks: the TP pool (``tp`` ranks, one thread each) holds tensorpar and
+DTensor contenders, one-rank pools the unsharded ones (1 thread, or one per core), and a
+contender that needs processes of its own (megatron-core) gets a pool of its own. Only one pool
+computes at a time; the others block on their task queues (no CPU time), so one rank per core
+holds while a contender runs.
+
+Step time: each rank times each step; a step's time is the slowest rank's. The report gives the
+median over all timed steps, the interquartile range and min-max. Losses: every contender's
+per-step losses against the dense fp32 run's (``dense-1t``, or an untimed reference run of the
+same model when dense-1t is not among the contenders).
+"""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from tensorpar.bench import ranks
+from tensorpar.bench.contenders import CONTENDERS, Contender
+from tensorpar.bench.spec import BenchSpec
+from tensorpar.launch import RankError, RankPool
+
+REFERENCE = "dense-1t"
+
+PoolKey = tuple[str, int, int]  # (own pool's name or "", ranks, threads per rank)
+
+
+@dataclass
+class RunPlan:
+    """How long to measure. Every field is a ``tensorpar bench`` flag."""
+
+    repeats: int = 5
+    steps_per_repeat: int = 3
+    warmup: int = 2
+    tp: int = 2
+    profile: bool = False
+    profile_steps: int = 3
+
+    def check(self) -> None:
+        for name in ("repeats", "steps_per_repeat", "tp", "profile_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if self.warmup < 2:
+            raise ValueError(f"--warmup {self.warmup} must be >= 2: the first step allocates "
+                             "AdamW's state, the last warmup step is the measured one")
+
+
+class Pools:
+    """Spawns (or takes from ``pool_for``) one RankPool per key and closes the ones it made."""
+
+    def __init__(self, pool_for: Callable[[int, int], RankPool] | None = None,
+                 timeout_s: float = 1800.0):
+        self._pool_for, self._timeout_s = pool_for, timeout_s
+        self._pools: dict[PoolKey, RankPool] = {}
+        self._mine: set[PoolKey] = set()
+
+    def get(self, key: PoolKey) -> RankPool:
+        pool = self._pools.get(key)
+        if pool is None or pool._closed:
+            own, n, threads = key
+            if self._pool_for is not None and not own and threads == 1:
+                pool = self._pool_for(n, threads)
+            else:
+                pool = RankPool(n, backend="gloo", threads=threads, timeout_s=self._timeout_s)
+                self._mine.add(key)
+            self._pools[key] = pool
+        return pool
+
+    def each(self):
+        return list(self._pools.items())
+
+    def close(self) -> None:
+        for key in self._mine:
+            self._pools[key].close()
+
+
+def pool_key(c: Contender, tp: int) -> PoolKey:
+    return (c.name if c.own_pool else "", c.ranks(tp), c.n_threads())
+
+
+def _quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "q1": q1, "q3": q3, "min": xs[0], "max": xs[-1]}
+
+
+def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
+              pool_for: Callable[[int, int], RankPool] | None = None,
+              log: Callable[[str], None] = print) -> dict:
+    """Measure the contenders ``names``; return the results (see ``outputs.write_results``).
+
+    pool_for(ranks, threads): where to get shared pools (the tests pass their session pools);
+    by default each pool is spawned here and closed at the end.
+    """
+    plan.check()
+    spec.check(plan.tp)
+    run_id = uuid.uuid4().hex
+    rows: dict[str, dict] = {}
+    for name in names:
+        c = CONTENDERS[name]
+        why = c.missing() if c.missing else None
+        rows[name] = {"name": name, "about": c.about, "ranks_x_threads": c.label(plan.tp),
+                      "status": why or "ok"}
+    timed = [n for n in names if rows[n]["status"] == "ok"]
+    measured = timed + ([REFERENCE] if REFERENCE not in timed else [])
+    pools = Pools(pool_for)
+    try:
+        for name in measured:
+            pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
+            log(f"setting up {name} on {pool.nprocs} rank(s)")
+            try:
+                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup)
+            except RankError as e:
+                _fail(rows, name, e, log)
+                continue
+            row = rows.setdefault(name, {"name": name, "status": "ok"})
+            row.update(losses=res[0]["losses"], seconds=[], comm=[r["comm"] for r in res],
+                       memory=[r["memory"] for r in res], per_rank_seconds=[])
+        timed = [n for n in timed if rows[n]["status"] == "ok"]
+        order = [n for n in measured if rows.get(n, {}).get("status") == "ok"]
+        for r in range(plan.repeats):
+            first = plan.warmup + r * plan.steps_per_repeat
+            shift = r % max(len(order), 1)
+            for name in order[shift:] + order[:shift]:  # rotated: no contender always goes first
+                if rows[name]["status"] != "ok":
+                    continue
+                pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
+                try:
+                    res = pool.run(ranks.steps, run_id, name, spec, first, plan.steps_per_repeat)
+                except RankError as e:
+                    _fail(rows, name, e, log)
+                    continue
+                row = rows[name]
+                row["losses"] += res[0]["losses"]
+                row["per_rank_seconds"].append([x["seconds"] for x in res])
+                row["seconds"] += [max(ts) for ts in zip(*[x["seconds"] for x in res],
+                                                         strict=True)]
+            log(f"round {r + 1}/{plan.repeats} done")
+        profile = None
+        if plan.profile:
+            target = next((n for n in ("tensorpar", "tensorpar-sp", "tensorpar-unfused",
+                                       "tensorpar-tp1") if n in timed and
+                           rows[n]["status"] == "ok"), None)
+            if target is not None:
+                first = plan.warmup + plan.repeats * plan.steps_per_repeat
+                pool = pools.get(pool_key(CONTENDERS[target], plan.tp))
+                log(f"profiling {target}")
+                profile = {"contender": target,
+                           "ranks": pool.run(ranks.profile, run_id, target, spec, first,
+                                             plan.profile_steps)}
+        for _, pool in pools.each():
+            if not pool._closed:
+                pool.run(ranks.teardown, run_id)
+    finally:
+        pools.close()
+    return _summarize(spec, plan, names, rows, profile)
+
+
+def _fail(rows: dict, name: str, err: RankError, log) -> None:
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    rows.setdefault(name, {"name": name})["status"] = f"failed: {lines[-1] if lines else err}"
+    log(f"{name} failed:\n{err}")
+
+
+def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
+               profile: dict | None) -> dict:
+    ref = rows.get(REFERENCE, {})
+    ref_losses = ref.get("losses") if ref.get("status") == "ok" else None
+    out = []
+    for name in names:
+        row = dict(rows[name])
+        if row["status"] == "ok":
+            row["step_s"] = _quantiles(row["seconds"])
+            row["tokens_per_s"] = spec.tokens_per_step / row["step_s"]["median"]
+            row["comm_per_rank"] = row["comm"][0]
+            row["peak_bytes_per_rank"] = [m["peak_bytes"] for m in row["memory"]]
+            row["state_bytes_per_rank"] = [m["state_bytes"] for m in row["memory"]]
+            if ref_losses is not None:
+                n = min(len(ref_losses), len(row["losses"]))
+                row["loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in
+                                               zip(row["losses"][:n], ref_losses[:n],
+                                                   strict=True))
+        out.append(row)
+    return {"spec": asdict(spec), "plan": asdict(plan), "tokens_per_step": spec.tokens_per_step,
+            "reference": REFERENCE, "reference_losses": ref_losses, "contenders": out,
+            "profile": profile}

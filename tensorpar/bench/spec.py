@@ -1,0 +1,202 @@
+"""What every contender of ``tensorpar bench`` shares: the model, its weights, the batches, the
+optimizer, and the shape of a training step.
+
+A contender is a function run on every rank of its pool::
+
+    setup(spec, state, group) -> step          # state: dense_state(spec), the full fp32 weights
+    loss = step(ids_BT, targets_BT)            # forward, backward, optimizer step, zero_grad
+
+so every contender starts from the same weights, sees the same batches and applies the same
+AdamW, and its per-step losses can be compared with the dense fp32 run's.
+
+``DenseLlama`` is the plain-PyTorch model: the unsharded contender, the reference, and the model
+that DTensor's ``parallelize_module`` shards. It computes exactly what ``tensorpar.model.GPT``
+computes (same rotary layout, same GQA head grouping, same loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.model import GPT, GPTConfig
+from tensorpar.rotary import apply_rotary, rotary_table
+
+
+def _f(default, help_: str):
+    return dataclasses.field(default=default, metadata={"help": help_})
+
+
+@dataclass
+class BenchSpec:
+    """The Llama-like model and the training step. Every field is a ``tensorpar bench`` flag."""
+
+    dim: int = _f(512, "model width")
+    n_head: int = _f(8, "query heads")
+    n_kv_head: int = _f(2, "key/value heads (GQA)")
+    n_layer: int = _f(4, "transformer blocks")
+    vocab_size: int = _f(8192, "vocabulary size")
+    hidden_dim: int = _f(0, "SwiGLU hidden width (0: 8/3 of dim, rounded up to a multiple of 32)")
+    seq_len: int = _f(256, "tokens per sequence")
+    batch_size: int = _f(4, "sequences per step")
+    lr: float = _f(1e-3, "AdamW learning rate (constant)")
+    seed: int = _f(0, "seed for weights and batches")
+
+    def gpt_config(self) -> GPTConfig:
+        """The same model as tensorpar's ``GPTConfig``: untied embeddings, no dropout."""
+        return GPTConfig(vocab_size=self.vocab_size, n_layer=self.n_layer, dim=self.dim,
+                         n_head=self.n_head, n_kv_head=self.n_kv_head,
+                         hidden_dim=self.hidden_dim, tie_embeddings=False, dropout=0.0)
+
+    def check(self, tp: int) -> None:
+        """Raise ValueError naming the flag and the numbers if the model cannot be split."""
+        for name in ("seq_len", "batch_size", "n_layer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        self.gpt_config().check(tp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""One full training step on (ids_BT, targets_BT): forward, backward, optimizer step, zero_grad.
+Returns the loss as a detached scalar."""
+
+
+def dense_state(spec: BenchSpec) -> dict[str, torch.Tensor]:
+    """The full fp32 weights, named like tensorpar's GPT at TP=1 (``embed.weight``,
+    ``blocks.{i}.attn.q_proj.weight``, ..., ``lm_head.weight``), drawn by tensorpar's own seeded
+    init. Local to this process: on a rank of a larger world it builds the model in a one-rank
+    group of its own (no collective with the other ranks)."""
+    solo = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # only this rank takes part in creating it: no other rank has to call anything
+        solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    try:
+        model = GPT(spec.gpt_config(), solo, seed=spec.seed)
+        return {name: p.detach() for name, p in model.named_parameters()}
+    finally:
+        if solo is not None:
+            dist.destroy_process_group(solo)
+
+
+def batch(spec: BenchSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BT, targets_BT), int64, depending only on (seed, step).
+
+    Text-like enough that the loss falls: each token is followed by a fixed successor of it
+    (a seeded permutation of the vocabulary) 3 times out of 4, by a random token otherwise.
+    """
+    B, T, V = spec.batch_size, spec.seq_len, spec.vocab_size
+    successor = torch.randperm(V, generator=torch.Generator().manual_seed(spec.seed))
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + 7919 * (step + 1))
+    noise_BT = torch.randint(0, V, (B, T + 1), generator=gen)
+    follow_BT = torch.rand(B, T + 1, generator=gen) < 0.75
+    tokens = [noise_BT[:, 0]]
+    for t in range(1, T + 1):
+        tokens.append(torch.where(follow_BT[:, t], successor[tokens[-1]], noise_BT[:, t]))
+    seq_BT1 = torch.stack(tokens, dim=1)
+    return seq_BT1[:, :-1].contiguous(), seq_BT1[:, 1:].contiguous()
+
+
+def make_optimizer(params, spec: BenchSpec, foreach: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with the same hyperparameters for every contender (constant lr, decay on all)."""
+    return torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.1, foreach=foreach)
+
+
+class DenseAttention(nn.Module):
+    """Causal GQA self-attention with rotary positions, heads derived from the projections'
+    local widths (``view(B, T, -1, head_dim)``): under DTensor's colwise shards each rank sees
+    only its own heads and the code does not change."""
+
+    def __init__(self, dim: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        self.head_dim = dim // n_head
+        self.q_proj = nn.Linear(dim, n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_head * self.head_dim, dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        k = self.k_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # query head j reads KV head j // (h / kv), as tensorpar groups them
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
+
+
+class DenseBlock(nn.Module):
+    """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = DenseAttention(cfg.dim, cfg.n_head, cfg.n_kv_head)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = DenseMLP(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class DenseLlama(nn.Module):
+    """The benchmark's model in plain PyTorch, loaded with ``dense_state(spec)``.
+
+    ``model(ids_BT, targets_BT)`` returns the mean cross-entropy; without targets the logits
+    (B, T, V). The logits are flattened to (B*T, V) before the loss, which is what
+    ``loss_parallel`` expects of a vocab-sharded DTensor.
+    """
+
+    def __init__(self, spec: BenchSpec, state: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        cfg = spec.gpt_config()
+        self.cfg = cfg
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.blocks = nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.n_layer))
+            self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        state = dense_state(spec) if state is None else state
+        # clone: contenders in one process must not share (and update) the same storage
+        self.load_state_dict({k: v.clone() for k, v in state.items()}, strict=True, assign=True)
+
+    def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
+        T = ids_BT.shape[1]
+        cos, sin = rotary_table(self.cfg.head_dim, 0, T, self.cfg.rope_theta, ids_BT.device)
+        x_BTD = self.embed(ids_BT)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, cos, sin)
+        logits_BTV = self.lm_head(self.norm(x_BTD))
+        if targets_BT is None:
+            return logits_BTV
+        return F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(0, 1))
