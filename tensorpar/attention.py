@@ -61,7 +61,8 @@ class ParallelSelfAttention(nn.Module):
     heads; default num_heads). head_dim: default dim // num_heads. causal: mask future tokens.
     sequence_parallel: input and output are sequence shards (B, T/n, dim).
     fused: Q, K and V as one autograd op whose backward all-reduce is overlapped with the
-        weight-gradient matmuls (``fused.py``); the same numbers and collectives.
+        weight-gradient matmuls, and the output projection reducing its product in place
+        (``fused.py``); the same numbers and collectives.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
@@ -86,7 +87,7 @@ class ParallelSelfAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)
         self.v_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)
         self.o_proj = RowParallelLinear(num_heads * hd, dim, in_range=(h0 * hd, h1 * hd),
-                                        sequence_parallel=sequence_parallel, **kw)
+                                        sequence_parallel=sequence_parallel, fused=fused, **kw)
         # local query head j reads local KV head kv_index[j]
         group_size = num_heads // kv_heads
         kv_index = torch.arange(h0, h1) // group_size - k0

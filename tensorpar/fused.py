@@ -20,6 +20,10 @@ than the larger GEMM saves: see benchmarks/README.md).
 
 The collective writes into ``dx``, a fresh tensor that nothing else references (autograd saved
 nothing of it), which keeps the rule that collectives never mutate what autograd holds.
+
+The row side (``fused_row``, without sequence parallelism) is the row matmul and its forward
+all-reduce (g) as one op: the partial product is made inside it, so it is reduced in place,
+without the copy that ``reduce_from_tp`` makes of a tensor it did not create.
 """
 
 from __future__ import annotations
@@ -116,3 +120,35 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     has_bias = tuple(b is not None for b in biases)
     tensors = list(weights) + [b for b in biases if b is not None]
     return _FusedColumn.apply(x, group, sequence_parallel, has_bias, *tensors)
+
+
+class _FusedRow(torch.autograd.Function):
+    """forward: the row-parallel matmul, then all-reduce of its product; backward: local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.x_dtype, device = x.dtype, x.device.type
+        if torch.is_autocast_enabled(device):  # what autocast's linear would compute
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+        y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
+        if tp_size(group) > 1:
+            dist.all_reduce(y, group=group)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = torch.matmul(dy, weight).to(ctx.x_dtype)
+        dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return dx, dw, None
+
+
+def fused_row(x: torch.Tensor, weight: torch.Tensor,
+              group: ProcessGroup | None = None) -> torch.Tensor:
+    """``reduce_from_tp(F.linear(x, weight))`` with the all-reduce done in place on the product.
+
+    x: (..., in_i) this rank's input shard; weight: (out, in_i). Returns the summed (..., out).
+    """
+    return _FusedRow.apply(x, weight, group)

@@ -38,6 +38,7 @@ from tensorpar.comm import (
     scatter_to_tp,
 )
 from tensorpar.distributed import tp_rank, tp_size
+from tensorpar.fused import fused_row
 from tensorpar.grad_sync import sum_grads_in_backward
 from tensorpar.sharding import replicated_parameter, shard_range, sharded_parameter
 
@@ -178,6 +179,8 @@ class RowParallelLinear(_ParallelLinear):
         the group in backward.
     group: the TP process group (None: the whole world).
     in_range: the columns of the dense weight this rank holds (default: its ``tensor_split`` shard).
+    fused: without sequence parallelism, the matmul and its all-reduce as one op that reduces the
+        product in place (``fused.fused_row``); the same numbers and collectives.
     """
 
     split_dim = 1
@@ -194,10 +197,11 @@ class RowParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         in_range: tuple[int, int] | None = None,
+        fused: bool = False,
     ):
         super().__init__(in_features, out_features, bias, sequence_parallel, group, device, dtype,
                          in_range)
-        self.input_is_parallel = input_is_parallel
+        self.input_is_parallel, self.fused = input_is_parallel, fused
 
     @classmethod
     def from_dense(
@@ -208,11 +212,12 @@ class RowParallelLinear(_ParallelLinear):
         group: ProcessGroup | None = None,
         *,
         in_range: tuple[int, int] | None = None,
+        fused: bool = False,
     ) -> RowParallelLinear:
         """This rank's row shard of ``linear``; together the shards compute ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     input_is_parallel, sequence_parallel, group, device="meta",
-                    dtype=linear.weight.dtype, in_range=in_range)
+                    dtype=linear.weight.dtype, in_range=in_range, fused=fused)
         return layer.load_dense(linear.weight, linear.bias)
 
     @property
@@ -225,7 +230,10 @@ class RowParallelLinear(_ParallelLinear):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear")
             x = scatter_to_tp(x, self.group)
-        y = exit_tp_region(F.linear(x, self.weight), self.sequence_parallel, self.group)
+        if self.fused and not self.sequence_parallel:
+            y = fused_row(x, self.weight, self.group)
+        else:
+            y = exit_tp_region(F.linear(x, self.weight), self.sequence_parallel, self.group)
         if self.bias is None:
             return y
         bias = self.bias

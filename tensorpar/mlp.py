@@ -51,7 +51,8 @@ class ParallelMLP(nn.Module):
     activation: a name in ``ACTIVATIONS`` or an elementwise callable.
     sequence_parallel: input and output are sequence shards (B, T/n, dim).
     fused: gate and up as one autograd op whose backward all-reduce is overlapped with the
-        weight-gradient matmuls (``fused.py``); the same numbers and collectives.
+        weight-gradient matmuls, and ``down`` reducing its product in place (``fused.py``); the
+        same numbers and collectives.
     """
 
     def __init__(self, dim: int, hidden_dim: int, gated: bool = False,
@@ -66,7 +67,7 @@ class ParallelMLP(nn.Module):
         self.gate = ColumnParallelLinear(dim, hidden_dim, bias, **kw) if gated else None
         self.up = ColumnParallelLinear(dim, hidden_dim, bias, **kw)
         self.down = RowParallelLinear(hidden_dim, dim, bias, input_is_parallel=True,
-                                      sequence_parallel=sequence_parallel, **kw)
+                                      sequence_parallel=sequence_parallel, fused=fused, **kw)
 
     @classmethod
     def from_dense(cls, up: nn.Linear, down: nn.Linear, gate: nn.Linear | None = None,
@@ -85,7 +86,8 @@ class ParallelMLP(nn.Module):
         mlp.gate = None if gate is None else ColumnParallelLinear.from_dense(gate, group=group)
         mlp.up = ColumnParallelLinear.from_dense(up, group=group)
         mlp.down = RowParallelLinear.from_dense(down, input_is_parallel=True,
-                                                sequence_parallel=sequence_parallel, group=group)
+                                                sequence_parallel=sequence_parallel, group=group,
+                                                fused=fused)
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

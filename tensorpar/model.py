@@ -125,8 +125,9 @@ class GPT(nn.Module):
     rng: dropout streams (reseed them with ``rng.manual_seed``); only used when cfg.dropout > 0.
     seed: weights depend on it and on each parameter's name, never on the TP size.
     fused: QKV, gate/up and the LM head each as one autograd op that overlaps the backward
-        all-reduce of the input gradient with the weight-gradient matmuls (``fused.py``); False:
-        the plain layers. Same parameters, same numbers (to fp32 rounding), same collectives.
+        all-reduce of the input gradient with the weight-gradient matmuls, and the row layers
+        reducing their product in place (``fused.py``); False: the plain layers. Same
+        parameters, same numbers (to fp32 rounding), same collectives.
     recompute: keep only each block's input in forward and recompute the block in backward
         (full activation recomputation: less memory, one more forward per block, whose
         collectives run again).

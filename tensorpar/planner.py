@@ -29,7 +29,8 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   dropout masks at dropout 0; RMSNorm keeps x·rstd and rstd; the loss keeps the vocab-parallel
   logits (b·s·V/t) and a few per-token statistics. The step's peak adds what is alive only for a
   moment: the loss backward's gradient of the logits (one b·s·V/t fp32 buffer; two with one rank,
-  where the loss is ``F.cross_entropy``), or a block's backward, or the optimizer step. It is checked against ``MemoryMeter`` around real steps within 10%.
+  where the loss is ``F.cross_entropy``), or a block's backward, or the optimizer step. It is
+  checked against ``MemoryMeter`` around real steps within 10%.
 
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
 fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).

@@ -36,8 +36,8 @@ from tensorpar.counting import CollectiveCounter
 from tensorpar.data import ByteTokenizer, TokenBatches, load_text
 from tensorpar.distributed import device_for, tp_rank, tp_size
 from tensorpar.launch import run_ranks
-from tensorpar.memory import MemoryMeter
 from tensorpar.layout import Layout, clip_grad_norm_, rank_sizes
+from tensorpar.memory import MemoryMeter
 from tensorpar.model import GPT, GPTConfig
 from tensorpar.report import Metrics, ProgressLine, plot_loss, summary
 
