@@ -13,7 +13,8 @@ $(SETUP_STAMP): pyproject.toml
 	$(if $(TORCH_SPEC),$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)")
 	$(PYTHON) -m pip install --quiet -e ".[dev]"
 	# the benchmark's megatron-core contender (pure Python; --no-deps keeps torch as pinned)
-	$(PYTHON) -m pip install --quiet --no-deps "megatron-core>=0.16.1,<0.17"
+	$(PYTHON) -m pip install --quiet --no-deps "megatron-core>=0.16.1,<0.17" || \
+		echo "megatron-core did not install: tensorpar bench reports it as not installed"
 	touch $@
 
 # The main job: train the GPT at TP=2 on Python's help text (about 3 minutes on 2 CPU cores),

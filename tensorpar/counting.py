@@ -11,10 +11,10 @@ Functions and those run in backward::
 
 ``bytes`` is the payload of each collective, the size of the full tensor it produces or reduces:
 the tensor of an all-reduce, the gathered output of an all-gather, the unscattered input of a
-reduce-scatter. That is the b·s·h of Megatron's analysis, so an all-gather plus a reduce-scatter
-under sequence parallelism weigh the same as the all-reduce they replace. ``ring_bytes`` is what
-each rank sends with ring algorithms: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for the
-others.
+reduce-scatter: the b·s·h of Megatron's analysis. ``ring_bytes`` is what each rank sends with
+ring algorithms: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for the others, so the
+all-gather plus reduce-scatter that sequence parallelism puts in place of an all-reduce send the
+same bytes (their payloads add up to twice the all-reduce's).
 """
 
 from __future__ import annotations

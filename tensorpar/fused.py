@@ -94,11 +94,14 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
 
     Computed in the dtype of the matmuls and returned in the input's (fp32 under bf16 autocast),
     so the collective moves what the plain path's ``f`` would."""
-    dx = torch.matmul(dys[0], weights[0])
+    dx = torch.matmul(dys[0], weights[0]).to(dtype)
     dx_2d = dx.view(-1, dx.shape[-1])
     for dy, w in zip(dys[1:], weights[1:], strict=True):
-        dx_2d.addmm_(dy.reshape(-1, dy.shape[-1]), w)  # accumulate in place: no temporary
-    return dx.to(dtype)
+        if dy.dtype == dtype:  # accumulate in place: no temporary
+            dx_2d.addmm_(dy.reshape(-1, dy.shape[-1]), w)
+        else:  # bf16 products summed in fp32, as the plain path's autograd sums them
+            dx.add_(torch.matmul(dy, w))
+    return dx
 
 
 def fused_column(x: torch.Tensor, weights: list[torch.Tensor],

@@ -152,6 +152,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused)
                                     for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta)
+        if recompute:
+            # a replayed block stops once its last saved tensor is back: with the all-reduce
+            # outside the row matmul's op, the replay skips the MLP's exit (one fewer per block)
+            for block in self.blocks:
+                block.attn.o_proj.fused = block.mlp.down.fused = False
         self.lm_head = None if cfg.tie_embeddings else \
             ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **meta)
         self.init_weights(seed, device)

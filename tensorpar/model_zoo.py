@@ -103,14 +103,14 @@ def spec_from_dict(d: dict, name: str) -> ModelSpec:
     """A spec from a GPTConfig dict, a checkpoint manifest or a Hugging Face config dict."""
     if "config" in d and isinstance(d["config"], dict):  # a tensorpar manifest.json
         d = d["config"]
-    if "n_layer" in d and "dim" in d:  # a tensorpar GPTConfig
-        from tensorpar.model import GPTConfig
-
-        known = {f.name for f in dataclasses.fields(GPTConfig)}
-        return ModelSpec.from_gpt_config(GPTConfig(**{k: v for k, v in d.items() if k in known}),
-                                         name)
     model_type = d.get("model_type", "")
     try:
+        if "n_layer" in d and "dim" in d:  # a tensorpar GPTConfig
+            from tensorpar.model import GPTConfig
+
+            known = {f.name for f in dataclasses.fields(GPTConfig)}
+            cfg = GPTConfig(**{k: v for k, v in d.items() if k in known})
+            return ModelSpec.from_gpt_config(cfg, name)
         if model_type == "gpt2" or "n_embd" in d:
             dim = d["n_embd"]
             return ModelSpec(name, d["vocab_size"], d["n_layer"], dim, d["n_head"], d["n_head"],
@@ -128,6 +128,8 @@ def spec_from_dict(d: dict, name: str) -> ModelSpec:
     except KeyError as e:
         raise ValueError(f"{name}: not a GPTConfig, tensorpar manifest or Hugging Face config "
                          f"(missing key {e})") from None
+    except TypeError as e:  # a value of the wrong type (a string for a size, a null)
+        raise ValueError(f"{name}: a value has the wrong type ({e})") from None
 
 
 def load_spec(path: str | Path) -> ModelSpec:

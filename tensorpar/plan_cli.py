@@ -12,12 +12,11 @@ Formulas and their checks: ``planner.py`` (memory), ``plan_comm.py`` (communicat
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
+from tensorpar.bench.outputs import _atomic_write
 from tensorpar.model_zoo import PRESETS, load_spec, preset
 from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner import DTYPES, RECOMPUTE, plan_memory, smallest_fitting
@@ -52,7 +51,9 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a JSON file: GPTConfig, checkpoint manifest or HF config")
     p.add_argument("--tp", default="1,2,4,8", help="TP size or a list (1,2,4,8): one row each")
     p.add_argument("--dtype", default="bf16",
-                   help=f"{', '.join(DTYPES)}, a list, or 'all' (bf16: Megatron mixed precision)")
+                   help=f"{', '.join(DTYPES)}, a list, or 'all' (bf16: Megatron-style mixed "
+                   "precision at 16 B/param, 18 with its fp32 gradient buffer; bf16-autocast: "
+                   "tensorpar's --dtype bf16)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE)
     p.add_argument("--batch", type=int, default=1, help="micro-batch (sequences per step)")
@@ -105,7 +106,7 @@ def build(args) -> dict:
     comm = {tp: predicted_comm(spec, args.batch, args.seq, tp, args.sequence_parallel,
                                comm_dtype, rec) for tp in tps}
     out = {"model": spec.name, "params": spec.params(), "rows": rows, "verdict": verdicts,
-           "comm": {str(tp): c for tp, c in comm.items()}}
+           "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype}
     fp32 = plan_memory(spec, 1, args.batch, args.seq, "fp32")
     bf16 = plan_memory(spec, 1, args.batch, args.seq, "bf16")
     out["savings_16bit"] = {
@@ -141,11 +142,8 @@ def _write_png(data: dict, path: str, device: float) -> None:
         ax.set(title=f"{data['model']} {dtype}", xlabel="TP size", ylabel="GB per rank")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=Path(path).resolve().parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
+    _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _print_tables(data: dict, args) -> None:
@@ -178,7 +176,8 @@ def _print_tables(data: dict, args) -> None:
                   f"{_gb(s['weights_16bit'])} GB; training at TP=1 "
                   f"{_gb(s['training_fp32_tp1'])} -> {_gb(s['training_bf16_tp1'])} GB. "
                   f"{s['note']}")
-    c = Table(title="communication per step and rank (tensorpar's GPT)")
+    c = Table(title=f"communication per step and rank (tensorpar's GPT, "
+              f"{data['comm_dtype']} activations)")
     for col in ("TP", "kind", "calls", "payload MB", "ring MB sent"):
         c.add_column(col, justify="right")
     for tp, comm in data["comm"].items():
@@ -199,11 +198,11 @@ def _print_tables(data: dict, args) -> None:
 def main(args) -> int:
     try:
         data = build(args)
-    except ValueError as e:
+        if args.png:
+            _write_png(data, args.png, parse_bytes(args.device_memory))
+    except (ValueError, OSError) as e:
         print(f"tensorpar plan: {e}", file=sys.stderr)
         return 2
-    if args.png:
-        _write_png(data, args.png, parse_bytes(args.device_memory))
     if args.json:
         print(json.dumps(data, indent=1))
     else:

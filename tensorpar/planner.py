@@ -110,12 +110,15 @@ def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fu
 
 def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
                      sequence_parallel: bool = False, dtype: str = "fp32",
-                     recompute: str = "none", fused: bool = True, rank: int = 0) -> dict:
+                     recompute: str = "none", fused: bool = True, rank: int = 0,
+                     foreach: bool = False) -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
     dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
-    ("selective" is "none" here: no s x s scores are kept anyway).
+    ("selective" is "none" here: no s x s scores are kept anyway). foreach: AdamW's multi-tensor
+    step (torch's default on CUDA) keeps one fp32 temporary per parameter (the denominators);
+    the single-tensor step (the default on CPU) keeps two of the largest tensor.
     """
     if dtype not in ("fp32", "bf16-autocast"):
         raise ValueError(f"dtype {dtype!r}: tensorpar trains fp32 or bf16-autocast")
@@ -156,7 +159,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     if recompute == "full":
         top += block - Ns * D * 4
     peaks["block backward"] = top
-    optimizer_peak = grads + 2 * 4 * p["largest"]
+    optimizer_peak = grads + (4 * p["total"] if foreach else 2 * 4 * p["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
     return {"weights": weights, "grads": grads, "optimizer": optimizer,
@@ -185,7 +188,8 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
                 device_memory: float | None = None, reserve: float = 0.10) -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
-    Weights, gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
+    The devices are GPUs: AdamW's step is the multi-tensor one, CUDA's default. Weights,
+    gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
     what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
     Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
     states + the largest moment ("peak_bytes" at "peak_at": the activations and the loss
@@ -200,7 +204,7 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
         raise ValueError(f"--seq {seq} does not divide by --tp {tp} (sequence parallelism)")
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
-                           "fp32" if dtype == "fp32" else "bf16-autocast", rec)
+                           "fp32" if dtype == "fp32" else "bf16-autocast", rec, foreach=True)
     params = rank_params(spec, tp)
     p = params["total"]
     weights, grads, optimizer = mem["weights"], mem["grads"], mem["optimizer"]

@@ -103,7 +103,8 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     os.replace(tmp, path)
 
 
-def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg) -> Table:
+def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
+            device_type: str = "cpu") -> Table:
     """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
     prediction) and the collectives of one step (measured against the analytic minimum)."""
     from tensorpar.model_zoo import ModelSpec
@@ -132,7 +133,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg) -> 
         if s.get("peak_memory"):
             planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                       recompute, cfg.fused, rank=r)["total"]
+                                       recompute, cfg.fused, rank=r,
+                                       foreach=device_type == "cuda")["total"]
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
                      f"(planned {human_bytes(planned)}, {planned / s['peak_memory'] - 1:+.1%})")
         table.add_row(f"rank {r}", line)
@@ -141,27 +143,31 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg) -> 
         for kind in sorted(set(comm["counts"]) | set(minimum["counts"])):
             measured = (comm["counts"].get(kind, 0), comm["bytes"].get(kind, 0))
             expected = (minimum["counts"].get(kind, 0), minimum["bytes"].get(kind, 0))
-            verdict = "= the analytic minimum" if measured == expected else \
-                f"analytic minimum: {expected[0]} calls, {human_bytes(expected[1])}"
+            verdict = "= the analytic count" if measured == expected else \
+                f"analytic count: {expected[0]} calls, {human_bytes(expected[1])}"
             table.add_row(f"{kind} per step",
                           f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
                           f"{human_bytes(comm['ring_bytes'].get(kind, 0))} sent per rank "
                           f"(ring); {verdict}")
-        table.add_row("analytic minimum (payload)", _by_source(minimum))
+        table.add_row("analytic count (payload)", _by_source(minimum, sp))
     else:
         table.add_row("communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
     return table
 
 
-def _by_source(predicted: dict) -> str:
-    """'blocks 36.00 MiB (Megatron: 4·L·B·T·D) + embedding 1.50 MiB + ...' from a prediction."""
+def _by_source(predicted: dict, sp: bool) -> str:
+    """'blocks 36.00 MiB (Megatron's minimum: ...) + embedding 1.50 MiB + ...' from a
+    prediction (``plan_comm.predicted_comm``)."""
     parts: dict[str, int] = {}
     for row in predicted["breakdown"]:
         source = row["source"]
         if source.startswith(("attention", "mlp")):
             source = "blocks"
         parts[source] = parts.get(source, 0) + row["bytes"]
-    text = [f"{name} {human_bytes(b)}" + (" (Megatron's 4 B·T·D per layer)" if name == "blocks"
-                                          else "") for name, b in parts.items()]
+    minimum = ("Megatron's minimum: per layer 2 all-reduces of B·T·D each way"
+               if not sp else "Megatron's minimum under SP: per layer 2 all-gathers + 2 "
+               "reduce-scatters of B·T·D each way, the ring bytes of the 4 all-reduces")
+    text = [f"{name} {human_bytes(b)}" + (f" ({minimum})" if name == "blocks" else "")
+            for name, b in parts.items()]
     return " + ".join(text)

@@ -189,7 +189,8 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                       f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
-        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg))
+        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg,
+                                               device.type))
         progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                                f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
     return result
@@ -233,6 +234,9 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
                                              if v is not None}))
     cfg.check()
     model_cfg.check(cfg.tp)
+    if cfg.recompute and model_cfg.dropout > 0:
+        raise ValueError(f"--recompute with --dropout {model_cfg.dropout}: recomputed blocks "
+                         "would draw other dropout masks; use one or the other")
     if model_cfg.vocab_size != ByteTokenizer.vocab_size:
         raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
                          f"{ByteTokenizer.vocab_size}")

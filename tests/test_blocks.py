@@ -37,7 +37,7 @@ def test_parallel_mlp(ranks, n, gated, bias, sp, fused):
     """Column then row: the activation runs on hidden shards with no sync, so the MLP costs
     exactly one all-reduce forward and one backward (one all-gather + one reduce-scatter each way
     under SP, plus the all-reduce of the replicated down-bias gradient when there is a bias).
-    Fused (gate and up as one matmul, the backward collective overlapped): the same numbers and
+    Fused (gate and up as one autograd op, the backward collective overlapped): the same numbers and
     the same collectives."""
     results = ranks(n).run(_mlp_body, gated, bias, sp, fused)
     if n == 1:
@@ -74,7 +74,7 @@ ATTENTION_LAYOUTS = [  # (heads, kv_heads): MHA, GQA, MQA, uneven heads
 def test_parallel_attention(ranks, n, heads, kv_heads, sp, fused):
     """Heads split across ranks (tensor_split over heads); KV heads shared by several ranks when
     there are fewer than ranks, their gradients summed with one all-reduce in backward. Fused
-    QKV (one matmul, the backward collective overlapped): the same numbers and collectives."""
+    QKV (one autograd op, the backward collective overlapped): the same numbers and collectives."""
     if heads < n:
         pytest.skip("fewer heads than ranks is refused: see test_attention_errors")
     results = ranks(n).run(_attention_body, heads, kv_heads, sp, True, False, fused)

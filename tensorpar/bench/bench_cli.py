@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from tensorpar.bench.contenders import CONTENDERS, DEFAULT, parse_contenders
 from tensorpar.bench.runner import RunPlan, run_bench
@@ -65,7 +67,11 @@ def main(args: argparse.Namespace) -> int:
         names = parse_contenders(args.contenders)
         plan.check()
         spec.check(plan.tp)
-    except ValueError as e:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)  # before the run: a bad --out loses nothing
+        if not os.access(out, os.W_OK):
+            raise ValueError(f"--out {out} is not writable")
+    except (ValueError, OSError) as e:
         print(f"tensorpar bench: {e}", file=sys.stderr)
         return 2
     results = run_bench(spec, names, plan, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -190,7 +190,7 @@ class Contender:
 
 CONTENDERS: dict[str, Contender] = {c.name: c for c in [
     Contender("tensorpar", partial(setup_tensorpar), "tp",
-              about="tensorpar GPT (fused QKV and gate/up, overlapped backward all-reduce)"),
+              about="tensorpar GPT (fused: overlapped backward all-reduce)"),
     Contender("tensorpar-sp", partial(setup_tensorpar, sequence_parallel=True), "tp",
               about="tensorpar GPT with sequence parallelism"),
     Contender("tensorpar-unfused", partial(setup_tensorpar, fused=False), "tp",

@@ -148,18 +148,19 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 row["seconds"] += [max(ts) for ts in zip(*[x["seconds"] for x in res],
                                                          strict=True)]
             log(f"round {r + 1}/{plan.repeats} done")
-        profile = None
-        if plan.profile:
-            target = next((n for n in ("tensorpar", "tensorpar-sp", "tensorpar-unfused",
-                                       "tensorpar-tp1") if n in timed and
-                           rows[n]["status"] == "ok"), None)
-            if target is not None:
+        profile = []
+        if plan.profile:  # tensorpar, and its plain layers: what the overlap hides
+            targets = [n for n in ("tensorpar", "tensorpar-unfused") if n in timed
+                       and rows[n]["status"] == "ok"] or \
+                [n for n in ("tensorpar-sp", "tensorpar-tp1") if n in timed
+                 and rows[n]["status"] == "ok"][:1]
+            for target in targets:
                 first = plan.warmup + plan.repeats * plan.steps_per_repeat
                 pool = pools.get(pool_key(CONTENDERS[target], plan.tp))
                 log(f"profiling {target}")
-                profile = {"contender": target,
-                           "ranks": pool.run(ranks.profile, run_id, target, spec, first,
-                                             plan.profile_steps)}
+                profile.append({"contender": target,
+                                "ranks": pool.run(ranks.profile, run_id, target, spec, first,
+                                                  plan.profile_steps)})
         for _, pool in pools.each():
             if not pool._closed:
                 pool.run(ranks.teardown, run_id)
@@ -175,7 +176,7 @@ def _fail(rows: dict, name: str, err: RankError, log) -> None:
 
 
 def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
-               profile: dict | None) -> dict:
+               profile: list[dict]) -> dict:
     ref = rows.get(REFERENCE, {})
     ref_losses = ref.get("losses") if ref.get("status") == "ok" else None
     out = []
