@@ -107,14 +107,19 @@ def build(args) -> dict:
                                comm_dtype, rec) for tp in tps}
     out = {"model": spec.name, "params": spec.params(), "rows": rows, "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype}
-    fp32 = plan_memory(spec, 1, args.batch, args.seq, "fp32")
-    bf16 = plan_memory(spec, 1, args.batch, args.seq, "bf16")
+    tp0 = tps[0]  # the comparison at the first TP size asked for
+    fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
+                       args.recompute)
+    bf16 = plan_memory(spec, tp0, args.batch, args.seq, "bf16", args.sequence_parallel,
+                       args.recompute)
     out["savings_16bit"] = {
-        "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
-        "training_fp32_tp1": fp32["total"], "training_bf16_tp1": bf16["total"],
-        "note": "16-bit halves the weights (what inference needs); mixed-precision training "
-                "keeps fp32 master weights and AdamW moments, 16 B/param either way, so the "
-                "training saving is the activations'"}
+        "tp": tp0, "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
+        "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],
+        "peak_fp32": fp32["total"], "peak_bf16": bf16["total"],
+        "note": "16-bit halves the weights (what inference needs) and roughly the activations; "
+                "mixed-precision training keeps fp32 master weights and AdamW moments (16 B per "
+                "parameter either way), so the training peak falls only where activations "
+                "dominate it"}
     if args.split:
         out["split"] = mlp_split_comparison(args.batch, args.seq, spec.dim, spec.hidden_dim,
                                             max(tps), 2 if comm_dtype == "bf16" else 4)
@@ -172,9 +177,10 @@ def _print_tables(data: dict, args) -> None:
     for line in data["verdict"].values():
         console.print(line)
     s = data["savings_16bit"]
-    console.print(f"16-bit vs 32-bit: weights {_gb(s['weights_fp32'])} -> "
-                  f"{_gb(s['weights_16bit'])} GB; training at TP=1 "
-                  f"{_gb(s['training_fp32_tp1'])} -> {_gb(s['training_bf16_tp1'])} GB. "
+    console.print(f"16-bit vs 32-bit at TP={s['tp']}: weights (whole model) "
+                  f"{_gb(s['weights_fp32'])} -> {_gb(s['weights_16bit'])} GB; activations per "
+                  f"rank {_gb(s['activations_fp32'])} -> {_gb(s['activations_bf16'])} GB; "
+                  f"training peak per rank {_gb(s['peak_fp32'])} -> {_gb(s['peak_bf16'])} GB. "
                   f"{s['note']}")
     c = Table(title=f"communication per step and rank (tensorpar's GPT, "
               f"{data['comm_dtype']} activations)")
