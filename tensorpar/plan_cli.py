@@ -16,10 +16,10 @@ import re
 import sys
 from pathlib import Path
 
-from tensorpar.bench.outputs import _atomic_write
 from tensorpar.model_zoo import PRESETS, load_spec, preset
 from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner import DTYPES, RECOMPUTE, plan_memory, smallest_fitting
+from tensorpar.report import write_atomically
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -147,7 +147,7 @@ def _write_png(data: dict, path: str, device: float) -> None:
         ax.set(title=f"{data['model']} {dtype}", xlabel="TP size", ylabel="GB per rank")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110))
+    write_atomically(Path(path), lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
 
 

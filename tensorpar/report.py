@@ -97,10 +97,21 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
-    os.replace(tmp, path)
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(tmp)`` to a hidden file next to ``path``, then rename it into place: a reader
+    sees the old file or the new one, never half of one (and a failed write leaves no tmp)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,

@@ -7,24 +7,15 @@ reader never sees half a file.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from tensorpar.report import write_atomically
 
 MiB = 2**20
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _ms(x: float) -> str:
@@ -144,7 +135,7 @@ def chart(results: dict, path: Path) -> None:
     for i, m in enumerate(med):
         ax.text(i, m, f"{m:,.0f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
 
 
