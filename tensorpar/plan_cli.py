@@ -56,8 +56,13 @@ def add_parser(subparsers) -> None:
                    "tensorpar's --dtype bf16)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE)
-    p.add_argument("--batch", type=int, default=1, help="micro-batch (sequences per step)")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--batch", type=int, default=None,
+                   help="micro-batch, sequences per step (default: a manifest's, else 1)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: a manifest's, else 2048)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="the ranks' device: AdamW's step is multi-tensor on cuda (one fp32 "
+                   "temporary per parameter), single-tensor on cpu (torch's defaults)")
     p.add_argument("--device-memory", default="80GB", help="memory per device (80GB, 24GiB)")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of device memory kept free (fragmentation, context, buffers)")
@@ -71,13 +76,35 @@ def add_parser(subparsers) -> None:
 _AT = {"loss backward": "loss bwd", "block backward": "block bwd", "optimizer step": "opt step"}
 
 
-def _gb(b: float) -> str:
-    return f"{b / 1e9:,.2f}"
+def _unit(rows: list[dict]) -> tuple[float, str]:
+    """GB for models that need them, MB for small ones."""
+    return (1e9, "GB") if max(r["total"] for r in rows) >= 1e9 else (1e6, "MB")
+
+
+def _fmt(b: float, unit: tuple[float, str]) -> str:
+    return f"{b / unit[0]:,.2f}"
+
+
+def _run_shape(args) -> tuple[int, int]:
+    """--batch and --seq, defaulting to a checkpoint manifest's training run."""
+    train = {}
+    if args.config and (args.batch is None or args.seq is None):
+        try:
+            path = Path(args.config)
+            path = path / "manifest.json" if path.is_dir() else path
+            train = json.loads(path.read_text()).get("train") or {}
+        except (OSError, ValueError, AttributeError):
+            train = {}
+    batch = args.batch if args.batch is not None else train.get("batch_size", 1)
+    seq = args.seq if args.seq is not None else train.get("seq_len", 2048)
+    return batch, seq
 
 
 def build(args) -> dict:
     """Everything the command shows, as plain data (what --json prints)."""
     spec = load_spec(args.config) if args.config else preset(args.model)
+    args.batch, args.seq = _run_shape(args)
+    foreach = args.device == "cuda"
     tps = _ints(str(args.tp), "--tp")
     dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
     for d in dtypes:
@@ -92,14 +119,16 @@ def build(args) -> dict:
             try:
                 rows.append(plan_memory(spec, tp, args.batch, args.seq, dtype,
                                         args.sequence_parallel, args.recompute, device,
-                                        args.reserve))
+                                        args.reserve, foreach))
             except ValueError as e:
                 raise ValueError(f"--tp {tp} for {spec.name}: {e}") from None
     verdicts = {}
+    unit = _unit(rows)
     for dtype in dtypes:
         best = smallest_fitting([r for r in rows if r["dtype"] == dtype])
         verdicts[dtype] = (f"{dtype}: TP={best['tp']} is the smallest that fits "
-                           f"({_gb(best['total'])} of {_gb(best['usable'])} GB usable per device)"
+                           f"({_fmt(best['total'], unit)} of {_fmt(best['usable'], unit)} "
+                           f"{unit[1]} usable per device)"
                            if best else f"{dtype}: no TP size in {tps} fits {args.device_memory}")
     comm_dtype = "fp32" if dtypes == ["fp32"] else "bf16"
     rec = "full" if args.recompute == "full" else "none"
@@ -109,9 +138,9 @@ def build(args) -> dict:
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
-                       args.recompute)
+                       args.recompute, foreach=foreach)
     bf16 = plan_memory(spec, tp0, args.batch, args.seq, "bf16", args.sequence_parallel,
-                       args.recompute)
+                       args.recompute, foreach=foreach)
     out["savings_16bit"] = {
         "tp": tp0, "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
         "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],
@@ -158,16 +187,19 @@ def _print_tables(data: dict, args) -> None:
     console = Console()
     if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
         console = Console(width=120)
-    t = Table(title=f"{data['model']} ({data['params'] / 1e9:.2f}B params), batch {args.batch} x "
-              f"seq {args.seq}{', SP' if args.sequence_parallel else ''}, recompute "
-              f"{args.recompute}: GB per rank")
+    unit = _unit(data["rows"])
+    params = data["params"]
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+    t = Table(title=f"{data['model']} ({size} params), batch {args.batch} x seq {args.seq}"
+              f"{', SP' if args.sequence_parallel else ''}, recompute {args.recompute}, "
+              f"{args.device}: {unit[1]} per rank")
     for col in ("dtype", "TP", "weights", "optim", "grads", "activ", "paper", "peak", "at",
                 "fits"):
         t.add_column(col, justify="right")
     for r in data["rows"]:
-        t.add_row(r["dtype"], str(r["tp"]), _gb(r["weights"]), _gb(r["optimizer"]),
-                  _gb(r["grads"]), _gb(r["activations"]), _gb(r["activations_paper"]),
-                  _gb(r["total"]), _AT[r["peak_at"]], "yes" if r.get("fits") else "no")
+        t.add_row(r["dtype"], str(r["tp"]), *(_fmt(r[k], unit) for k in (
+            "weights", "optimizer", "grads", "activations", "activations_paper", "total")),
+            _AT[r["peak_at"]], "yes" if r.get("fits") else "no")
     console.print(t)
     console.print("optim: AdamW states (bf16: + fp32 master weights); activ: what tensorpar's "
                   "GPT keeps for backward; paper: Korthikanti et al. 2022. peak = weights + "
@@ -178,9 +210,10 @@ def _print_tables(data: dict, args) -> None:
         console.print(line)
     s = data["savings_16bit"]
     console.print(f"16-bit vs 32-bit at TP={s['tp']}: weights (whole model) "
-                  f"{_gb(s['weights_fp32'])} -> {_gb(s['weights_16bit'])} GB; activations per "
-                  f"rank {_gb(s['activations_fp32'])} -> {_gb(s['activations_bf16'])} GB; "
-                  f"training peak per rank {_gb(s['peak_fp32'])} -> {_gb(s['peak_bf16'])} GB. "
+                  f"{_fmt(s['weights_fp32'], unit)} -> {_fmt(s['weights_16bit'], unit)} "
+                  f"{unit[1]}; activations per rank {_fmt(s['activations_fp32'], unit)} -> "
+                  f"{_fmt(s['activations_bf16'], unit)} {unit[1]}; training peak per rank "
+                  f"{_fmt(s['peak_fp32'], unit)} -> {_fmt(s['peak_bf16'], unit)} {unit[1]}. "
                   f"{s['note']}")
     c = Table(title=f"communication per step and rank (tensorpar's GPT, "
               f"{data['comm_dtype']} activations)")

@@ -185,10 +185,11 @@ def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
 
 def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
-                device_memory: float | None = None, reserve: float = 0.10) -> dict:
+                device_memory: float | None = None, reserve: float = 0.10,
+                foreach: bool = True) -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
-    The devices are GPUs: AdamW's step is the multi-tensor one, CUDA's default. Weights,
+    foreach: AdamW's multi-tensor step (CUDA's default; False: CPU's single-tensor one). Weights,
     gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
     what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
     Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
@@ -204,7 +205,8 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
         raise ValueError(f"--seq {seq} does not divide by --tp {tp} (sequence parallelism)")
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
-                           "fp32" if dtype == "fp32" else "bf16-autocast", rec, foreach=True)
+                           "fp32" if dtype == "fp32" else "bf16-autocast", rec,
+                           foreach=foreach)
     params = rank_params(spec, tp)
     p = params["total"]
     weights, grads, optimizer = mem["weights"], mem["grads"], mem["optimizer"]

@@ -112,8 +112,16 @@ def test_cli(capsys, tmp_path):
     assert data["split"][0]["split"].startswith("column-then-row")
     assert _cli("--model", "gpt2", "--tp", "2") == 0
     assert "smallest that fits" in capsys.readouterr().out
+    manifest = tmp_path / "manifest.json"  # a checkpoint's: its run's batch and sequence
+    manifest.write_text(json.dumps({"config": {"n_layer": 2, "dim": 64, "n_head": 4,
+                                               "n_kv_head": 2, "vocab_size": 256},
+                                    "train": {"batch_size": 3, "seq_len": 48}}))
+    assert _cli("--config", str(manifest), "--tp", "2", "--device", "cpu", "--json") == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert (row["batch"], row["seq"]) == (3, 48)
     for bad, needle in ((["--model", "nope"], "llama-2-7b"), (["--tp", "33"], "--tp 33"),
-                        (["--device-memory", "lots"], "--device-memory")):
+                        (["--device-memory", "lots"], "--device-memory"),
+                        (["--model", "gpt2", "--png", str(tmp_path / "no" / "x.png")], "x.png")):
         assert _cli(*bad) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
