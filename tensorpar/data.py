@@ -66,13 +66,14 @@ class TokenBatches:
             raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than --seq-len "
                              f"{seq_len} + 1")
         self._perm: tuple[int, torch.Tensor] | None = None
-        self.digest = hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16]
+        self.digest = hashlib.sha256(tokens.long().numpy().tobytes()).hexdigest()[:16]
 
     @classmethod
     def from_text(cls, text: str, seq_len: int, batch_size: int, seed: int,
                   tokenizer: ByteTokenizer | None = None) -> TokenBatches:
         tok = tokenizer or ByteTokenizer()
-        return cls(torch.tensor(tok.encode(text), dtype=torch.long), seq_len, batch_size, seed)
+        # bytes: one uint8 per token in memory (an eighth of int64); batches come out int64
+        return cls(torch.tensor(tok.encode(text), dtype=torch.uint8), seq_len, batch_size, seed)
 
     def _window_order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -86,7 +87,7 @@ class TokenBatches:
         for i in range(step * self.batch_size, (step + 1) * self.batch_size):
             w = int(self._window_order(i // self.windows)[i % self.windows])
             rows.append(self.tokens[w * self.seq_len: (w + 1) * self.seq_len + 1])
-        chunk = torch.stack(rows)  # (B, T + 1)
+        chunk = torch.stack(rows).long()  # (B, T + 1)
         return chunk[:, :-1], chunk[:, 1:]
 
     def epoch_of(self, step: int) -> float:

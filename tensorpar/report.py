@@ -146,8 +146,12 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=r,
                                        foreach=device_type == "cuda")["total"]
+            data = s.get("data_bytes", 0)
+            planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
-                     f"(planned {human_bytes(planned)}, {planned / s['peak_memory'] - 1:+.1%})")
+                     f"(planned {human_bytes(planned)}"
+                     + (f" with {human_bytes(data)} of token data" if data else "")
+                     + f", {planned / s['peak_memory'] - 1:+.1%})")
         table.add_row(f"rank {r}", line)
     if comm["counts"]:
         minimum = predicted_comm(spec, cfg.batch_size, cfg.seq_len, tp, sp, cfg.dtype, recompute)

@@ -175,7 +175,9 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
             progress.update(step + 1, loss_value, tokens / dt)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save(step + 1)
-    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory}
+    # on CPU the token data is tensor memory of the same device, which the meter counts too
+    data_bytes = batches.tokens.nbytes if device.type == "cpu" else 0
+    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "data_bytes": data_bytes}
     sizes = [mine]
     if tp_size(group) > 1:
         sizes = [None] * tp_size(group)
