@@ -132,8 +132,8 @@ def chart(results: dict, path: Path) -> None:
     s = results["spec"]
     ax.set_title(f"d={s['dim']} L={s['n_layer']} heads={s['n_head']}/{s['n_kv_head']} "
                  f"V={s['vocab_size']} B×T={s['batch_size']}×{s['seq_len']}, fp32", fontsize=9)
-    for i, m in enumerate(med):
-        ax.text(i, m, f"{m:,.0f}", ha="center", va="bottom", fontsize=8)
+    for i, m in enumerate(med):  # above the whisker
+        ax.text(i, m + high[i], f"{m:,.0f}", ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
