@@ -123,7 +123,8 @@ def spec_from_dict(d: dict, name: str) -> ModelSpec:
             d.get("num_key_value_heads") or heads, d["intermediate_size"],
             bias=bool(d.get("mlp_bias", False)) and bool(d.get("attention_bias", False)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # transformers' default differs by family: Gemma ties, Llama does not
+            tie_embeddings=bool(d.get("tie_word_embeddings", model_type.startswith("gemma"))),
             head_dim=d.get("head_dim") or 0)
     except KeyError as e:
         raise ValueError(f"{name}: not a GPTConfig, tensorpar manifest or Hugging Face config "

@@ -73,8 +73,9 @@ def rank_params(spec: ModelSpec, tp: int, rank: int = 0) -> dict:
     head = 0 if spec.tie_embeddings else embed
     block = qkv + o + mlp + 2 * norm + bias
     n_tensors = 1 + (spec.learned_pos > 0) + (not spec.tie_embeddings) + 1 + (spec.norm == "layer")
-    n_tensors += spec.n_layer * ((7 if spec.gated_mlp else 6) + 2 * (1 + (spec.norm == "layer"))
-                                 + (7 if spec.bias else 3 if spec.qkv_bias else 0))
+    linears = 7 if spec.gated_mlp else 6  # q, k, v, o, (gate,) up, down
+    biases = linears if spec.bias else 3 if spec.qkv_bias else 0
+    n_tensors += spec.n_layer * (linears + 2 * (1 + (spec.norm == "layer")) + biases)
     return {"total": embed + head + spec.learned_pos * D + spec.n_layer * block + norm,
             "matmul": spec.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
             "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors}

@@ -93,6 +93,11 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
     )
 
     group = group or dist.group.WORLD
+    n = dist.get_world_size(group)
+    uneven = [f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in ("n_head", "n_kv_head")
+              if getattr(spec, k) % n]
+    if uneven:  # DTensor's colwise q/k/v need whole heads per rank (tensorpar shares KV heads)
+        raise ValueError(f"dtensor: {', '.join(uneven)} does not divide by --tp {n}")
     mesh = DeviceMesh.from_group(group, "cpu")
     model = DenseLlama(spec, state)
     residual = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
