@@ -45,6 +45,11 @@ KIND_OF_OP = {
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
+def ring_share(kind: str, n: int) -> float:
+    """The fraction of a collective's payload each of ``n`` ranks sends with ring algorithms."""
+    return 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+
+
 def _payload_bytes(args, out) -> int:
     """The largest argument's or result's total tensor bytes: the full side of the collective
     (a c10d all-gather takes its output as an argument, a functional one returns it)."""
@@ -90,6 +95,6 @@ class CollectiveCounter(TorchDispatchMode):
             payload, n = _payload_bytes(args, out), _group_size(args)
             self.counts[kind] += 1
             self.bytes[kind] += payload
-            share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+            share = ring_share(kind, n)
             self.ring_bytes[kind] += round(payload * share)
         return out

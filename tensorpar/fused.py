@@ -52,12 +52,9 @@ class _FusedColumn(torch.autograd.Function):
         if sequence_parallel and n > 1:  # (B, T/n, D) -> (B, T, D)
             x_full = _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * n, group)
         ctx.x_dtype = x.dtype
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # compute (and save) what autocast's linear would
-            dtype = torch.get_autocast_dtype(device)
-            x_full = x_full.to(dtype)
-            weights = [w.to(dtype) for w in weights]
-            biases = [None if b is None else b.to(dtype) for b in biases]
+        cast = _autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
+        x_full = cast(x_full)
+        weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
         ctx.save_for_backward(x_full, *weights)
         ctx.group, ctx.sp, ctx.n, ctx.has_bias = group, sequence_parallel and n > 1, n, has_bias
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
@@ -87,6 +84,16 @@ class _FusedColumn(torch.autograd.Function):
         if work is not None:
             work.wait()
         return (dx, None, None, None, *dws, *dbs)
+
+
+def _autocast_cast(device: str):
+    """A function casting a tensor (or None) to autocast's dtype on ``device`` when autocast is
+    on there, and returning it unchanged otherwise. Custom ops run their matmuls in the dtype
+    autocast's own linear would use, and save those casts for backward."""
+    if not torch.is_autocast_enabled(device):
+        return lambda t: t
+    dtype = torch.get_autocast_dtype(device)
+    return lambda t: None if t is None else t.to(dtype)
 
 
 def _input_grad(dys, weights, dtype) -> torch.Tensor:
@@ -130,10 +137,9 @@ class _FusedRow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group):
-        ctx.x_dtype, device = x.dtype, x.device.type
-        if torch.is_autocast_enabled(device):  # what autocast's linear would compute
-            dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
+        ctx.x_dtype = x.dtype
+        cast = _autocast_cast(x.device.type)  # what autocast's linear would compute
+        x, weight = cast(x), cast(weight)
         y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
         if tp_size(group) > 1:
             dist.all_reduce(y, group=group)

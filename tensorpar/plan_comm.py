@@ -28,13 +28,8 @@ master weights): the row layers' outputs (forward g) travel in bf16, input gradi
 from __future__ import annotations
 
 from tensorpar.attention import head_layout
+from tensorpar.counting import KINDS, ring_share
 from tensorpar.model_zoo import ModelSpec
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def _share(kind: str, t: int) -> float:
-    return 2 * (t - 1) / t if kind == "all_reduce" else (t - 1) / t
 
 
 def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
@@ -60,7 +55,7 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
             return
         rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
                      "bytes": calls * payload,
-                     "ring_bytes": calls * round(payload * _share(kind, t))})
+                     "ring_bytes": calls * round(payload * ring_share(kind, t))})
 
     out_b = 2 if dtype == "bf16" else 4  # the row layers' output under autocast
     act = N * D
@@ -139,7 +134,7 @@ def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,
     nd, nh = N * D * dtype_bytes, N * H * dtype_bytes
 
     def ring(kind, payload):
-        return round(payload * _share(kind, t)) if t > 1 else 0
+        return round(payload * ring_share(kind, t)) if t > 1 else 0
 
     plans = {
         "column-then-row (Megatron)": [("forward", "all_reduce", nd),

@@ -13,9 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorpar.rotary import apply_rotary
+
 
 class DenseAttention(nn.Module):
-    """Causal multi-head attention with grouped-query support (KV heads repeated per group)."""
+    """Causal multi-head attention with grouped-query support (KV heads repeated per group) and
+    optional rotary positions.
+
+    Heads come from the projections' widths (``view(B, T, -1, head_dim)``), so under DTensor's
+    colwise shards each rank sees only its own heads and the code does not change (the
+    benchmark's DTensor contender relies on it).
+    """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
                  bias: bool = False, causal: bool = True):
@@ -28,12 +36,16 @@ class DenseAttention(nn.Module):
         self.v_proj = nn.Linear(dim, num_kv_heads * hd, bias)
         self.o_proj = nn.Linear(num_heads * hd, dim, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, dim). rope: rotary (cos, sin) tables for the T positions, or None."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        group_size = self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        group_size = q.shape[1] // k.shape[1]  # query head j reads KV head j // group_size
         k = k.repeat_interleave(group_size, dim=1)  # (B, H, T, hd)
         v = v.repeat_interleave(group_size, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.model import GPT, GPTConfig
-from tensorpar.rotary import apply_rotary, rotary_table
+from tensorpar.reference import DenseAttention, DenseMLP
+from tensorpar.rotary import rotary_table
 
 
 def _f(default, help_: str):
@@ -114,58 +115,18 @@ def make_optimizer(params, spec: BenchSpec, foreach: bool | None = None) -> torc
                              weight_decay=0.1, foreach=foreach)
 
 
-class DenseAttention(nn.Module):
-    """Causal GQA self-attention with rotary positions, heads derived from the projections'
-    local widths (``view(B, T, -1, head_dim)``): under DTensor's colwise shards each rank sees
-    only its own heads and the code does not change."""
-
-    def __init__(self, dim: int, n_head: int, n_kv_head: int):
-        super().__init__()
-        self.head_dim = dim // n_head
-        self.q_proj = nn.Linear(dim, n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, n_kv_head * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, n_kv_head * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(n_head * self.head_dim, dim, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = self.k_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # query head j reads KV head j // (h / kv), as tensorpar groups them
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
-
-
 class DenseBlock(nn.Module):
     """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = DenseAttention(cfg.dim, cfg.n_head, cfg.n_kv_head)
+        self.attn = DenseAttention(cfg.dim, cfg.n_head, cfg.n_kv_head)  # with rotary
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = DenseMLP(cfg.dim, cfg.hidden_dim)
+        self.mlp = DenseMLP(cfg.dim, cfg.hidden_dim)  # SwiGLU
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), (cos, sin))
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
