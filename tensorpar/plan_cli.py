@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tensorpar.model_zoo import PRESETS, load_spec, preset
 from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
-from tensorpar.planner import DTYPES, RECOMPUTE, plan_memory, smallest_fitting
+from tensorpar.planner import ADAMW, DTYPES, RECOMPUTE, plan_memory, smallest_fitting
 from tensorpar.report import write_atomically
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -60,9 +60,10 @@ def add_parser(subparsers) -> None:
                    help="micro-batch, sequences per step (default: a manifest's, else 1)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: a manifest's, else 2048)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="the ranks' device: AdamW's step is multi-tensor on cuda (one fp32 "
-                   "temporary per parameter), single-tensor on cpu (torch's defaults)")
+    p.add_argument("--optimizer", choices=ADAMW, default="fused",
+                   help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
+                   "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
+                   "for-loop (torch's default on cpu) two of the largest")
     p.add_argument("--device-memory", default="80GB", help="memory per device (80GB, 24GiB)")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of device memory kept free (fragmentation, context, buffers)")
@@ -104,7 +105,6 @@ def build(args) -> dict:
     """Everything the command shows, as plain data (what --json prints)."""
     spec = load_spec(args.config) if args.config else preset(args.model)
     args.batch, args.seq = _run_shape(args)
-    foreach = args.device == "cuda"
     tps = _ints(str(args.tp), "--tp")
     dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
     for d in dtypes:
@@ -119,7 +119,7 @@ def build(args) -> dict:
             try:
                 rows.append(plan_memory(spec, tp, args.batch, args.seq, dtype,
                                         args.sequence_parallel, args.recompute, device,
-                                        args.reserve, foreach))
+                                        args.reserve, args.optimizer))
             except ValueError as e:
                 raise ValueError(f"--tp {tp} for {spec.name}: {e}") from None
     verdicts = {}
@@ -138,9 +138,9 @@ def build(args) -> dict:
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
-                       args.recompute, foreach=foreach)
+                       args.recompute, optimizer=args.optimizer)
     bf16 = plan_memory(spec, tp0, args.batch, args.seq, "bf16", args.sequence_parallel,
-                       args.recompute, foreach=foreach)
+                       args.recompute, optimizer=args.optimizer)
     out["savings_16bit"] = {
         "tp": tp0, "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
         "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],
@@ -192,7 +192,7 @@ def _print_tables(data: dict, args) -> None:
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     t = Table(title=f"{data['model']} ({size} params), batch {args.batch} x seq {args.seq}"
               f"{', SP' if args.sequence_parallel else ''}, recompute {args.recompute}, "
-              f"{args.device}: {unit[1]} per rank")
+              f"AdamW {args.optimizer}: {unit[1]} per rank")
     for col in ("dtype", "TP", "weights", "optim", "grads", "activ", "paper", "peak", "at",
                 "fits"):
         t.add_column(col, justify="right")

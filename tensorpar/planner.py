@@ -44,6 +44,8 @@ from tensorpar.sharding import shard_range
 
 DTYPES = ("fp32", "bf16", "bf16-autocast")
 RECOMPUTE = ("none", "selective", "full")
+# torch's AdamW implementations (tensorpar.optim picks fused), by the temporaries of their step
+ADAMW = ("fused", "foreach", "for-loop")
 
 
 def rank_shapes(spec: ModelSpec, tp: int, rank: int) -> dict:
@@ -112,15 +114,18 @@ def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fu
 def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
                      sequence_parallel: bool = False, dtype: str = "fp32",
                      recompute: str = "none", fused: bool = True, rank: int = 0,
-                     foreach: bool = False) -> dict:
+                     optimizer: str = "fused") -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
     dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
-    ("selective" is "none" here: no s x s scores are kept anyway). foreach: AdamW's multi-tensor
-    step (torch's default on CUDA) keeps one fp32 temporary per parameter (the denominators);
-    the single-tensor step (the default on CPU) keeps two of the largest tensor.
+    ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
+    (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
+    temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
+    denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
     """
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
     if dtype not in ("fp32", "bf16-autocast"):
         raise ValueError(f"dtype {dtype!r}: tensorpar trains fp32 or bf16-autocast")
     autocast = dtype == "bf16-autocast"
@@ -130,7 +135,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     N = B * T
     Ns = N // tp if sequence_parallel and tp > 1 else N
     weights, grads = 4 * p["total"], 4 * p["total"]
-    optimizer = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
+    states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
     block = _block_saved(spec, s, N, Ns, B, act, fused, autocast)
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
     final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + N * D * act
@@ -160,12 +165,13 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     if recompute == "full":
         top += block - Ns * D * 4
     peaks["block backward"] = top
-    optimizer_peak = grads + (4 * p["total"] if foreach else 2 * 4 * p["largest"])
+    temporaries = {"fused": 0, "foreach": 4 * p["total"], "for-loop": 2 * 4 * p["largest"]}
+    optimizer_peak = grads + temporaries[optimizer]
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
-    return {"weights": weights, "grads": grads, "optimizer": optimizer,
+    return {"weights": weights, "grads": grads, "optimizer": states,
             "activations": activations, "peak_extra": peaks[where], "peak_at": where,
-            "total": weights + optimizer + peaks[where]}
+            "total": weights + states + peaks[where]}
 
 
 def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
@@ -187,10 +193,10 @@ def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
 def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
                 device_memory: float | None = None, reserve: float = 0.10,
-                foreach: bool = True) -> dict:
+                optimizer: str = "fused") -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
-    foreach: AdamW's multi-tensor step (CUDA's default; False: CPU's single-tensor one). Weights,
+    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). Weights,
     gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
     what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
     Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
@@ -207,10 +213,10 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,
-                           foreach=foreach)
+                           optimizer=optimizer)
     params = rank_params(spec, tp)
     p = params["total"]
-    weights, grads, optimizer = mem["weights"], mem["grads"], mem["optimizer"]
+    weights, grads, states = mem["weights"], mem["grads"], mem["optimizer"]
     activations, moment = mem["activations"], mem["peak_extra"]
     if dtype == "bf16":
         # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
@@ -219,17 +225,17 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
         # activations are autocast's (fp32 residual stream and norms), a little above a fully
         # bf16 model's.
         copies = 2 * params["matmul"]
-        weights, grads, optimizer = 2 * p, 2 * p, 12 * p + 4 * params["tensors"]
+        weights, grads, states = 2 * p, 2 * p, 12 * p + 4 * params["tensors"]
         activations = max(activations - copies, 0)
         moment = (moment - mem["grads"] + grads if mem["peak_at"] == "optimizer step"
                   else moment - copies)
     # gradients are allocated during backward and freed after the step, activations freed
     # during backward: they never peak together, so the total is weights + optimizer states +
     # the largest moment of the step (loss backward, a block's backward, the optimizer step)
-    total = weights + optimizer + moment
+    total = weights + states + moment
     row = {"model": spec.name, "tp": tp, "dtype": dtype, "sequence_parallel": sequence_parallel,
            "recompute": recompute, "batch": batch, "seq": seq,
-           "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": optimizer,
+           "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": states,
            "activations": activations, "peak_bytes": moment, "peak_at": mem["peak_at"],
            "activations_paper": paper_activations(spec, tp, batch, seq, sequence_parallel,
                                                   recompute),

@@ -115,9 +115,10 @@ def write_atomically(path: Path, write) -> None:
 
 
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
-            device_type: str = "cpu") -> Table:
+            optimizer: str = "fused") -> Table:
     """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
-    prediction) and the collectives of one step (measured against the analytic minimum)."""
+    prediction) and the collectives of one step (measured against the analytic minimum).
+    optimizer: the trainer's AdamW implementation (``optim.implementation``), for the plan."""
     from tensorpar.model_zoo import ModelSpec
     from tensorpar.plan_comm import predicted_comm
     from tensorpar.planner import tensorpar_memory
@@ -145,7 +146,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
             planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=r,
-                                       foreach=device_type == "cuda")["total"]
+                                       optimizer=optimizer)["total"]
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "

@@ -39,6 +39,7 @@ from tensorpar.launch import run_ranks
 from tensorpar.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.memory import MemoryMeter
 from tensorpar.model import GPT, GPTConfig
+from tensorpar.optim import adamw, implementation
 from tensorpar.report import Metrics, ProgressLine, plot_loss, summary
 
 
@@ -103,9 +104,8 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
@@ -191,8 +191,7 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                       f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
-        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg,
-                                               device.type))
+        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg, implementation(opt)))
         progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                                f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
     return result

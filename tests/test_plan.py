@@ -14,29 +14,34 @@ from tensorpar.layout import Layout, clip_grad_norm_
 from tensorpar.memory import MemoryMeter
 from tensorpar.model import GPT, GPTConfig
 from tensorpar.model_zoo import ModelSpec, preset, spec_from_dict
+from tensorpar.optim import implementation
 from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner import tensorpar_memory
 
-# (config, sequence_parallel, bf16 autocast, full recompute); B=2, T=24 (divides by 2, 3, 4)
+# (config, sequence_parallel, bf16 autocast, full recompute, AdamW implementation);
+# B=2, T=24 (divides by 2, 3, 4)
 CASES = [
     ({"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}, False, False,
-     False),
+     False, "fused"),
     ({"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 1}, True, True,
-     False),
+     False, "foreach"),
     ({"vocab_size": 97, "n_layer": 2, "dim": 48, "n_head": 4, "n_kv_head": 4,
-      "tie_embeddings": False, "hidden_dim": 80}, False, True, True),
+      "tie_embeddings": False, "hidden_dim": 80}, False, True, True, "fused"),
     ({"vocab_size": 200, "n_layer": 3, "dim": 64, "n_head": 4, "n_kv_head": 2}, True, False,
-     True),
+     True, "for-loop"),
 ]
+OPTIMIZER = {"fused": {"fused": True}, "foreach": {"foreach": True},
+             "for-loop": {"foreach": False}}
 B, T = 2, 24
 
 
 def _measure(cases):
     out = []
-    for cfg_d, sp, bf16, recompute in cases:
+    for cfg_d, sp, bf16, recompute, optimizer in cases:
         model = GPT(GPTConfig(**cfg_d), None, sp, seed=0, recompute=recompute)
         layout = Layout.gather(model)
-        opt = torch.optim.AdamW(model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER[optimizer])
+        assert implementation(opt) == optimizer
         ids = torch.randint(0, cfg_d["vocab_size"], (B, T))
         for _ in range(2):  # the second step: AdamW states exist, as in steady training
             with MemoryMeter() as mem, CollectiveCounter() as comm:
@@ -58,11 +63,13 @@ def test_predictions_match_measurements(ranks, n):
     exactly (calls, payload and ring bytes per kind)."""
     results = ranks(n).run(_measure, CASES)
     for rank, per_case in enumerate(results):
-        for (cfg_d, sp, bf16, recompute), got in zip(CASES, per_case, strict=True):
+        for (cfg_d, sp, bf16, recompute, optimizer), got in zip(CASES, per_case, strict=True):
             spec = ModelSpec.from_gpt_config(GPTConfig(**cfg_d))
-            what = f"rank {rank}/{n} {cfg_d} sp={sp} bf16={bf16} recompute={recompute}"
+            what = (f"rank {rank}/{n} {cfg_d} sp={sp} bf16={bf16} recompute={recompute} "
+                    f"AdamW {optimizer}")
             mem = tensorpar_memory(spec, n, B, T, sp, "bf16-autocast" if bf16 else "fp32",
-                                   "full" if recompute else "none", rank=rank)
+                                   "full" if recompute else "none", rank=rank,
+                                   optimizer=optimizer)
             assert got["entry"] == pytest.approx(mem["weights"] + mem["optimizer"], rel=0.02), what
             assert got["peak"] == pytest.approx(mem["total"], rel=0.10), (what, got, mem)
             comm = predicted_comm(spec, B, T, n, sp, "bf16" if bf16 else "fp32",
@@ -116,7 +123,7 @@ def test_cli(capsys, tmp_path):
     manifest.write_text(json.dumps({"config": {"n_layer": 2, "dim": 64, "n_head": 4,
                                                "n_kv_head": 2, "vocab_size": 256},
                                     "train": {"batch_size": 3, "seq_len": 48}}))
-    assert _cli("--config", str(manifest), "--tp", "2", "--device", "cpu", "--json") == 0
+    assert _cli("--config", str(manifest), "--tp", "2", "--optimizer", "for-loop", "--json") == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert (row["batch"], row["seq"]) == (3, 48)
     for bad, needle in ((["--model", "nope"], "llama-2-7b"), (["--tp", "33"], "--tp 33"),

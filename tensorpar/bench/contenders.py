@@ -32,9 +32,6 @@ from torch.distributed import ProcessGroup
 from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer
 from tensorpar.model import GPT
 
-# the same AdamW implementation for everyone: foreach (DTensor supports it)
-FOREACH = True
-
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -60,14 +57,14 @@ def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proc
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(p.tp_shard.take(state[name]))
-    return _train_step(model, make_optimizer(model.parameters(), spec, foreach=FOREACH))
+    return _train_step(model, make_optimizer(model.parameters(), spec))
 
 
 def setup_dense(spec: BenchSpec, state: dict[str, torch.Tensor],
                 group: ProcessGroup | None) -> StepFn:
     """The unsharded plain-PyTorch model (the group is not used)."""
     model = DenseLlama(spec, state)
-    return _train_step(model, make_optimizer(model.parameters(), spec, foreach=FOREACH))
+    return _train_step(model, make_optimizer(model.parameters(), spec))
 
 
 def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
@@ -129,11 +126,11 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
                                           desired_input_layouts=(Replicate(),)),
             }
         parallelize_module(block, mesh, plan)
-    # without SP the norms keep plain tensors, and one foreach op cannot mix them with DTensors
+    # without SP the norms keep plain tensors, and one fused op cannot mix them with DTensors
     params = list(model.parameters())
     groups = [{"params": [p for p in params if isinstance(p, DTensor) == is_dt]}
               for is_dt in (True, False)]
-    opt = make_optimizer([g for g in groups if g["params"]], spec, foreach=FOREACH)
+    opt = make_optimizer([g for g in groups if g["params"]], spec)
 
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         # loss_parallel must cover the backward too: it patches the loss's gradient ops
@@ -152,7 +149,7 @@ def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
     """megatron-core's GPT (``tensorpar/bench/megatron_core.py``), imported only when used."""
     module = importlib.import_module("tensorpar.bench.megatron_core")
     return module.setup_megatron(spec, state, group,
-                                 make_optimizer=partial(make_optimizer, foreach=FOREACH))
+                                 make_optimizer=make_optimizer)
 
 
 def megatron_missing() -> str | None:

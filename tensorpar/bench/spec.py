@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.model import GPT, GPTConfig
+from tensorpar.optim import adamw
 from tensorpar.reference import DenseAttention, DenseMLP
 from tensorpar.rotary import rotary_table
 
@@ -109,10 +110,11 @@ def batch(spec: BenchSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq_BT1[:, :-1].contiguous(), seq_BT1[:, 1:].contiguous()
 
 
-def make_optimizer(params, spec: BenchSpec, foreach: bool | None = None) -> torch.optim.AdamW:
-    """AdamW with the same hyperparameters for every contender (constant lr, decay on all)."""
-    return torch.optim.AdamW(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=0.1, foreach=foreach)
+def make_optimizer(params, spec: BenchSpec) -> torch.optim.AdamW:
+    """The same AdamW for every contender: the same hyperparameters (constant lr, decay on all)
+    and the same implementation, torch's fused kernel (``tensorpar.optim``), which DTensor
+    parameters take too."""
+    return adamw(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 class DenseBlock(nn.Module):
