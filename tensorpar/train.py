@@ -105,7 +105,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+                  {"params": no_decay, "weight_decay": 0.0}],
+                 lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
