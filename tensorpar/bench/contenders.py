@@ -119,8 +119,8 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
         if sequence_parallel:
             plan |= {
                 "attn_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                           desired_input_layouts=(Replicate(), None, None)),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                           desired_input_layouts=(Replicate(), None)),
                 "mlp_norm": SequenceParallel(),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                           desired_input_layouts=(Replicate(),)),
