@@ -25,7 +25,7 @@ from tensorpar.bench.spec import BenchSpec
 
 _TYPES = {"int": int, "float": float}
 _PLAN_HELP = {
-    "repeats": "rounds over all contenders (the order rotates each round)",
+    "repeats": "rounds over all contenders (in an order shuffled each round)",
     "steps_per_repeat": "timed steps of each contender per round",
     "warmup": "untimed steps first (>= 2; the last one measures memory and collectives)",
     "tp": "tensor-parallel size of the TP contenders (ranks spawned)",

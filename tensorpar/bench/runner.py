@@ -4,8 +4,9 @@
 
     setup      every contender is built in its pool and runs ``warmup`` untimed steps; the last
                one is measured (collectives, memory)
-    round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, the
-               order rotated every round; r = 0 .. repeats-1
+    round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, in an
+               order shuffled every round (seeded by the spec's seed): no contender always goes
+               first or always follows the same one; r = 0 .. repeats-1
     profile    (optional) a few more steps of the tensorpar contender under torch.profiler
 
 A pool is a set of spawned ranks: the TP pool (``tp`` ranks, one thread each) holds tensorpar and
@@ -22,6 +23,7 @@ same model when dense-1t is not among the contenders).
 
 from __future__ import annotations
 
+import random
 import statistics
 import uuid
 from collections.abc import Callable
@@ -130,10 +132,11 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                        memory=[r["memory"] for r in res], per_rank_seconds=[])
         timed = [n for n in timed if rows[n]["status"] == "ok"]
         order = [n for n in measured if rows.get(n, {}).get("status") == "ok"]
+        shuffler = random.Random(spec.seed)
         for r in range(plan.repeats):
             first = plan.warmup + r * plan.steps_per_repeat
-            shift = r % max(len(order), 1)
-            for name in order[shift:] + order[:shift]:  # rotated: no contender always goes first
+            this_round = shuffler.sample(order, len(order))
+            for name in this_round:
                 if rows[name]["status"] != "ok":
                     continue
                 pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
