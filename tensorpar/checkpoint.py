@@ -291,6 +291,8 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     """
     reader = CheckpointReader(path, check_hashes)
     check_fits(reader, model)
+    groups = optimizer.param_groups if optimizer is not None else []
+    group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in model.named_parameters():
         spec = p.tp_shard
         p.copy_(reader.read(name, spec.dim, spec.start, spec.stop))
@@ -299,7 +301,12 @@ def load_checkpoint(path: str | Path, model: nn.Module,
             for s in ADAM_STATES:
                 state[s] = reader.read(f"optimizer.{s}.{name}", spec.dim, spec.start,
                                        spec.stop).to(p.device)
-            state["step"] = torch.tensor(float(reader.manifest["step"]))
+            # fused (and capturable) AdamW keep the step on the parameter's device, the others
+            # on the CPU, as torch's own load_state_dict does
+            group = group_of.get(id(p), {})
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.tensor(float(reader.manifest["step"]), dtype=torch.float32,
+                                         device=p.device if on_device else "cpu")
     return reader.manifest | {"path": str(reader.dir)}
 
 

@@ -135,7 +135,8 @@ def build(args) -> dict:
     comm = {tp: predicted_comm(spec, args.batch, args.seq, tp, args.sequence_parallel,
                                comm_dtype, rec) for tp in tps}
     out = {"model": spec.name, "params": spec.params(), "rows": rows, "verdict": verdicts,
-           "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype}
+           "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
+           "adamw": args.optimizer}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
                        args.recompute, optimizer=args.optimizer)

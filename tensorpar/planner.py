@@ -111,6 +111,15 @@ def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fu
     return resid + norms + columns + attn + mlp + weights
 
 
+def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
+    """Bytes AdamW's step allocates on top of its states, for fp32 parameters of ``total``
+    elements, the largest of ``largest``: fused steps in place; foreach makes one temporary per
+    parameter (the denominators); the single-tensor loop two of one parameter at a time."""
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
+    return {"fused": 0, "foreach": 4 * total, "for-loop": 2 * 4 * largest}[optimizer]
+
+
 def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
                      sequence_parallel: bool = False, dtype: str = "fp32",
                      recompute: str = "none", fused: bool = True, rank: int = 0,
@@ -165,8 +174,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     if recompute == "full":
         top += block - Ns * D * 4
     peaks["block backward"] = top
-    temporaries = {"fused": 0, "foreach": 4 * p["total"], "for-loop": 2 * 4 * p["largest"]}
-    optimizer_peak = grads + temporaries[optimizer]
+    optimizer_peak = grads + adamw_temporaries(optimizer, p["total"], p["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
     return {"weights": weights, "grads": grads, "optimizer": states,

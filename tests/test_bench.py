@@ -30,6 +30,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
                         log=lambda s: None)
     rows = {r["name"]: r for r in results["contenders"]}
     assert list(rows) == NAMES
+    assert [sorted(o) for o in results["round_orders"]] == [sorted(NAMES)] * plan.repeats
     n_steps = plan.warmup + plan.repeats * plan.steps_per_repeat
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["status"])

@@ -58,6 +58,11 @@ def _load_body(path, n_kv_head):
     model = GPT(GPTConfig(**(TINY | {"n_kv_head": n_kv_head})), seed=99)  # other weights
     opt = make_optimizer(model, TrainConfig())
     manifest = load_checkpoint(path, model, opt)
+    for group in opt.param_groups:  # the step where torch keeps it: fused AdamW's on the device
+        for p in group["params"]:
+            step = opt.state[p]["step"]
+            assert step.dtype == torch.float32 and step.item() == manifest["step"]
+            assert step.device == (p.device if group["fused"] else torch.device("cpu"))
     loaded = _logits(model)
     _step(model, opt, 1)
     return manifest["step"], loaded, _logits(model)

@@ -20,7 +20,7 @@ def test_verify_on_gpus_with_nccl(sp):
 
 
 def test_train_and_generate_on_gpu(tmp_path):
-    """``tensorpar train --dtype bf16`` on the GPUs (NCCL with 2+), then generation from it."""
+    """``tensorpar train --dtype bf16`` on the GPUs (NCCL with 2+), resumed, then generation."""
     import subprocess
     import sys
 
@@ -31,6 +31,11 @@ def test_train_and_generate_on_gpu(tmp_path):
                             "--steps", "10", "--dtype", "bf16", "--out", str(tmp_path), *tiny],
                            capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stdout + train.stderr
+    # resuming puts fused AdamW's step back on the GPU (on the CPU its kernel would misread it)
+    resumed = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp", str(n),
+                              "--steps", "12", "--resume", "--dtype", "bf16", "--out",
+                              str(tmp_path), *tiny], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     gen = subprocess.run([sys.executable, "-m", "tensorpar", "generate", "--ckpt", str(tmp_path),
                           "--tp", str(n), "--prompt", "The ", "--max-new-tokens", "16"],
                          capture_output=True, text=True, timeout=300)

@@ -132,10 +132,11 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                        memory=[r["memory"] for r in res], per_rank_seconds=[])
         timed = [n for n in timed if rows[n]["status"] == "ok"]
         order = [n for n in measured if rows.get(n, {}).get("status") == "ok"]
-        shuffler = random.Random(spec.seed)
+        shuffler, orders = random.Random(spec.seed), []
         for r in range(plan.repeats):
             first = plan.warmup + r * plan.steps_per_repeat
             this_round = shuffler.sample(order, len(order))
+            orders.append(this_round)
             for name in this_round:
                 if rows[name]["status"] != "ok":
                     continue
@@ -169,7 +170,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 pool.run(ranks.teardown, run_id)
     finally:
         pools.close()
-    return _summarize(spec, plan, names, rows, profile)
+    return _summarize(spec, plan, names, rows, profile) | {"round_orders": orders}
 
 
 def _fail(rows: dict, name: str, err: RankError, log) -> None:
