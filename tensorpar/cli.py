@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad sizes, flags or checkpoints: say so plainly, no traceback
         print(f"tensorpar {args.command}: {e}", file=sys.stderr)
         return 2
+    finally:  # the error's frames are gone now: free the process groups they held, while the
+        gc.collect()  # interpreter is whole (see launch._shut_down)
 
 if __name__ == "__main__":
     sys.exit(main())
