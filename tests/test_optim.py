@@ -8,7 +8,7 @@ from tensorpar.memory import MemoryMeter
 from tensorpar.optim import adamw, fusable, implementation
 from tensorpar.planner import ADAMW, adamw_temporaries
 
-OPTIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+from tests_common import ADAMW_OPTIONS
 
 
 def test_fused_on_cpu_and_same_steps_as_the_loop():
@@ -50,7 +50,7 @@ def test_step_temporaries_as_planned(kind):
     parameter in the loop (sizes chosen so that the three differ)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(256, 64), (64,), (32, 64), (100,)]]
-    opt = torch.optim.AdamW(params, lr=1e-3, **OPTIONS[kind])
+    opt = torch.optim.AdamW(params, lr=1e-3, **ADAMW_OPTIONS[kind])
     assert implementation(opt) == kind
     for _ in range(2):  # the second step: the moments exist
         for p in params:

@@ -18,6 +18,8 @@ from tensorpar.optim import implementation
 from tensorpar.plan_comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner import tensorpar_memory
 
+from tests_common import ADAMW_OPTIONS
+
 # (config, sequence_parallel, bf16 autocast, full recompute, AdamW implementation);
 # B=2, T=24 (divides by 2, 3, 4)
 CASES = [
@@ -30,8 +32,6 @@ CASES = [
     ({"vocab_size": 200, "n_layer": 3, "dim": 64, "n_head": 4, "n_kv_head": 2}, True, False,
      True, "for-loop"),
 ]
-OPTIMIZER = {"fused": {"fused": True}, "foreach": {"foreach": True},
-             "for-loop": {"foreach": False}}
 B, T = 2, 24
 
 
@@ -40,7 +40,7 @@ def _measure(cases):
     for cfg_d, sp, bf16, recompute, optimizer in cases:
         model = GPT(GPTConfig(**cfg_d), None, sp, seed=0, recompute=recompute)
         layout = Layout.gather(model)
-        opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER[optimizer])
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS[optimizer])
         assert implementation(opt) == optimizer
         ids = torch.randint(0, cfg_d["vocab_size"], (B, T))
         for _ in range(2):  # the second step: AdamW states exist, as in steady training
