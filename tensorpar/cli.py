@@ -1,6 +1,6 @@
 """The ``tensorpar`` command line (also ``python -m tensorpar``).
 
-    tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see train.py)
+    tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see gpt/train.py)
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
     tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
     tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
@@ -20,7 +20,7 @@ import gc
 import os
 import sys
 
-from tensorpar.reference import BlockConfig
+from tensorpar.transformer.reference import BlockConfig
 
 
 def _add_verify(sub) -> None:
@@ -53,8 +53,8 @@ def _add_dataclass_flags(p, cls, group_title: str) -> None:
 
 
 def _add_train(sub) -> None:
-    from tensorpar.model import GPTConfig
-    from tensorpar.train import TrainConfig
+    from tensorpar.gpt.model import GPTConfig
+    from tensorpar.gpt.train import TrainConfig
 
     p = sub.add_parser("train", help="train the GPT with tensor parallelism")
     _add_dataclass_flags(p, TrainConfig, "training")
@@ -85,18 +85,18 @@ def _run(args) -> int:
     if hasattr(args, "func"):  # subcommands that bring their own parser (plan, bench)
         return args.func(args)
     if args.command == "verify" and args.hf:
-        from tensorpar.hf_cli import run_verify_hf
+        from tensorpar.hf.cli import run_verify_hf
 
         return 0 if run_verify_hf(args.hf, args.tp, args.seed) else 1
     if args.command == "verify":
-        from tensorpar.verify import run_verify
+        from tensorpar.transformer.verify import run_verify
 
         sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)}
         ok = run_verify(args.tp, args.sequence_parallel, args.seed, BlockConfig(**sizes))
         return 0 if ok else 1
     if args.command == "train":
-        from tensorpar.model import GPTConfig
-        from tensorpar.train import TrainConfig, resolve, run_train
+        from tensorpar.gpt.model import GPTConfig
+        from tensorpar.gpt.train import TrainConfig, resolve, run_train
 
         pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
         cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
@@ -110,12 +110,12 @@ def _run(args) -> int:
         run_train(cfg, model_cfg, resume_from)
         return 0
     if args.command == "generate" and args.hf:
-        from tensorpar.hf_cli import run_generate_hf
+        from tensorpar.hf.cli import run_generate_hf
 
         return run_generate_hf(args.hf, args.tp, args.prompt, args.prompt_ids,
                                args.max_new_tokens, args.temperature, args.seed)
     if args.command == "generate":
-        from tensorpar.generate import run_generate
+        from tensorpar.gpt.generate import run_generate
 
         if args.prompt is None:
             raise ValueError("--prompt is required with --ckpt")
@@ -123,7 +123,7 @@ def _run(args) -> int:
         return run_generate(args.ckpt, args.tp, args.prompt, args.max_new_tokens,
                             args.temperature, args.seed)
     if args.command == "export":
-        from tensorpar.checkpoint import export_dense
+        from tensorpar.checkpoint.export import export_dense
 
         path = export_dense(args.ckpt, args.out)
         print(f"wrote {path}")
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_export(sub)
     _add_verify(sub)
-    from tensorpar import plan_cli
     from tensorpar.bench import bench_cli
+    from tensorpar.plan import cli as plan_cli
 
     plan_cli.add_parser(sub)
     bench_cli.add_parser(sub)

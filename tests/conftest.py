@@ -7,7 +7,7 @@ that had to be stopped (a rank stuck or dead) is replaced by a fresh one for the
 
 import pytest
 
-from tensorpar.launch import RankPool
+from tensorpar.runtime.launch import RankPool
 
 from tests_common import WORLD_SIZES  # noqa: F401
 

@@ -48,8 +48,8 @@ def test_verify_bad_sizes(flags, message):
 
 def test_verify_reports_a_mismatch():
     """An error above tolerance or an unexpected collective makes report() fail (exit code 1)."""
-    from tensorpar.reference import BlockConfig
-    from tensorpar.verify import expected_collectives, report
+    from tensorpar.transformer.reference import BlockConfig
+    from tensorpar.transformer.verify import expected_collectives, report
 
     cfg = BlockConfig()
     good = {"errors": {"loss": 1e-7}, "shapes": {"loss": ()},

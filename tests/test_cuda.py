@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tensorpar import RankPool
-from tensorpar.reference import BlockConfig
-from tensorpar.verify import report, verify_rank
+from tensorpar.transformer.reference import BlockConfig
+from tensorpar.transformer.verify import report, verify_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -30,7 +30,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer
-from tensorpar.model import GPT
+from tensorpar.gpt.model import GPT
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:

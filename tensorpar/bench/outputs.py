@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tensorpar.report import write_atomically
+from tensorpar.runtime.output import write_atomically
 
 MiB = 2**20
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from tensorpar.bench.contenders import CONTENDERS
 from tensorpar.bench.spec import BenchSpec, StepFn, batch, dense_state
-from tensorpar.counting import CollectiveCounter
-from tensorpar.memory import MemoryMeter
+from tensorpar.plan.meter import MemoryMeter
+from tensorpar.runtime.counting import CollectiveCounter
 
 _LIVE: dict[str, dict[str, StepFn]] = {}
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from tensorpar.bench import ranks
 from tensorpar.bench.contenders import CONTENDERS, Contender
 from tensorpar.bench.spec import BenchSpec
-from tensorpar.launch import RankError, RankPool
+from tensorpar.runtime.launch import RankError, RankPool
 
 REFERENCE = "dense-1t"
 

@@ -10,7 +10,7 @@ so every contender starts from the same weights, sees the same batches and appli
 AdamW, and its per-step losses can be compared with the dense fp32 run's.
 
 ``DenseLlama`` is the plain-PyTorch model: the unsharded contender, the reference, and the model
-that DTensor's ``parallelize_module`` shards. It computes exactly what ``tensorpar.model.GPT``
+that DTensor's ``parallelize_module`` shards. It computes exactly what ``tensorpar.gpt.model.GPT``
 computes (same rotary layout, same GQA head grouping, same loss).
 """
 
@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.model import GPT, GPTConfig
-from tensorpar.optim import adamw
-from tensorpar.reference import DenseAttention, DenseMLP
-from tensorpar.rotary import rotary_table
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.optim import adamw
+from tensorpar.transformer.reference import DenseAttention, DenseMLP
+from tensorpar.transformer.rotary import rotary_table
 
 
 def _f(default, help_: str):
@@ -112,7 +112,7 @@ def batch(spec: BenchSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_optimizer(params, spec: BenchSpec) -> torch.optim.AdamW:
     """The same AdamW for every contender: the same hyperparameters (constant lr, decay on all)
-    and the same implementation, torch's fused kernel (``tensorpar.optim``), which DTensor
+    and the same implementation, torch's fused kernel (``tensorpar.gpt.optim``), which DTensor
     parameters take too."""
     return adamw(params, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -1,0 +1,64 @@
+"""The checkpoint format on disk: its names and constants, and how a run's checkpoints are found.
+
+::
+
+    RUN_DIR/step-00000200/
+        manifest.json                    format, TP size, step, config, data position, RNG scheme,
+                                         each tensor's dense shape, split dim and which rank's
+                                         file holds which slice, each file's size and sha256
+        rank00-of02.safetensors          the slices rank 0 owns (weights and AdamW moments)
+        rank01-of02.safetensors
+
+No pickle: the format is JSON plus safetensors. ``save.py`` writes it, ``load.py`` reads it at any
+TP size, ``export.py`` turns it into one dense file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+FORMAT = "tensorpar-checkpoint"
+VERSION = 1
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupted or does not fit the model."""
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def make_readable(path: Path) -> None:
+    """safetensors writes 0600; give the file the mode the user's umask asks for."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (with a manifest) under ``run_dir``, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    # a ".step-N.old" is complete: it exists only while a re-save of step N swaps directories
+    found = [d for d in [*run_dir.glob("step-*"), *run_dir.glob(".step-*.old")]
+             if (d / "manifest.json").is_file()]
+    return sorted(found, key=lambda d: (int(d.name.strip(".").split("-")[1].split(".")[0]),
+                                        d.name.startswith(".")))
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """``path`` itself if it is a checkpoint, else the newest one in the run directory."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None

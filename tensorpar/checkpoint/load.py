@@ -1,0 +1,155 @@
+"""Loading a sharded checkpoint at any TP size (the format: ``format.py``).
+
+Loading reads, for every parameter of the model being loaded, the dense slice its rank needs from
+whichever files hold it, so a checkpoint saved at TP=2 resumes at TP=1 or 4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tensorpar.checkpoint.format import (
+    ADAM_STATES,
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    find_checkpoint,
+    sha256_of,
+)
+from tensorpar.parallel.sharding import dense_shape
+
+
+class CheckpointReader:
+    """Reads dense slices of a checkpoint's tensors, whatever TP size wrote it. Each file is
+    checked against the manifest's sha256 the first time it is opened."""
+
+    def __init__(self, path: str | Path, check_hashes: bool = True):
+        self.check_hashes = check_hashes
+        found = find_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"no checkpoint in {path} (expected manifest.json or "
+                                  "step-*/manifest.json)")
+        self.dir = found
+        try:
+            self.manifest = json.loads((found / "manifest.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{found}/manifest.json is corrupted: {e}") from None
+        m = self.manifest
+        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+            what = (f"format={m.get('format')!r}, version={m.get('version')!r}"
+                    if isinstance(m, dict) else f"a JSON {type(m).__name__}")
+            raise CheckpointError(f"{found}: not a {FORMAT} v{VERSION} checkpoint ({what})")
+        shape = {"tp_size": int, "step": int, "config": dict, "files": list, "tensors": dict}
+        bad = [k for k, t in shape.items() if not isinstance(m.get(k), t)]
+        if bad or len(m["files"]) != m["tp_size"]:
+            raise CheckpointError(f"{found}/manifest.json is corrupted: "
+                                  f"{'missing or invalid ' + ', '.join(bad) if bad else ''}"
+                                  f"{'' if bad else 'files do not match tp_size'}")
+        self.tensors: dict[str, dict] = m["tensors"]
+        self._files: dict[int, object] = {}
+
+    def verify(self) -> None:
+        """Check every file against the manifest now (loading checks each file it opens)."""
+        for rank in range(len(self.manifest["files"])):
+            self._file(rank)
+
+    def _file(self, rank: int):
+        if rank not in self._files:
+            info = self.manifest["files"][rank]
+            path = self.dir / info["name"]
+            if not path.is_file():
+                raise CheckpointError(f"{self.dir}: {info['name']} is missing")
+            size = path.stat().st_size
+            digest = sha256_of(path) if self.check_hashes or size != info["bytes"] else None
+            if size != info["bytes"] or (digest is not None and digest != info["sha256"]):
+                raise CheckpointError(
+                    f"{self.dir}: {info['name']} is corrupted ({size} bytes, sha256 "
+                    f"{(digest or '?')[:12]}..., the manifest says {info['bytes']} bytes, "
+                    f"{info['sha256'][:12]}...)")
+            self._files[rank] = safe_open(path, framework="pt")
+        return self._files[rank]
+
+    def read(self, key: str, dim: int | None = None, start: int = 0,
+             stop: int | None = None) -> torch.Tensor:
+        """The dense tensor ``key``, narrowed to [start, stop) along ``dim`` (None: all of it)."""
+        entry = self.tensors[key]
+        shape = list(entry["shape"])
+        if dim is not None:
+            stop = shape[dim] if stop is None else stop
+            shape[dim] = stop - start
+        out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        filled, sdim = 0, entry["split_dim"]
+        for piece in entry["pieces"]:
+            src = self._file(piece["rank"]).get_slice(key)
+            a, b = piece["start"], piece["stop"]
+            if sdim is None:  # replicated: the whole tensor, in one file
+                whole = src[:]
+                return whole if dim is None else whole.narrow(dim, start, stop - start)
+            if dim == sdim:  # the same split: read only the overlap
+                lo, hi = max(a, start), min(b, stop)
+                if lo >= hi:
+                    continue
+                index = (slice(None),) * dim + (slice(lo - a, hi - a),)
+                out.narrow(dim, lo - start, hi - lo).copy_(src[index])
+                filled += hi - lo
+            else:  # another split dim (or the whole tensor): place the piece where it goes
+                piece_t = src[:] if dim is None else src[:].narrow(dim, start, stop - start)
+                out.narrow(sdim, a, b - a).copy_(piece_t)
+                filled += b - a
+        expected = shape[dim] if dim == sdim else shape[sdim]
+        if filled != expected:
+            raise CheckpointError(f"{self.dir}: the pieces of {key} cover {filled} of "
+                                  f"{expected} rows")
+        return out
+
+
+def check_fits(reader: CheckpointReader, model: nn.Module) -> None:
+    """Raise CheckpointError unless the checkpoint has exactly the model's parameters and shapes."""
+    have = {k for k in reader.tensors if not k.startswith("optimizer.")}
+    want = dict(model.named_parameters())
+    missing, extra = sorted(want.keys() - have), sorted(have - want.keys())
+    if missing or extra:
+        raise CheckpointError(f"{reader.dir} does not match the model: missing {missing[:4]}"
+                              f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
+                              f"{'...' if len(extra) > 4 else ''}")
+    for name, p in want.items():
+        saved = tuple(reader.tensors[name]["shape"])
+        if saved != dense_shape(p):
+            raise CheckpointError(f"{reader.dir}: {name} has shape {saved} in the checkpoint, "
+                                  f"{dense_shape(p)} in the model")
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    check_hashes: bool = True) -> dict:
+    """Load weights (and AdamW moments) into this rank's shards; return the manifest.
+
+    Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
+    communication, so a bad checkpoint raises the same error on every rank. ``check_hashes``:
+    compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
+    """
+    reader = CheckpointReader(path, check_hashes)
+    check_fits(reader, model)
+    groups = optimizer.param_groups if optimizer is not None else []
+    group_of = {id(q): g for g in groups for q in g["params"]}
+    for name, p in model.named_parameters():
+        spec = p.tp_shard
+        p.copy_(reader.read(name, spec.dim, spec.start, spec.stop))
+        if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:
+            state = optimizer.state[p]
+            for s in ADAM_STATES:
+                state[s] = reader.read(f"optimizer.{s}.{name}", spec.dim, spec.start,
+                                       spec.stop).to(p.device)
+            # fused (and capturable) AdamW keep the step on the parameter's device, the others
+            # on the CPU, as torch's own load_state_dict does
+            group = group_of.get(id(p), {})
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.tensor(float(reader.manifest["step"]), dtype=torch.float32,
+                                         device=p.device if on_device else "cpu")
+    return reader.manifest | {"path": str(reader.dir)}

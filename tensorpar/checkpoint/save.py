@@ -1,0 +1,127 @@
+"""Saving a sharded checkpoint (the format: ``format.py``).
+
+Each rank writes only what it owns (see ``parallel/layout.py``): replicated tensors once, shared
+KV heads once. Writes are atomic: ranks write into ``.step-N.tmp/``, rank 0 adds the manifest last
+and renames the directory into place. A kill during a save leaves the previous checkpoint as it
+was; the newest ``step-*`` directory with a manifest is the one loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.checkpoint.format import (
+    ADAM_STATES,
+    FORMAT,
+    VERSION,
+    list_checkpoints,
+    make_readable,
+    sha256_of,
+)
+from tensorpar.parallel.layout import Layout, owned_local
+from tensorpar.runtime.groups import tp_rank, tp_size
+
+
+def _barrier(group):
+    if tp_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    group: ProcessGroup | None = None, meta: dict | None = None,
+                    keep: int = 2) -> Path:
+    """Write ``RUN_DIR/step-{step}``; every rank of ``group`` calls it. Keeps the newest ``keep``
+    checkpoints. ``meta`` (JSON-serializable) goes into the manifest. Returns the directory."""
+    rank, n = tp_rank(group), tp_size(group)
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
+    if rank == 0:
+        for stale in run_dir.glob(".step-*.tmp"):  # left by saves that were killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    tensors = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
+                                              for s in ADAM_STATES if s in state]:
+            mine = owned_local(layout, name, t, rank)
+            if mine is not None:
+                tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
+    fname = f"rank{rank:02d}-of{n:02d}.safetensors"
+    save_file(tensors, tmp / fname, metadata={"format": FORMAT, "rank": str(rank)})
+    make_readable(tmp / fname)
+    _fsync(tmp / fname)
+    info = {"name": fname, "bytes": (tmp / fname).stat().st_size, "sha256": sha256_of(tmp / fname),
+            "keys": sorted(tensors)}
+    infos = [info]
+    if n > 1:
+        infos = [None] * n
+        dist.all_gather_object(infos, info, group=group)
+    if rank == 0:
+        manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
+        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync(tmp)
+        old = run_dir / f".step-{step:08d}.old"
+        if final.exists():  # the same step saved again: swap (the .old still counts until
+            shutil.rmtree(old, ignore_errors=True)  # the new one is in place), drop the old
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync(run_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier(group)
+    return final
+
+
+def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
+    tensors = {}
+    for name, p in model.named_parameters():
+        pieces = []
+        for r in range(n):
+            owned = layout.owned(name, r)
+            if owned is not None:
+                pieces.append({"rank": r, "start": owned[0], "stop": owned[1]})
+        entry = {"shape": list(layout.shapes[name]), "dtype": str(p.dtype).removeprefix("torch."),
+                 "split_dim": layout.shards[name][0].dim, "pieces": pieces}
+        tensors[name] = entry
+        if optimizer is not None and optimizer.state.get(p):
+            for s in ADAM_STATES:
+                tensors[f"optimizer.{s}.{name}"] = entry
+    files = [{k: v for k, v in info.items() if k != "keys"} for info in infos]
+    opt = None
+    if optimizer is not None:
+        opt = {"type": type(optimizer).__name__, "step": step,
+               "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                for g in optimizer.param_groups]}
+    return {"format": FORMAT, "version": VERSION, "tp_size": n, "step": step, **meta,
+            "optimizer": opt, "files": files, "tensors": tensors}

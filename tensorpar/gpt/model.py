@@ -1,0 +1,223 @@
+"""A GPT built from the tensor-parallel layers (Llama-shaped: RMSNorm, rotary, GQA, SwiGLU).
+
+The model code does not depend on the TP size: each layer takes ``group`` and holds its shard.
+Where the model is split::
+
+    module                      split                 what each rank holds
+    embed                       vocab-parallel        rows [v0, v1) of the vocabulary
+    blocks.i.attn_norm          replicated            all of it (SP: applied to T/n tokens)
+    blocks.i.attn.{q,k,v}_proj  column (by heads)     its query heads and the KV heads they read
+    blocks.i.attn.o_proj        row (by heads)        the matching input columns
+    blocks.i.mlp_norm           replicated
+    blocks.i.mlp.{gate,up}      column                hidden units [h0, h1)
+    blocks.i.mlp.down           row                   the matching input columns
+    norm                        replicated
+    lm_head (or tied to embed)  column (by vocab)     logits for [v0, v1); the loss never gathers
+
+Per block: one all-reduce in forward and one in backward for attention, the same for the MLP
+(under sequence parallelism each becomes an all-gather plus a reduce-scatter).
+
+Initialization depends only on the seed and each parameter's name: every parameter is drawn dense
+from its own generator and sliced, so TP=1, 2 and 4 start from the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.dropout import ParallelDropout, TensorParallelRNG, region_for
+from tensorpar.parallel.embedding import VocabParallelEmbedding
+from tensorpar.parallel.fused import fused_column
+from tensorpar.parallel.linear import ColumnParallelLinear
+from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.norm import RMSNorm
+from tensorpar.parallel.sharding import dense_shape
+from tensorpar.runtime.groups import tp_size
+from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
+from tensorpar.transformer.kv_cache import KVCache
+from tensorpar.transformer.mlp import ParallelMLP
+from tensorpar.transformer.rotary import rotary_table
+
+
+@dataclass
+class GPTConfig:
+    """The model's shape. Every field is a ``tensorpar train`` flag (``--n-layer`` ...)."""
+
+    vocab_size: int = dataclasses.field(default=256, metadata={
+        "help": "vocabulary size (256: the byte tokenizer)"})
+    n_layer: int = dataclasses.field(default=6, metadata={"help": "transformer blocks"})
+    dim: int = dataclasses.field(default=192, metadata={"help": "model width"})
+    n_head: int = dataclasses.field(default=6, metadata={"help": "query heads"})
+    n_kv_head: int = dataclasses.field(default=2, metadata={
+        "help": "key/value heads (GQA; 1 is MQA, n_head is MHA)"})
+    hidden_dim: int = dataclasses.field(default=0, metadata={
+        "help": "SwiGLU hidden width (0: 8/3 of dim, rounded up to a multiple of 32)"})
+    tie_embeddings: bool = dataclasses.field(default=True, metadata={
+        "help": "the LM head reuses the embedding table"})
+    rope_theta: float = dataclasses.field(default=10000.0, metadata={
+        "help": "rotary embedding base"})
+    norm_eps: float = dataclasses.field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
+    dropout: float = dataclasses.field(default=0.0, metadata={
+        "help": "dropout on each residual branch"})
+
+    def __post_init__(self):
+        if self.hidden_dim == 0:
+            self.hidden_dim = 32 * math.ceil(8 * self.dim / 3 / 32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    def check(self, tp: int) -> None:
+        """Raise ValueError, naming the flags and numbers, if the model cannot be split."""
+        if min(self.vocab_size, self.n_layer, self.dim, self.n_head, self.n_kv_head) < 1:
+            raise ValueError(f"model sizes must be positive: {self}")
+        if self.dim % self.n_head or self.head_dim % 2:
+            raise ValueError(f"--dim {self.dim} must divide by --n-head {self.n_head} into an "
+                             "even head_dim (rotary embeddings rotate channel pairs)")
+        try:
+            head_layout(self.n_head, self.n_kv_head, tp, 0)
+        except ValueError as e:
+            raise ValueError(f"--n-head {self.n_head}, --n-kv-head {self.n_kv_head}, --tp {tp}: "
+                             f"{e}") from None
+        for flag, value in (("--vocab-size", self.vocab_size), ("--hidden-dim", self.hidden_dim)):
+            if value < tp:
+                raise ValueError(f"{flag} {value} cannot be split over --tp {tp}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout {self.dropout} must be in [0, 1)")
+
+
+class Block(nn.Module):
+    """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool, group: ProcessGroup | None,
+                 rng: TensorParallelRNG, device=None, fused: bool = True):
+        super().__init__()
+        kw = {"sequence_parallel": sequence_parallel, "group": group}
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
+        self.attn = ParallelSelfAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=False,
+                                          device=device, fused=fused, **kw)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
+        self.mlp = ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
+                               bias=False, device=device, fused=fused, **kw)
+        # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
+        self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
+
+    def forward(self, x, rope, cache=None):
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """The GPT of ``cfg`` split over ``group``.
+
+    sequence_parallel: the residual stream between blocks holds T/n tokens per rank.
+    rng: dropout streams (reseed them with ``rng.manual_seed``); only used when cfg.dropout > 0.
+    seed: weights depend on it and on each parameter's name, never on the TP size.
+    fused: QKV, gate/up and the LM head each as one autograd op that overlaps the backward
+        all-reduce of the input gradient with the weight-gradient matmuls, and the row layers
+        reducing their product in place (``parallel/fused.py``); False: the plain layers. Same
+        parameters, same numbers (to fp32 rounding), same collectives.
+    recompute: keep only each block's input in forward and recompute the block in backward
+        (full activation recomputation: less memory, one more forward per block, whose
+        collectives run again).
+    """
+
+    def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, seed: int = 0,
+                 rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
+                 recompute: bool = False):
+        super().__init__()
+        cfg.check(tp_size(group))
+        if recompute and cfg.dropout > 0:
+            raise ValueError(f"recompute with --dropout {cfg.dropout}: recomputed blocks would "
+                             "draw other dropout masks; use one or the other")
+        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.fused, self.recompute = fused, recompute
+        self.rng = rng or TensorParallelRNG(seed, group)
+        kw = {"sequence_parallel": sequence_parallel, "group": group, "device": device}
+        # built on the meta device, then every parameter drawn by ``init_weights``
+        meta = {**kw, "device": "meta"}
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta)
+        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused)
+                                    for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta)
+        if recompute:
+            # a replayed block stops once its last saved tensor is back: with the all-reduce
+            # outside the row matmul's op, the replay skips the MLP's exit (one fewer per block)
+            for block in self.blocks:
+                block.attn.o_proj.fused = block.mlp.down.fused = False
+        self.lm_head = None if cfg.tie_embeddings else \
+            ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **meta)
+        self.init_weights(seed, device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, device=None) -> None:
+        """Draw each parameter dense from a generator seeded by (seed, name), keep this rank's
+        slice. GPT-2's scheme: N(0, 0.02), residual output projections scaled by 1/sqrt(2L),
+        norms at one."""
+        for name, p in self.named_parameters():
+            spec = p.tp_shard
+            if name.endswith("norm.weight"):
+                full = torch.ones(dense_shape(p))
+            else:
+                std = 0.02
+                if name.endswith(("o_proj.weight", "down.weight")):
+                    std /= math.sqrt(2 * self.cfg.n_layer)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(dense_shape(p)).normal_(0.0, std, generator=gen)
+            if spec.dim is not None:
+                full = full.narrow(spec.dim, spec.start, spec.stop - spec.start)
+            local = nn.Parameter(full.to(device=device, dtype=p.dtype).clone(),  # not a view:
+                                 requires_grad=p.requires_grad)  # it would keep all of `full`
+            local.tp_shard = spec
+            owner, attr = self._owner(name)
+            setattr(owner, attr, local)
+        for block in self.blocks:  # buffers built on meta
+            block.attn.kv_index = block.attn.kv_index.to(device or "cpu")
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        path, _, attr = name.rpartition(".")
+        return self.get_submodule(path), attr
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """An empty KV cache for ``max_len`` positions (this rank's KV heads only)."""
+        return KVCache(self.cfg.n_layer, max_len)
+
+    def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T), the same on every rank. Returns this rank's logits
+        (B, T, V_local), or with targets the mean cross-entropy (a scalar, the same on every
+        rank). With a cache, the T new tokens follow the cached ones."""
+        B, T = ids_BT.shape
+        start = cache.length if cache is not None else 0
+        x = self.embed(ids_BT)  # (B, T, D); under SP (B, T/n, D)
+        rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):
+            if recompute:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, cache.layers[i] if cache is not None else None)
+        x = self.norm(x)
+        # tied: the embedding's vocab rows are exactly a column-parallel head's shard
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused:
+            (logits_BTV_local,) = fused_column(x, [head], sequence_parallel=self.sequence_parallel,
+                                               group=self.group)
+        else:
+            x = enter_tp_region(x, self.sequence_parallel, self.group)
+            logits_BTV_local = F.linear(x, head)
+        if targets_BT is None:
+            return logits_BTV_local
+        return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group)

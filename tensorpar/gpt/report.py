@@ -1,0 +1,169 @@
+"""What the trainer shows and writes on rank 0: a progress line, ``metrics.jsonl``, ``loss.png``
+and the summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tensorpar.gpt.spec import gpt_spec
+from tensorpar.plan.comm import predicted_comm
+from tensorpar.plan.memory import tensorpar_memory
+from tensorpar.runtime.output import human_bytes, write_atomically
+
+BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
+
+
+class Metrics:
+    """``metrics.jsonl``: one JSON object per optimizer step, flushed as it is written.
+
+    On resume from step S the entries after S (from the interrupted run) are dropped first, so the
+    file reads like one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        kept = []
+        if resume_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
+                if row.get("step", 0) <= resume_step:
+                    kept.append(row)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+        self.rows = kept
+        self._f = open(path, "a")
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ProgressLine:
+    """A rich progress bar on a terminal; plain lines about every 10% of the run otherwise."""
+
+    def __init__(self, start: int, total: int):
+        self.console = Console(file=sys.stdout)
+        self.total, self.every = total, max(1, (total - start) // 10)
+        self.bar = None
+        if self.console.is_terminal:
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]:.4f}"),
+                                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                TimeRemainingColumn(), console=self.console)
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=0.0, tps=0)
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tps: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+        elif step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    """Loss against step, written atomically to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    plt.close(fig)
+
+
+def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
+            optimizer: str = "fused") -> Table:
+    """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
+    prediction) and the collectives of one step (measured against the analytic minimum).
+    optimizer: the trainer's AdamW implementation (``optim.implementation``), for the plan."""
+    tp, sp = cfg.tp, cfg.sequence_parallel
+    spec = gpt_spec(model_cfg)
+    recompute = "full" if cfg.recompute else "none"
+    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    if rows:
+        table.add_row("loss (first -> final step)",
+                      f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
+                      f"(steps {rows[0]['step']}-{rows[-1]['step']})")
+        steady = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
+        table.add_row("tokens/s (median of steps)", f"{statistics.median(steady):,.0f}")
+    dense = sizes[0]["dense"]
+    per_param = sum(BYTES_PER_PARAM.values())
+    table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
+                  "weights + grads + AdamW (fp32)")
+    for r, s in enumerate(sizes):
+        line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
+                f"{human_bytes(s['local'] * per_param)}")
+        if s.get("peak_memory"):
+            planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
+                                       "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
+                                       recompute, cfg.fused, rank=r,
+                                       optimizer=optimizer)["total"]
+            data = s.get("data_bytes", 0)
+            planned += data
+            line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
+                     f"(planned {human_bytes(planned)}"
+                     + (f" with {human_bytes(data)} of token data" if data else "")
+                     + f", {planned / s['peak_memory'] - 1:+.1%})")
+        table.add_row(f"rank {r}", line)
+    if comm["counts"]:
+        minimum = predicted_comm(spec, cfg.batch_size, cfg.seq_len, tp, sp, cfg.dtype, recompute)
+        for kind in sorted(set(comm["counts"]) | set(minimum["counts"])):
+            measured = (comm["counts"].get(kind, 0), comm["bytes"].get(kind, 0))
+            expected = (minimum["counts"].get(kind, 0), minimum["bytes"].get(kind, 0))
+            verdict = "= the analytic count" if measured == expected else \
+                f"analytic count: {expected[0]} calls, {human_bytes(expected[1])}"
+            table.add_row(f"{kind} per step",
+                          f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
+                          f"{human_bytes(comm['ring_bytes'].get(kind, 0))} sent per rank "
+                          f"(ring); {verdict}")
+        table.add_row("analytic count (payload)", _by_source(minimum, sp))
+    else:
+        table.add_row("communication per step", "none (TP=1)" if tp == 1 or rows else
+                      "not measured (no step ran)")
+    return table
+
+
+def _by_source(predicted: dict, sp: bool) -> str:
+    """'blocks 36.00 MiB (Megatron's minimum: ...) + embedding 1.50 MiB + ...' from a
+    prediction (``plan.comm.predicted_comm``)."""
+    parts: dict[str, int] = {}
+    for row in predicted["breakdown"]:
+        source = row["source"]
+        if source.startswith(("attention", "mlp")):
+            source = "blocks"
+        parts[source] = parts.get(source, 0) + row["bytes"]
+    minimum = ("Megatron's minimum: per layer 2 all-reduces of B·T·D each way"
+               if not sp else "Megatron's minimum under SP: per layer 2 all-gathers + 2 "
+               "reduce-scatters of B·T·D each way, the ring bytes of the 4 all-reduces")
+    text = [f"{name} {human_bytes(b)}" + (f" ({minimum})" if name == "blocks" else "")
+            for name, b in parts.items()]
+    return " + ".join(text)

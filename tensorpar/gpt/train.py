@@ -1,0 +1,264 @@
+"""Train the GPT of ``model.py`` with tensor parallelism.
+
+Local ranks, spawned by the command itself (gloo on CPU, NCCL when there is a GPU per rank)::
+
+    tensorpar train --tp 2 --steps 300 --out runs/gpt
+    tensorpar train --tp 2 --steps 600 --out runs/gpt --resume     # continue to step 600
+    tensorpar train --tp 4 --sequence-parallel --dtype bf16 ...     # 4 GPUs, bf16 autocast
+
+Under torchrun (one process per rank; multi-node through torchrun's rendezvous)::
+
+    torchrun --standalone --nproc-per-node 2 -m tensorpar train --tp 2 --out runs/gpt
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m tensorpar train --tp 16 ...
+
+Every rank of the TP group sees the same batch; the randomness of a step (its batch, its dropout
+masks) derives from (seed, step), so a resumed run, at any TP size, repeats exactly what an
+uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
+from tensorpar.checkpoint.save import save_checkpoint
+from tensorpar.gpt.data import ByteTokenizer, TokenBatches, load_text
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.optim import adamw, implementation
+from tensorpar.gpt.report import Metrics, ProgressLine, plot_loss, summary
+from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
+from tensorpar.plan.meter import MemoryMeter
+from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.groups import device_for, tp_rank, tp_size
+from tensorpar.runtime.launch import run_ranks
+
+
+@dataclass
+class TrainConfig:
+    """How to train. Every field is a ``tensorpar train`` flag."""
+
+    tp: int = dataclasses.field(default=2, metadata={"help": "tensor-parallel size"})
+    sequence_parallel: bool = dataclasses.field(default=False, metadata={
+        "help": "shard norms and the residual stream over the sequence"})
+    steps: int = dataclasses.field(default=400, metadata={
+        "help": "optimizer steps, counted from the start of training (a resumed run stops here)"})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per step"})
+    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
+    lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: int = dataclasses.field(default=20, metadata={
+        "help": "linear warmup, then cosine decay to lr/10 at --steps"})
+    weight_decay: float = dataclasses.field(default=0.1, metadata={
+        "help": "AdamW weight decay (matrices and embeddings; not norms)"})
+    grad_clip: float = dataclasses.field(default=1.0, metadata={
+        "help": "clip the global gradient norm to this (0: off)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed for weights, data, dropout"})
+    dtype: str = dataclasses.field(default="fp32", metadata={
+        "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
+    data: str | None = dataclasses.field(default=None, metadata={
+        "help": "a UTF-8 text file (default: Python's help topics, pydoc_data)"})
+    out: str = dataclasses.field(default="runs/gpt", metadata={
+        "help": "run directory: checkpoints, metrics.jsonl, loss.png"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue from the newest checkpoint in --out (at any --tp)"})
+    save_every: int = dataclasses.field(default=100, metadata={
+        "help": "checkpoint every N steps (and always at the end)"})
+    recompute: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute each block in backward instead of keeping its activations"})
+    fused: bool = dataclasses.field(default=True, metadata={
+        "help": "overlap each block's backward all-reduce with its weight gradients "
+                "(parallel/fused.py)"})
+
+    def check(self) -> None:
+        for flag in ("tp", "steps", "batch_size", "seq_len", "save_every"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
+        for flag in ("warmup_steps", "weight_decay", "grad_clip"):
+            if not getattr(self, flag) >= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ValueError(f"--seq-len {self.seq_len} does not divide by --tp {self.tp}, "
+                             "which --sequence-parallel needs")
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to lr/10 at ``steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}],
+                 lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
+               group=None) -> dict:
+    """The training loop of one rank. Returns what the run measured (on every rank)."""
+    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    rank, device = tp_rank(group), device_for(group)
+    text, label = load_text(cfg.data)
+    batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
+    model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device,
+                fused=cfg.fused, recompute=cfg.recompute)
+    layout = Layout.gather(model, group)
+    opt = make_optimizer(model, cfg)
+    start = 0
+    if resume_from is not None:
+        # the files were hashed once by resolve(), before the ranks started
+        start = load_checkpoint(resume_from, model, opt, check_hashes=False)["step"]
+    out = Path(cfg.out)
+    meta = {"config": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
+            "tokenizer": ByteTokenizer.name,
+            "data": {"source": label, "sha256_16": batches.digest,
+                     "position": {"step": None, "sequences": None}},
+            "rng": {"scheme": "per-step", "seed": cfg.seed,
+                    "note": "batch and dropout masks of step s derive from (seed, s)"}}
+    metrics = progress = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics, progress = Metrics(out / "metrics.jsonl", start), ProgressLine(start, cfg.steps)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    comm = {"counts": {}, "bytes": {}, "ring_bytes": {}}
+    peak_memory = None
+    tokens = cfg.batch_size * cfg.seq_len
+    # collectives and memory are measured over one step, once AdamW's states exist (the second)
+    measured_step = start + 1 if cfg.steps - start >= 2 else start
+
+    def save(step: int) -> None:
+        meta["data"]["position"] = {"step": step, "sequences": step * cfg.batch_size,
+                                    "epoch": round(batches.epoch_of(step), 4)}
+        save_checkpoint(out, step, model, layout, opt, group, meta)
+
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(cfg, step)
+        x, y = (t.to(device) for t in batches.batch(step))
+        model.rng.manual_seed(cfg.seed * 1_000_003 + step)
+        measure = step == measured_step
+        counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure else (None, None)
+        with counter or nullcontext(), meter or nullcontext():
+            with autocast:
+                loss = model(x, y)
+            loss.backward()
+            norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if measure:
+            comm = {k: dict(getattr(counter, k)) for k in comm}
+            peak_memory = meter.peak_bytes
+        loss_value = loss.item()
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}")
+        if rank == 0:
+            metrics.write({"step": step + 1, "loss": loss_value, "lr": learning_rate(cfg, step),
+                           "grad_norm": norm.item(), "tokens_per_s": tokens / dt,
+                           "step_time_s": dt})
+            progress.update(step + 1, loss_value, tokens / dt)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save(step + 1)
+    # on CPU the token data is tensor memory of the same device, which the meter counts too
+    data_bytes = batches.tokens.nbytes if device.type == "cpu" else 0
+    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "data_bytes": data_bytes}
+    sizes = [mine]
+    if tp_size(group) > 1:
+        sizes = [None] * tp_size(group)
+        dist.all_gather_object(sizes, mine, group=group)
+    result = {"rank": rank, "sizes": sizes, "comm": comm, "start": start}
+    if rank == 0:
+        progress.close()
+        metrics.close()
+        if metrics.rows:
+            plot_loss(metrics.rows, out / "loss.png",
+                      f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
+        result["rows"] = metrics.rows
+        ran = [r for r in metrics.rows if r["step"] > start]
+        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg, implementation(opt)))
+        progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
+                               f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
+    return result
+
+
+def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig, str | None]:
+    """Merge explicit flags with the checkpoint being resumed and the defaults; validate.
+
+    On resume, the model comes from the checkpoint (a model flag that disagrees is an error) and
+    training settings default to the checkpoint's, so the resumed run repeats the original.
+    Explicit flags still win for the settings that may change (steps, tp, ...).
+    """
+    explicit = {k: v for k, v in train_args.items() if v is not None}
+    resume_from = None
+    saved_train, saved_model = {}, {}
+    if explicit.get("resume"):
+        out = explicit.get("out", TrainConfig.out)
+        ckpt = find_checkpoint(out)
+        if ckpt is not None:
+            manifest = CheckpointReader(ckpt).manifest
+            resume_from, saved_model = str(ckpt), manifest["config"]
+            saved_train = {k: v for k, v in manifest["train"].items()
+                           if k not in ("resume", "out")}
+            for k, v in model_args.items():
+                if k == "hidden_dim" and v == 0:  # 0 means "the default for dim"
+                    continue
+                if v is not None and saved_model.get(k) != v:
+                    raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
+                                     f"{ckpt} ({k}={saved_model.get(k)})")
+    elif find_checkpoint(explicit.get("out", TrainConfig.out)) is not None:
+        raise ValueError(f"{explicit.get('out', TrainConfig.out)} already holds checkpoints: pass "
+                         "--resume to continue that run, or choose another --out")
+    changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype")
+               if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
+    if changed:
+        print(f"tensorpar train: note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
+              "differ from the checkpoint's; the resumed run is not an exact continuation",
+              file=sys.stderr)
+    cfg = TrainConfig(**(saved_train | explicit))
+    model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
+                                             if v is not None}))
+    cfg.check()
+    model_cfg.check(cfg.tp)
+    if cfg.recompute and model_cfg.dropout > 0:
+        raise ValueError(f"--recompute with --dropout {model_cfg.dropout}: recomputed blocks "
+                         "would draw other dropout masks; use one or the other")
+    if model_cfg.vocab_size != ByteTokenizer.vocab_size:
+        raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
+                         f"{ByteTokenizer.vocab_size}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
+    if len(ByteTokenizer().encode(text)) < cfg.seq_len + 1:
+        raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
+    if resume_from is not None:
+        CheckpointReader(resume_from).verify()  # a corrupted file too
+    return cfg, model_cfg, resume_from
+
+
+def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> list | None:
+    """Spawn ``cfg.tp`` local ranks, or, under torchrun, be one of its ranks."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.tp))
+    if "TORCHELASTIC_RUN_ID" in os.environ and world != cfg.tp:
+        raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}; "
+                         "tensorpar train runs one TP group (world size = --tp)")
+    return run_ranks(train_rank, cfg.tp, cfg, model_cfg, resume_from)

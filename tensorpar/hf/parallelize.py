@@ -1,0 +1,145 @@
+"""Convert an existing dense model (a Hugging Face transformer, or your own) in place, following a
+plan: a dict from module-name patterns to styles, so a model's whole layout fits on one screen::
+
+    LLAMA = {
+        "model.embed_tokens":       "vocab",          # VocabParallelEmbedding
+        "model.layers.*.self_attn": "attention",      # q/k/v column by heads, o row; one f
+        "model.layers.*.mlp":       "mlp",            # gate/up column, down row; one f
+        "lm_head":                  "column_gather",  # logits gathered for the model's own loss
+    }
+
+``*`` matches one name component. Styles:
+
+- ``vocab``: an ``nn.Embedding`` split by vocabulary rows.
+- ``column`` / ``column_gather`` / ``row``: one ``nn.Linear`` (or GPT-2 ``Conv1D``) split on its
+  output / its output, gathered after / its input (partial sums all-reduced, bias added once).
+- ``attention``: an attention module with ``q_proj, k_proj, v_proj, o_proj`` (Llama, Mistral,
+  Qwen) or ``c_attn, c_proj`` (GPT-2). Heads are dealt like ``tensor_split``; the module's input
+  enters the TP region once (a forward pre-hook applies f), and its head-count attributes are set
+  to the local values. With fewer KV heads than ranks, each rank holds the KV heads its query heads
+  read (their gradients summed over the ranks that share them); when a rank's query heads do not
+  map onto its KV heads as a uniform repeat, the KV heads are repeated per query head locally.
+- ``mlp``: an MLP whose linear children map D -> H (column, e.g. gate and up) and H -> D (row);
+  the input enters the TP region once, the activation runs on shards.
+- ``replicated``: left whole on every rank (the default for everything the plan does not name).
+
+Weights come from a *source*: the dense model itself (``parallelize``) or the safetensors files of
+a checkpoint, read slice by slice (``from_pretrained``), so the dense weights never need to exist.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.hf.plans import plan_for, tied_heads
+from tensorpar.hf.styles import Converter, ModuleSource
+from tensorpar.parallel.mappings import _all_reduce
+from tensorpar.parallel.sharding import REPLICATED
+from tensorpar.runtime.groups import tp_size
+
+STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
+
+
+def _pattern(p: str) -> re.Pattern:
+    return re.compile("^" + re.escape(p).replace(r"\*", r"[^.]+") + "$")
+
+
+def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
+    """Module names each pattern matches; ValueError for unknown styles or unmatched patterns."""
+    names = [n for n, _ in model.named_modules() if n]
+    matches = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; use one of "
+                             f"{STYLES}")
+        matches[pattern] = [n for n in names if _pattern(pattern).match(n)]
+        if not matches[pattern]:
+            raise ValueError(f"plan entry {pattern!r} matches no module of "
+                             f"{type(model).__name__}")
+    return matches
+
+
+@torch.no_grad()
+def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | None = None,
+               source=None, dtype: torch.dtype | None = None,
+               tied: dict[str, str] | None = None) -> nn.Module:
+    """Swap the modules ``plan`` names for their tensor-parallel versions (see module doc).
+
+    source: where dense weights are read (default: the model itself). tied: column module name ->
+    embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
+    """
+    matches = check_plan(model, plan)
+    source = source or ModuleSource(model)
+    conv = Converter(source, group, dtype)  # dtype None: each layer keeps its own
+    tied, embeddings = tied or {}, {}
+    # embeddings first, so that a tied head finds its shard
+    for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
+        for name in matches[pattern]:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            m = getattr(parent, child)
+            if style == "vocab":
+                new = embeddings[name] = conv.vocab(name, m)
+            elif style in ("column", "column_gather"):
+                if name in tied and tied[name] not in embeddings:
+                    raise ValueError(f"{name} shares its weight with {tied[name]}: the plan must "
+                                     f"also give {tied[name]!r} the style 'vocab'")
+                emb = embeddings.get(tied.get(name, ""))
+                new = conv.column(name, m, gather=style == "column_gather",
+                                  weight=None if emb is None else emb.weight)
+            elif style == "row":
+                new = conv.row(name, m)
+            elif style == "attention":
+                new = conv.attention(name, m)
+            elif style == "mlp":
+                new = conv.mlp(name, m)
+            else:
+                continue
+            setattr(parent, child, new)
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:  # loading from files: what the plan left whole (norms, position tables)
+            owner, _, attr = name.rpartition(".")
+            p = nn.Parameter(source.read(name).to(dtype or p.dtype), requires_grad=p.requires_grad)
+            setattr(model.get_submodule(owner), attr, p)
+        if not hasattr(p, "tp_shard"):
+            p.tp_shard = REPLICATED
+    if conv.n > 1:
+        for name in conv.grad_sum:
+            model.get_parameter(name).register_hook(partial(_all_reduce, group=group))
+    return model
+
+
+def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> None:
+    """Raise ValueError on every rank unless all ranks hold the same dense weights (one small
+    all-gather of per-parameter checksums)."""
+    if tp_size(group) == 1:
+        return
+    names = [n for n, p in model.named_parameters() if not p.is_meta]
+    sums = torch.stack([p.detach().double().sum() for n, p in model.named_parameters()
+                        if not p.is_meta]).cpu()
+    every = [torch.empty_like(sums) for _ in range(tp_size(group))]
+    dist.all_gather(every, sums, group=group)
+    differ = [names[i] for i in range(len(names))
+              if any(not torch.equal(e[i], every[0][i]) for e in every)]
+    if differ:
+        raise ValueError(f"the ranks hold different dense weights ({', '.join(differ[:3])}"
+                         f"{', ...' if len(differ) > 3 else ''}): build the model from the same "
+                         "seed or checkpoint on every rank before parallelize()")
+
+
+def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
+                group: ProcessGroup | None = None) -> nn.Module:
+    """Convert a dense model in place to tensor parallelism over ``group`` and return it.
+
+    Every rank must hold the same dense model (same seed or the same checkpoint); this is
+    checked. ``plan`` defaults to the built-in plan of the model's family (module docstring).
+    """
+    plan = plan or plan_for(model)
+    check_same_weights(model, group)
+    return apply_plan(model, plan, group, tied=tied_heads(model))

@@ -1,0 +1,111 @@
+"""Built-in plans for Hugging Face transformers models, and plans translated from their configs.
+
+The built-in plans (the whole layout of each family)::
+
+    GPT-2:                                      Llama, Mistral, Qwen2, Qwen3:
+    transformer.wte        vocab                model.embed_tokens        vocab
+    transformer.h.*.attn   attention            model.layers.*.self_attn  attention
+    transformer.h.*.mlp    mlp                  model.layers.*.mlp        mlp
+    lm_head                column_gather        lm_head                   column_gather
+
+Position embeddings (GPT-2's ``wpe``), norms and Qwen3's per-head q/k norms stay replicated.
+Another model that declares ``base_model_tp_plan`` in its config gets a plan translated from it.
+``lm_head`` gathers its vocab-split logits, so the model's own loss and ``generate()`` run
+unchanged (use ``vocab_parallel_cross_entropy`` on a ``column`` head to avoid the gather).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tensorpar.hf.styles import OUT_PROJ, is_conv1d
+
+GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn": "attention",
+    "transformer.h.*.mlp": "mlp",
+    "lm_head": "column_gather",
+}
+LLAMA_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.mlp": "mlp",
+    "lm_head": "column_gather",
+}
+PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN, "mistral": LLAMA_PLAN, "qwen2": LLAMA_PLAN,
+         "qwen3": LLAMA_PLAN}
+
+MLP_NAMES = ("mlp", "feed_forward", "ffn")  # parents translated to style "mlp"
+_HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
+              "colwise_rep": "column_gather", "embedding_rowwise": "vocab"}
+
+
+def translate_hf_plan(hf_plan: dict[str, str], prefix: str) -> dict[str, str]:
+    """A transformers ``base_model_tp_plan`` as a tensorpar plan: q/k/v column + o row under one
+    parent become ``attention``; column children + one row child become ``mlp``."""
+    children: dict[str, dict[str, str]] = {}
+    plan: dict[str, str] = {}
+    for key, style in hf_plan.items():
+        parent, _, child = key.rpartition(".")
+        if style.startswith("replicated"):
+            continue
+        children.setdefault(parent, {})[child] = style
+    for parent, kids in children.items():
+        rows = [c for c, s in kids.items() if s == "rowwise"]
+        full = f"{prefix}.{parent}" if prefix and parent else (parent or prefix)
+        if {"q_proj", "k_proj", "v_proj"} <= kids.keys() and kids.keys() & set(OUT_PROJ):
+            plan[full] = "attention"
+        elif parent.rpartition(".")[2] in MLP_NAMES and len(rows) == 1 and len(kids) > 1 and \
+                all(s == "colwise" for c, s in kids.items() if c not in rows):
+            plan[full] = "mlp"
+        else:
+            for child, style in kids.items():
+                if style not in _HF_STYLES:
+                    raise ValueError(f"base_model_tp_plan style {style!r} for "
+                                     f"{parent + '.' + child!r} has no tensorpar equivalent; pass "
+                                     "plan= (see tensorpar.hf.parallelize)")
+                plan[f"{full}.{child}"] = _HF_STYLES[style]
+    return plan
+
+
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def plan_for(model: nn.Module) -> dict[str, str]:
+    """The built-in plan for ``model``'s family, or one translated from its config's
+    ``base_model_tp_plan``; otherwise a ValueError listing its linear layers."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in PLANS:
+        return dict(PLANS[model_type])
+    hf_plan = getattr(cfg, "base_model_tp_plan", None)
+    if hf_plan:
+        plan = translate_hf_plan(hf_plan, getattr(model, "base_model_prefix", ""))
+        emb = _module_name(model, model.get_input_embeddings())
+        if emb and emb not in plan:
+            plan[emb] = "vocab"
+        if isinstance(getattr(model, "lm_head", None), nn.Linear):
+            plan["lm_head"] = "column_gather"
+        return plan
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)]
+    shown = "\n  ".join(linears[:12]) + ("\n  ..." if len(linears) > 12 else "")
+    raise ValueError(
+        f"no tensor-parallel plan for {type(model).__name__} (model_type={model_type!r}). Its "
+        f"linear layers:\n  {shown}\nPass plan={{pattern: style}}, for example "
+        "{'model.layers.*.self_attn': 'attention', 'model.layers.*.mlp': 'mlp', "
+        "'model.embed_tokens': 'vocab', 'lm_head': 'column_gather'}; styles: vocab, column, "
+        "column_gather, row, attention, mlp, replicated ('*' matches one name component).")
+
+
+def tied_heads(model: nn.Module) -> dict[str, str]:
+    """{'lm_head': embedding module name} when the head shares the input embedding's weight."""
+    cfg = getattr(model, "config", None)
+    head, emb = getattr(model, "lm_head", None), model.get_input_embeddings() \
+        if hasattr(model, "get_input_embeddings") else None
+    if head is None or emb is None:
+        return {}
+    if head.weight is emb.weight or getattr(cfg, "tie_word_embeddings", False):
+        return {"lm_head": _module_name(model, emb)}
+    return {}
+

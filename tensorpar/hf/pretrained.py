@@ -1,0 +1,110 @@
+"""``from_pretrained``: a local Hugging Face model directory loaded tensor-parallel, each rank
+reading only its own slices of the safetensors files.
+
+Needs the ``hf`` extra (``pip install tensorpar[hf]``); the rest of tensorpar never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.hf.parallelize import apply_plan
+from tensorpar.hf.plans import plan_for, tied_heads
+
+
+class SafetensorsSource:
+    """Slices of the tensors of a Hugging Face model directory, read without loading the rest."""
+
+    def __init__(self, path: str | Path, prefix: str = "",
+                 renames: list[tuple[str, str]] = ()):
+        from safetensors import safe_open
+
+        self.path, self.prefix, self._safe_open = Path(path), prefix, safe_open
+        self._files: dict[str, object] = {}
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            keys = self._open("model.safetensors").keys()
+            self.weight_map = dict.fromkeys(keys, "model.safetensors")
+        else:
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        # model parameter name -> key in the files (older checkpoints use older names)
+        self.file_key = {}
+        for key in self.weight_map:
+            name = key
+            for pattern, repl in renames:
+                name = re.sub(pattern, repl, name)
+            self.file_key[name] = key
+
+    def _open(self, fname: str):
+        if fname not in self._files:
+            self._files[fname] = self._safe_open(self.path / fname, framework="pt")
+        return self._files[fname]
+
+    def _key(self, name: str) -> str:
+        bare = name.removeprefix(f"{self.prefix}.")  # older files omit the base model's prefix
+        for candidate in (name, bare):
+            if candidate in self.file_key:
+                return self.file_key[candidate]
+        raise ValueError(f"{self.path}: no tensor for {name!r} in the checkpoint")
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        key = self._key(key)
+        piece = self._open(self.weight_map[key]).get_slice(key)
+        if dim is not None:
+            stop = piece.get_shape()[dim] if stop is None else stop
+        t = piece[:] if dim is None else piece[(slice(None),) * dim + (slice(start, stop),)]
+        # an owned, compact copy: the result may view the memory-mapped file or whole rows of it
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        self._files.clear()  # unmaps the files
+
+
+def _renames(model: nn.Module) -> list[tuple[str, str]]:
+    """The plain key renamings transformers applies when loading this model's checkpoints
+    (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``). Other conversions (packed experts) are not
+    supported: their tensors are then reported missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        rules = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):  # older transformers: no renamings
+        return []
+    return [(r.source_patterns[0], r.target_patterns[0]) for r in rules
+            if type(r) is WeightRenaming and len(r.source_patterns) == 1]
+
+
+def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
+                    dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
+                    attn_implementation: str | None = None) -> nn.Module:
+    """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
+
+    The model is built with its parameters on the meta device; each rank then reads only its own
+    slices of the split weights (and the replicated ones whole), so per-rank memory is about 1/N
+    of the split weights plus the replicated ones.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    source = SafetensorsSource(path, model.base_model_prefix, _renames(model))
+    apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
+               tied=tied_heads(model))
+    source.close()
+    if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()

@@ -1,0 +1,274 @@
+"""How each style of a plan converts one dense module (see ``parallelize.py`` for plans).
+
+A ``Converter`` reads dense weights from a *source*, slice by slice, and builds the tensorpar
+version of one module: ``column``, ``row`` and ``vocab`` for single layers; ``attention`` and
+``mlp`` for whole blocks, whose input enters the TP region once (a forward pre-hook applies f)
+and whose head-count attributes become local. Sources: the dense model itself
+(``ModuleSource``) or safetensors files (``hf.SafetensorsSource``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallel.embedding import VocabParallelEmbedding
+from tensorpar.parallel.grad_sync import sum_shared_shard_grads
+from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.parallel.mappings import copy_to_tp, reduce_from_tp
+from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
+from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.transformer.attention import head_layout
+
+OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
+
+
+class ModuleSource:
+    """Dense tensors read from the model being converted (by parameter name)."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = dict(model.named_parameters(remove_duplicate=False))
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        t = self.tensors[key].detach()
+        if dim is not None:
+            t = t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
+        return t.clone()
+
+
+def is_conv1d(m: nn.Module) -> bool:  # GPT-2's Conv1D: weight (in, out), y = x W + b
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
+
+
+def _features(m: nn.Module) -> tuple[int, int]:
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    if is_conv1d(m):
+        return m.weight.shape[0], m.nf
+    raise TypeError(f"{type(m).__name__} is not an nn.Linear or Conv1D")
+
+
+class _Reader:
+    """Reads this rank's slices of a linear layer's weight in nn.Linear (out, in) layout."""
+
+    def __init__(self, source, name: str, module: nn.Module, dtype):
+        self.source, self.name, self.conv = source, name, is_conv1d(module)
+        self.dtype = dtype or module.weight.dtype  # default: the layer keeps its own dtype
+
+    def rows(self, key: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Output rows (or bias entries) from each range, concatenated."""
+        dim = 1 if self.conv and key == "weight" else 0
+        parts = [self.source.read(f"{self.name}.{key}", dim, a, b) for a, b in ranges]
+        t = torch.cat(parts, dim=dim)
+        return (t.t() if self.conv and key == "weight" else t).to(self.dtype)
+
+    def cols(self, a: int, b: int) -> torch.Tensor:
+        t = self.source.read(f"{self.name}.weight", 0 if self.conv else 1, a, b)
+        return (t.t() if self.conv else t).to(self.dtype)
+
+    def whole(self, key: str) -> torch.Tensor:
+        t = self.source.read(f"{self.name}.{key}")
+        return (t.t() if self.conv and key == "weight" else t).to(self.dtype)
+
+
+class InRegionColumn(ColumnParallelLinear):
+    """A column projection inside a block whose input already entered the TP region (the block's
+    pre-hook applied f once for q, k and v, or gate and up): forward is the local matmul.
+
+    shared: this rank's rows are also held by other ranks (KV heads shared when there are fewer
+    than ranks): their gradients are summed over exactly those ranks in backward.
+    expand: local head index per output head (KV heads repeated per local query head).
+    """
+
+    shared = False
+    expand: torch.Tensor | None = None
+    head_dim = 0
+
+    def forward(self, x_tp: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.shared:
+            w, b = sum_shared_shard_grads([w, b], self.group)
+        y = F.linear(x_tp, w, b)
+        if self.expand is not None:  # (..., kv_local * hd) -> (..., h_local * hd)
+            y = y.unflatten(-1, (-1, self.head_dim)).index_select(-2, self.expand).flatten(-2)
+        return y
+
+
+def _enter_region_once(module: nn.Module, group) -> None:
+    """f (identity forward, all-reduce backward) on the module's input, applied once."""
+    def hook(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+        else:
+            args = (copy_to_tp(args[0], group), *args[1:])
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class Converter:
+    def __init__(self, source, group: ProcessGroup | None, dtype):
+        self.source, self.group, self.dtype = source, group, dtype
+        self.n, self.rank = tp_size(group), tp_rank(group)
+        self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
+
+    def column(self, name, m, ranges=None, parts=1, gather=False, cls=ColumnParallelLinear,
+               weight=None):
+        """ranges: output rows to hold, one range per block of a fused (``parts``) weight; their
+        positions within a block are the same. weight: an existing shard to use (tied head)."""
+        in_f, out_f = _features(m)
+        if ranges is None:
+            ranges = [shard_range(out_f, self.n, self.rank)]
+        a, b = ranges[0]  # block 0 starts at 0, so its range is the in-block range
+        layer = cls(in_f, out_f, m.bias is not None, gather_output=gather, group=self.group,
+                    device="meta", out_range=(a, b) if parts == 1 else None)
+        read = _Reader(self.source, name, m, self.dtype)
+        spec = ShardSpec(0, a, b, out_f, parts)
+        layer.weight = weight if weight is not None else \
+            local_parameter(read.rows("weight", ranges), spec, m.weight.requires_grad)
+        layer.bias = None if m.bias is None else \
+            local_parameter(read.rows("bias", ranges), spec, m.bias.requires_grad)
+        layer.shard_start, layer.shard_stop = a, b
+        return layer
+
+    def row(self, name, m, in_range=None):
+        in_f, out_f = _features(m)
+        a, b = in_range or shard_range(in_f, self.n, self.rank)
+        layer = RowParallelLinear(in_f, out_f, m.bias is not None, input_is_parallel=True,
+                                  group=self.group, device="meta", in_range=(a, b))
+        read = _Reader(self.source, name, m, self.dtype)
+        layer.weight = local_parameter(read.cols(a, b), ShardSpec(1, a, b, in_f),
+                                       m.weight.requires_grad)
+        layer.bias = None if m.bias is None else \
+            local_parameter(read.whole("bias"), REPLICATED, m.bias.requires_grad)
+        return layer
+
+    def vocab(self, name, m: nn.Embedding):
+        if type(m) is not nn.Embedding:
+            return self.vocab_in_place(name, m)
+        layer = VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx,
+                                       group=self.group, device="meta")
+        a, b = layer.vocab_start, layer.vocab_stop
+        layer.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b)
+                                       .to(self.dtype or m.weight.dtype),
+                                       ShardSpec(0, a, b, m.num_embeddings),
+                                       m.weight.requires_grad)
+        return layer
+
+    def vocab_in_place(self, name, m: nn.Embedding):
+        """An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own forward, run on
+        this rank's rows: ids elsewhere are looked up as row 0 and their outputs zeroed, then
+        summed over the group. Exact when the subclass only scales the lookup."""
+        V, group = m.num_embeddings, self.group
+        a, b = shard_range(V, self.n, self.rank)
+        m.weight = local_parameter(self.source.read(f"{name}.weight", 0, a, b)
+                                   .to(self.dtype or m.weight.dtype),
+                                   ShardSpec(0, a, b, V), m.weight.requires_grad)
+        m.vocab_start, m.vocab_stop = a, b
+        if m.padding_idx is not None:
+            m.padding_idx = m.padding_idx - a if a <= m.padding_idx < b else None
+
+        def to_local(mod, args):
+            ids = args[0]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+                raise ValueError(f"{name}: ids outside the vocabulary [0, {V})")
+            mod._tp_mine = (ids >= a) & (ids < b)
+            return (torch.where(mod._tp_mine, ids - a, 0), *args[1:])
+
+        def sum_over_group(mod, args, out):
+            mine = mod.__dict__.pop("_tp_mine")
+            return reduce_from_tp(out * mine.unsqueeze(-1).to(out.dtype), group)
+
+        m.register_forward_pre_hook(to_local)
+        m.register_forward_hook(sum_over_group)
+        return m
+
+    def attention(self, name, m):
+        cfg = getattr(m, "config", None)
+        if hasattr(m, "c_attn"):  # GPT-2: fused q|k|v Conv1D, multi-head only
+            H, hd = m.num_heads, m.head_dim
+            (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
+            E = H * hd
+            if not is_conv1d(m.c_attn) or _features(m.c_attn)[1] != 3 * E or \
+                    getattr(m, "is_cross_attention", False):
+                raise ValueError(f"{name}.c_attn is not GPT-2's Conv1D packing q|k|v of "
+                                 f"{H} heads each ({_features(m.c_attn)} features): style "
+                                 "'attention' does not know this layout")
+            m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
+                                   ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
+            m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd))
+            m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
+        elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
+                any(hasattr(m, p) for p in OUT_PROJ):
+            out = next(p for p in OUT_PROJ if hasattr(m, p))
+            H = getattr(cfg, "num_attention_heads", None) or m.num_heads
+            K = getattr(cfg, "num_key_value_heads", None) or H
+            hd = m.head_dim
+            (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
+            m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
+                                   cls=InRegionColumn)
+            groups = H // K
+            kv_index = torch.arange(h0, h1) // groups - k0  # local KV head of each query head
+            h_local, k_local = h1 - h0, k1 - k0
+            uniform = h_local % k_local == 0 and torch.equal(
+                kv_index, torch.arange(h_local) // (h_local // k_local))
+            for proj in ("k_proj", "v_proj"):
+                layer = self.column(f"{name}.{proj}", getattr(m, proj), [(k0 * hd, k1 * hd)],
+                                    cls=InRegionColumn)
+                layer.shared, layer.head_dim = shared, hd
+                if not uniform:
+                    layer.expand = kv_index
+                setattr(m, proj, layer)
+            setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd)))
+            m.num_key_value_groups = h_local // k_local if uniform else 1
+            kv_local = k_local if uniform else h_local
+            for attr, value in (("num_heads", h_local), ("num_attention_heads", h_local),
+                                ("n_head", h_local), ("num_key_value_heads", kv_local),
+                                ("num_kv_heads", kv_local)):
+                if isinstance(getattr(m, attr, None), int):
+                    setattr(m, attr, value)
+            if isinstance(getattr(m, "embed_dim", None), int):
+                m.embed_dim = h_local * hd
+        else:
+            raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj and one of "
+                             f"{OUT_PROJ}, or c_attn/c_proj; "
+                             f"{type(m).__name__} has "
+                             f"{[c for c, _ in m.named_children()]}")
+        # other parameters (Qwen3's per-head q/k norms) stay whole but see only this rank's
+        # heads: their gradients are partial sums, completed over the group in backward
+        converted = {"c_attn", "c_proj"} if hasattr(m, "c_attn") else {"q_proj", "k_proj",
+                                                                        "v_proj", out}
+        own = [p for p, _ in m.named_parameters(recurse=False)]
+        if own:  # e.g. per-head attention sinks: they would need splitting by heads too
+            raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
+                             "splits only its projections")
+        others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
+                  if c not in converted for p, t in child.named_parameters()]
+        for pname, t in others:
+            if t.numel() > hd:  # e.g. OLMo-2's q_norm: one norm over all heads together
+                raise ValueError(f"{pname} has {t.numel()} elements, more than one head "
+                                 f"({hd}): it mixes heads, so it cannot run on a rank's heads "
+                                 "alone; this attention is not supported by style 'attention'")
+        self.grad_sum += [pname for pname, _ in others]
+        _enter_region_once(m, self.group)
+        return m
+
+    def mlp(self, name, m):
+        linears = [(c, sub) for c, sub in m.named_children()
+                   if isinstance(sub, nn.Linear) or is_conv1d(sub)]
+        shapes = {c: _features(sub) for c, sub in linears}
+        rows = [c for c, (i, o) in shapes.items()
+                if any(shapes[d] == (o, i) for d in shapes if d != c)]
+        if len(linears) < 2 or not rows:
+            raise ValueError(f"{name}: style 'mlp' needs linear children D -> H and H -> D; "
+                             f"found {shapes}")
+        row = rows[-1]  # the down projection: registered last in every family
+        for c, sub in linears:
+            if c == row:
+                setattr(m, c, self.row(f"{name}.{c}", sub))
+            elif shapes[c][0] == shapes[row][1]:
+                setattr(m, c, self.column(f"{name}.{c}", sub, cls=InRegionColumn))
+        _enter_region_once(m, self.group)
+        return m

@@ -1,0 +1,13 @@
+"""The tensor-parallel core, after Megatron-LM (Shoeybi et al. 2019) and sequence parallelism
+(Korthikanti et al. 2022).
+
+- ``mappings``: the conjugate collectives f / g and the sequence pairs, one autograd Function each
+- ``linear``: column- and row-parallel linear layers; ``embedding``: vocab-parallel embedding
+- ``cross_entropy``: the vocab-parallel loss (logits never gathered)
+- ``norm``, ``dropout``: LayerNorm/RMSNorm and dropout on sequence shards, the RNG streams
+- ``fused``: the overlapped column op and the in-place row reduction (opt-in performance)
+- ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``grad_sync``: gradient sums for
+  parameters several ranks hold; ``layout``: who owns which slice, the global gradient norm
+
+Part of the core: imports ``tensorpar.runtime`` only.
+"""

@@ -1,0 +1,142 @@
+"""Cross-entropy on vocab-sharded logits, without ever gathering the logits.
+
+Rank i holds the logits of its vocabulary slice, z_i of shape (..., V_i). Per token::
+
+    loss = logsumexp(z) - z[target]                         (no smoothing)
+    loss = (1 - e) (logsumexp(z) - z[target]) + e (logsumexp(z) - mean(z))   (label smoothing e)
+
+Every term is a sum or a logsumexp over the vocabulary, so each rank reduces its own slice first and
+only per-token statistics cross the wire:
+
+1. one all-gather of logsumexp z_i per token (and sum z_i, with label smoothing) plus V_i: every
+   rank then knows the global logsumexp, the sum of all logits, V = sum V_i and where its slice
+   starts;
+2. one all-reduce of z[target], which only the owning rank can pick out.
+
+Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V, computed
+in place in one buffer of the logits' size. Statistics are computed in float32 whatever the
+logits' dtype, as Megatron does. With one rank this is ``F.cross_entropy`` on float32 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallel.mappings import _all_gather
+from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.runtime.groups import tp_rank, tp_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """forward: all-gather of token statistics + all-reduce of target logits, backward: local."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, smoothing):
+        n, rank = tp_size(group), tp_rank(group)
+        z = logits.float()
+        v_local = z.shape[-1]
+        lse_local = torch.logsumexp(z, dim=-1)
+        columns = [lse_local, z.sum(-1)] if smoothing > 0 else [lse_local]
+        stats = torch.stack(columns, dim=-1).reshape(-1)
+        stats = torch.cat([stats, stats.new_tensor([float(v_local)])])
+        if n > 1:
+            gathered = _all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
+        else:
+            gathered = stats.view(1, -1)
+        sizes = gathered[:, -1].round().long().tolist()
+        per_rank = gathered[:, :-1].view(n, *lse_local.shape, len(columns))
+        vocab = sum(sizes)
+        start = sum(sizes[:rank])
+        if sizes != shard_sizes(vocab, n):  # the same sizes on every rank: all raise together
+            raise ValueError(f"vocab_parallel_cross_entropy: the ranks hold {sizes} logits each, "
+                             f"not the tensor_split shards {shard_sizes(vocab, n)} of {vocab}")
+        valid = target != ignore_index
+        if valid.any() and int(target[valid].max()) >= vocab:
+            raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[valid].max())} "
+                             f"is outside the vocabulary of {vocab} (sum of the shards {sizes})")
+        lse = torch.logsumexp(per_rank[..., 0], dim=0)
+        local_t = target - start
+        mine = valid & (local_t >= 0) & (local_t < v_local)
+        picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked, 0.0)  # not picked * mine: a -inf logit times 0 is NaN
+        if n > 1:
+            dist.all_reduce(picked, group=group)
+        loss = lse - picked
+        if smoothing > 0:
+            loss = (1 - smoothing) * loss + smoothing * (lse - per_rank[..., 1].sum(0) / vocab)
+        loss = torch.where(valid, loss, 0.0)
+        ctx.save_for_backward(logits, lse, local_t, mine, valid)
+        ctx.smoothing, ctx.vocab = smoothing, vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, local_t, mine, valid = ctx.saved_tensors
+        e = ctx.smoothing
+        # one new buffer, then in place: softmax over the whole vocabulary, minus the one-hot of
+        # the target where this rank owns it, times the incoming gradient
+        grad = torch.sub(logits.float(), lse.unsqueeze(-1)).exp_()
+        if e > 0:
+            grad.sub_(e / ctx.vocab)
+        grad.scatter_add_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
+                          mine.unsqueeze(-1).to(grad.dtype) * -(1 - e))
+        # where, not a product: with every token ignored, "mean" divides by 0 and grad_loss is inf
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
+        return grad.to(logits.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    target: torch.Tensor,
+    group: ProcessGroup | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` over logits split on their last (vocabulary) dim across the group.
+
+    logits_local: (..., V_i), this rank's ``tensor_split`` slice of the vocabulary
+        (e.g. a ``ColumnParallelLinear`` LM head's output).
+    target: (...) class indices in [0, V), or ``ignore_index``.
+    reduction: "mean" (over non-ignored tokens, as torch), "sum" or "none".
+    Loss and gradient equal ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ...)``.
+    """
+    if target.shape != logits_local.shape[:-1]:
+        raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} does "
+                         f"not match logits shape {tuple(logits_local.shape)} without its last dim")
+    if target.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"vocab_parallel_cross_entropy: target must be integer, got {target.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    bad = (target < 0) & (target != ignore_index)
+    if bad.any():
+        raise ValueError(f"vocab_parallel_cross_entropy: negative target {int(target[bad][0])} "
+                         f"(ignore_index is {ignore_index})")
+    if tp_size(group) == 1:  # the whole vocabulary is here: torch's own fused kernel
+        return _one_rank(logits_local, target, ignore_index, label_smoothing, reduction)
+    loss = _VocabParallelCrossEntropy.apply(logits_local, target.long(), group, ignore_index,
+                                            float(label_smoothing))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
+
+
+def _one_rank(logits, target, ignore_index, smoothing, reduction) -> torch.Tensor:
+    """World size 1: ``F.cross_entropy`` on float32 logits, with the same error for a target
+    outside the vocabulary as the parallel path."""
+    vocab = logits.shape[-1]
+    outside = (target >= vocab) & (target != ignore_index)
+    if outside.any():
+        raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[outside].max())} "
+                         f"is outside the vocabulary of {vocab} (sum of the shards [{vocab}])")
+    loss = F.cross_entropy(logits.float().flatten(0, -2), target.long().flatten(),
+                           ignore_index=ignore_index, label_smoothing=smoothing,
+                           reduction=reduction)
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,7 @@
+"""Planning and measurement: model shapes (``zoo``), per-rank memory (``memory``) and
+communication (``comm``) predicted before training, the measured peak (``meter``), and
+``tensorpar plan`` (``cli``).
+
+Imports the core only: it reasons about a ``ModelSpec``, never a model class (tensorpar's GPT
+describes itself in ``tensorpar/gpt/spec.py``). ``cli`` is a command-line module and sits on top.
+"""

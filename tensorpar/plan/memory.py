@@ -1,0 +1,260 @@
+"""Per-rank training memory: weights, gradients, AdamW states, activations; which TP size fits.
+
+Two precisions of weights and optimizer (bytes per parameter P_rank on one rank):
+
+- ``fp32``: weights 4, gradients 4, AdamW moments 8 = 16 B.
+- ``bf16`` (Megatron-style mixed precision, as in ZeRO, Rajbhandari et al. 2020, section 3.1):
+  bf16 weights 2 + bf16 gradients 2 + fp32 master weights 4 + fp32 moments 8 = 16 B/param
+  (18 with Megatron's fp32 gradient buffer, ``accumulate_allreduce_grads_in_fp32``; we take 16).
+- ``bf16-autocast`` (what ``tensorpar train --dtype bf16`` does): fp32 weights, gradients and
+  moments (16 B) plus, during forward and backward, the bf16 copy of every matmul weight that
+  autocast makes and the backward keeps (2 B per matmul parameter); activations in bf16 where
+  autocast computes them (matmuls, attention), fp32 elsewhere (residual stream, norms, loss).
+
+Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L layers, t = TP):
+
+- ``paper``: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", eq. 1-5, 16-bit activations with dropout masks, per layer::
+
+      no TP           s·b·h·(34 + 5·a·s/h)
+      TP              s·b·h·(10 + 24/t + 5·a·s/(h·t))
+      TP + SP         s·b·h/t·(34 + 5·a·s/h)
+      selective       the 5·a·s/h term dropped (attention scores recomputed)
+      full            2·s·b·h per layer (s·b·h·2/t under SP): only each layer's input
+
+- ``tensorpar``: the tensors tensorpar's GPT really keeps for backward, counted tensor by tensor
+  (``_block_saved``): SwiGLU keeps gate and up pre-activations, silu(gate) and the product (4
+  hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v, the output and
+  a logsumexp per query, never the s x s scores (so selective recomputation saves nothing); no
+  dropout masks at dropout 0; RMSNorm keeps x·rstd and rstd; the loss keeps the vocab-parallel
+  logits (b·s·V/t) and a few per-token statistics. The step's peak adds what is alive only for a
+  moment: the loss backward's gradient of the logits (one b·s·V/t fp32 buffer; two with one rank,
+  where the loss is ``F.cross_entropy``), or a block's backward, or the optimizer step. It is
+  checked against ``MemoryMeter`` around real steps within 10%.
+
+``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
+fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
+"""
+
+from __future__ import annotations
+
+from tensorpar.parallel.sharding import shard_range
+from tensorpar.plan.zoo import ModelSpec
+from tensorpar.transformer.attention import head_layout
+
+DTYPES = ("fp32", "bf16", "bf16-autocast")
+RECOMPUTE = ("none", "selective", "full")
+# torch's AdamW implementations (tensorpar.gpt.optim picks fused), by the temporaries of their step
+ADAMW = ("fused", "foreach", "for-loop")
+
+
+def rank_shapes(spec: ModelSpec, tp: int, rank: int) -> dict:
+    """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
+    (h0, h1), (k0, k1), shared = head_layout(spec.n_head, spec.n_kv_head, tp, rank)
+    v0, v1 = shard_range(spec.vocab_size, tp, rank)
+    f0, f1 = shard_range(spec.hidden_dim, tp, rank)
+    return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
+            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared}
+
+
+def rank_params(spec: ModelSpec, tp: int, rank: int = 0) -> dict:
+    """Parameter elements this rank holds: total, matmul weights (autocast copies them), the
+    largest tensor (the optimizer's temporaries) and the count of tensors."""
+    s, D, hd = rank_shapes(spec, tp, rank), spec.dim, spec.head_dim
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * hd * D
+    o = s["heads"] * hd * D
+    mlp = (3 if spec.gated_mlp else 2) * s["hidden"] * D
+    norm = D * (2 if spec.norm == "layer" else 1)
+    bias = 0
+    if spec.bias:
+        bias = (s["heads"] + 2 * s["kv_heads"]) * hd + D + \
+            (2 if spec.gated_mlp else 1) * s["hidden"] + D
+    elif spec.qkv_bias:
+        bias = (s["heads"] + 2 * s["kv_heads"]) * hd
+    embed = s["vocab"] * D
+    head = 0 if spec.tie_embeddings else embed
+    block = qkv + o + mlp + 2 * norm + bias
+    n_tensors = 1 + (spec.learned_pos > 0) + (not spec.tie_embeddings) + 1 + (spec.norm == "layer")
+    linears = 7 if spec.gated_mlp else 6  # q, k, v, o, (gate,) up, down
+    biases = linears if spec.bias else 3 if spec.qkv_bias else 0
+    n_tensors += spec.n_layer * (linears + 2 * (1 + (spec.norm == "layer")) + biases)
+    return {"total": embed + head + spec.learned_pos * D + spec.n_layer * block + norm,
+            "matmul": spec.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
+            "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors}
+
+
+def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
+                 autocast: bool) -> int:
+    """Bytes one block keeps for backward on one rank. N tokens (B·T), Ns under SP (N/t)."""
+    D, hd = spec.dim, spec.head_dim
+    hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
+    resid = 2 * Ns * D * 4  # the residual stream after attention and after the MLP (fp32)
+    if spec.norm == "rms":  # F.rms_norm on CPU: x·rstd (fp32) and rstd
+        norms = 2 * (Ns * D * 4 + Ns * 4)
+    else:  # layer_norm: mean and rstd
+        norms = 2 * (2 * Ns * 4)
+    # the column layers' input: the normed (SP: gathered) activations, in autocast's dtype; the
+    # unfused path under autocast casts it once per projection
+    n_cols_attn, n_cols_mlp = (1, 1) if fused or not autocast else (3, 2 if spec.gated_mlp else 1)
+    columns = (n_cols_attn + n_cols_mlp) * N * D * act
+    q = N * hl * hd * act
+    if s["kv_identity"]:  # k and v read directly: the rotated k and the projection's v
+        kv = 2 * N * kvl * hd * act
+    else:  # index_select makes one K and V per query head
+        kv = 2 * N * hl * hd * act
+    attn = 2 * q + kv + q + B * hl * (N // B) * 4  # rotated q, k, v, output, o_proj input, lse
+    mlp = (4 if spec.gated_mlp else 2) * N * H * act
+    if autocast:  # the bf16 copies of the block's matmul weights
+        weights = ((hl + 2 * kvl) * hd * D + hl * hd * D + (3 if spec.gated_mlp else 2) * H * D) * 2
+    else:  # fp32: the layers save the parameters themselves
+        weights = 0
+    return resid + norms + columns + attn + mlp + weights
+
+
+def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
+    """Bytes AdamW's step allocates on top of its states, for fp32 parameters of ``total``
+    elements, the largest of ``largest``: fused steps in place; foreach makes one temporary per
+    parameter (the denominators); the single-tensor loop two of one parameter at a time."""
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
+    return {"fused": 0, "foreach": 4 * total, "for-loop": 2 * 4 * largest}[optimizer]
+
+
+def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
+                     sequence_parallel: bool = False, dtype: str = "fp32",
+                     recompute: str = "none", fused: bool = True, rank: int = 0,
+                     optimizer: str = "fused") -> dict:
+    """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
+    exist; gradients are freed between steps): components and the predicted peak.
+
+    dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
+    ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
+    (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
+    temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
+    denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
+    """
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
+    if dtype not in ("fp32", "bf16-autocast"):
+        raise ValueError(f"dtype {dtype!r}: tensorpar trains fp32 or bf16-autocast")
+    autocast = dtype == "bf16-autocast"
+    act = 2 if autocast else 4
+    s, p = rank_shapes(spec, tp, rank), rank_params(spec, tp, rank)
+    D, L, B, T = spec.dim, spec.n_layer, batch, seq
+    N = B * T
+    Ns = N // tp if sequence_parallel and tp > 1 else N
+    weights, grads = 4 * p["total"], 4 * p["total"]
+    states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
+    block = _block_saved(spec, s, N, Ns, B, act, fused, autocast)
+    embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
+    final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + N * D * act
+    head_copy = s["vocab"] * D * 2 if autocast else 0
+    if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
+        logits = N * s["vocab"] * 4
+    else:  # the vocab-parallel loss keeps this rank's logits
+        logits = N * s["vocab"] * act
+    loss = N * 14 + 12  # lse, local targets, two masks
+    rope = 4 * T * spec.head_dim
+    tail = final_norm + head_copy + logits + loss
+    if recompute == "full":  # each block keeps only its input (the checkpoint's)
+        blocks = L * Ns * D * 4
+    else:
+        blocks = L * block
+    activations = embed + blocks + tail + rope
+    # the loss backward: the vocab-parallel loss builds its gradient in one fp32 buffer, in
+    # place; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
+    # autocast the gradient is then cast to bf16 for the head's matmuls.
+    loss_bwd = (2 if tp == 1 else 1) * N * s["vocab"] * 4 + (N * s["vocab"] * 2 if autocast
+                                                               else 0)
+    peaks = {"loss backward": activations + loss_bwd}
+    # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
+    # full recomputation also the recomputed block
+    hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+    top = activations - tail + 4 * s["vocab"] * D + hidden_grads
+    if recompute == "full":
+        top += block - Ns * D * 4
+    peaks["block backward"] = top
+    optimizer_peak = grads + adamw_temporaries(optimizer, p["total"], p["largest"])
+    peaks["optimizer step"] = optimizer_peak
+    where = max(peaks, key=peaks.get)
+    return {"weights": weights, "grads": grads, "optimizer": states,
+            "activations": activations, "peak_extra": peaks[where], "peak_at": where,
+            "total": weights + states + peaks[where]}
+
+
+def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
+                      sequence_parallel: bool = False, recompute: str = "none") -> int:
+    """Korthikanti et al. 2022 (eq. 1-5), bytes per rank for all layers, 16-bit activations."""
+    s, b, h, a, t = seq, batch, spec.dim, spec.n_head, tp
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        per_layer = 2 * s * b * h / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = s * b * h / t * (34 + scores)
+    elif t > 1:
+        per_layer = s * b * h * (10 + 24 / t + scores / t)
+    else:
+        per_layer = s * b * h * (34 + scores)
+    return round(spec.n_layer * per_layer)
+
+
+def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
+                sequence_parallel: bool = False, recompute: str = "none",
+                device_memory: float | None = None, reserve: float = 0.10,
+                optimizer: str = "fused") -> dict:
+    """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
+
+    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). Weights,
+    gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
+    what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
+    Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
+    states + the largest moment ("peak_bytes" at "peak_at": the activations and the loss
+    backward's temporaries, a block's backward, or the gradients and the optimizer's temporaries).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    head_layout(spec.n_head, spec.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"--seq {seq} does not divide by --tp {tp} (sequence parallelism)")
+    rec = "full" if recompute == "full" else "none"
+    mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
+                           "fp32" if dtype == "fp32" else "bf16-autocast", rec,
+                           optimizer=optimizer)
+    params = rank_params(spec, tp)
+    p = params["total"]
+    weights, grads, states = mem["weights"], mem["grads"], mem["optimizer"]
+    activations, moment = mem["activations"], mem["peak_extra"]
+    if dtype == "bf16":
+        # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
+        # moments as tensorpar's autocast, less autocast's bf16 weight copies (the bf16 weights
+        # replace them) and with half-size gradients at the optimizer step. An estimate: the
+        # activations are autocast's (fp32 residual stream and norms), a little above a fully
+        # bf16 model's.
+        copies = 2 * params["matmul"]
+        weights, grads, states = 2 * p, 2 * p, 12 * p + 4 * params["tensors"]
+        activations = max(activations - copies, 0)
+        moment = (moment - mem["grads"] + grads if mem["peak_at"] == "optimizer step"
+                  else moment - copies)
+    # gradients are allocated during backward and freed after the step, activations freed
+    # during backward: they never peak together, so the total is weights + optimizer states +
+    # the largest moment of the step (loss backward, a block's backward, the optimizer step)
+    total = weights + states + moment
+    row = {"model": spec.name, "tp": tp, "dtype": dtype, "sequence_parallel": sequence_parallel,
+           "recompute": recompute, "batch": batch, "seq": seq,
+           "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": states,
+           "activations": activations, "peak_bytes": moment, "peak_at": mem["peak_at"],
+           "activations_paper": paper_activations(spec, tp, batch, seq, sequence_parallel,
+                                                  recompute),
+           "total": total}
+    if device_memory is not None:
+        row["usable"] = round(device_memory * (1 - reserve))
+        row["fits"] = total <= row["usable"]
+    return row
+
+
+def smallest_fitting(rows: list[dict]) -> dict | None:
+    """The row with the smallest TP size that fits, or None."""
+    fitting = [r for r in rows if r.get("fits")]
+    return min(fitting, key=lambda r: r["tp"]) if fitting else None

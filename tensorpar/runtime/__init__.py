@@ -1,0 +1,5 @@
+"""What ranks run on: process groups (``groups``), the local launcher and torchrun mode
+(``launch``), collective accounting (``counting``), atomic output files (``output``).
+
+The bottom of the core: imports torch only, nothing else from tensorpar.
+"""

@@ -1,0 +1,181 @@
+"""Self-attention split by heads: QKV column-parallel, output projection row-parallel.
+
+::
+
+    x ──f──> q, k, v = x W_q,i^T, x W_k,i^T, x W_v,i^T      this rank's heads only
+         ──> softmax(q k^T / sqrt(hd)) v  per local head    (no communication)
+         ──> o_i = heads_i W_o,i^T ──g──> y                 one all-reduce (or reduce-scatter)
+
+Heads are dealt out like ``torch.tensor_split(range(num_heads), tp_size)``: 8 heads over 3 ranks
+give 3, 3, 2. With grouped-query attention (``num_kv_heads`` < ``num_heads``, MQA at 1) query head h
+reads KV head ``h // (num_heads // num_kv_heads)``; each rank holds exactly the KV heads its query
+heads read. When there are fewer KV heads than ranks (or the split falls inside a group), some KV
+heads are held by several ranks: each such rank computes the KV projection itself (no
+communication in forward), and in backward the KV weight gradients are summed over the ranks that
+hold each head with one all-reduce, so every copy gets the dense gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallel.fused import fused_column
+from tensorpar.parallel.grad_sync import sum_shared_shard_grads
+from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.sharding import shard_range
+from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.transformer.kv_cache import LayerKVCache
+from tensorpar.transformer.rotary import apply_rotary
+
+
+def head_layout(num_heads: int, num_kv_heads: int, n: int, rank: int):
+    """Query heads [h0, h1) and KV heads [k0, k1) of ``rank``, and whether any KV head is shared.
+
+    Raises ValueError when the heads cannot be split.
+    """
+    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a positive multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if num_heads < n:
+        raise ValueError(f"num_heads={num_heads} cannot be split over {n} ranks: every rank "
+                         f"needs at least one query head (use tp_size <= {num_heads})")
+    group_size = num_heads // num_kv_heads
+
+    def kv_range(r: int) -> tuple[int, int]:
+        h0, h1 = shard_range(num_heads, n, r)
+        return h0 // group_size, (h1 - 1) // group_size + 1
+
+    ranges = [kv_range(r) for r in range(n)]
+    shared = any(ranges[r][1] > ranges[r + 1][0] for r in range(n - 1))
+    return shard_range(num_heads, n, rank), ranges[rank], shared
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head self-attention (MHA, GQA, MQA) with its heads split across the TP group.
+
+    dim: model width. num_heads, num_kv_heads: query and key/value head counts (GQA when fewer KV
+    heads; default num_heads). head_dim: default dim // num_heads. causal: mask future tokens.
+    sequence_parallel: input and output are sequence shards (B, T/n, dim).
+    fused: Q, K and V as one autograd op whose backward all-reduce is overlapped with the
+        weight-gradient matmuls, and the output projection reducing its product in place
+        (``parallel/fused.py``); the same numbers and collectives.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = False, causal: bool = True,
+                 sequence_parallel: bool = False, group: ProcessGroup | None = None,
+                 *, device=None, dtype=None, fused: bool = False):
+        super().__init__()
+        kv_heads = num_kv_heads or num_heads
+        n, rank = tp_size(group), tp_rank(group)
+        (h0, h1), (k0, k1), shared = head_layout(num_heads, kv_heads, n, rank)
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim={dim} does not divide by num_heads={num_heads}; "
+                                 "pass head_dim")
+            head_dim = dim // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
+        self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
+        self.fused = fused
+        self.heads, self.kv_heads, self.kv_shared = (h0, h1), (k0, k1), shared
+        hd, kw = head_dim, {"bias": bias, "group": group, "device": device, "dtype": dtype}
+        self.q_proj = ColumnParallelLinear(dim, num_heads * hd, out_range=(h0 * hd, h1 * hd), **kw)
+        self.k_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)
+        self.v_proj = ColumnParallelLinear(dim, kv_heads * hd, out_range=(k0 * hd, k1 * hd), **kw)
+        self.o_proj = RowParallelLinear(num_heads * hd, dim, in_range=(h0 * hd, h1 * hd),
+                                        sequence_parallel=sequence_parallel, fused=fused, **kw)
+        # local query head j reads local KV head kv_index[j]
+        group_size = num_heads // kv_heads
+        kv_index = torch.arange(h0, h1) // group_size - k0
+        if device is not None and torch.device(device).type != "meta":
+            kv_index = kv_index.to(device)
+        self.register_buffer("kv_index", kv_index, persistent=False)
+        self._kv_identity = h1 - h0 == k1 - k0
+
+    @classmethod
+    def from_dense(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
+                   num_kv_heads: int | None = None, causal: bool = True,
+                   sequence_parallel: bool = False, group: ProcessGroup | None = None,
+                   fused: bool = False):
+        """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
+        kv_heads = num_kv_heads or num_heads
+        head_layout(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
+        if q.out_features % num_heads:
+            raise ValueError(f"q projection has {q.out_features} outputs, not a multiple of "
+                             f"num_heads={num_heads}")
+        hd = q.out_features // num_heads
+        dim = q.in_features
+        shapes = {"k": (k.in_features, k.out_features), "v": (v.in_features, v.out_features),
+                  "o": (o.out_features, o.in_features)}
+        for name, shape in shapes.items():
+            if shape != (dim, (num_heads if name == "o" else kv_heads) * hd):
+                raise ValueError(
+                    f"{name} projection is {shape[0]}<->{shape[1]}, expected "
+                    f"{dim}<->{(num_heads if name == 'o' else kv_heads) * hd} for dim={dim}, "
+                    f"num_heads={num_heads}, num_kv_heads={kv_heads}, head_dim={hd}")
+        attn = cls(dim, num_heads, kv_heads, hd, bias=False, causal=causal,
+                   sequence_parallel=sequence_parallel, group=group, device="meta",
+                   dtype=q.weight.dtype, fused=fused)
+        for mine, dense in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v),
+                            (attn.o_proj, o)):
+            mine.load_dense(dense.weight, dense.bias)
+        attn.kv_index = attn.kv_index.to(q.weight.device)
+        return attn
+
+    def _kv_params(self) -> list[torch.Tensor | None]:
+        """[wk, wv, bk, bv] (biases may be None); with shared KV heads, their gradients are
+        summed over the ranks that hold each head."""
+        params = [self.k_proj.weight, self.v_proj.weight, self.k_proj.bias, self.v_proj.bias]
+        if not self.kv_shared:
+            return params
+        return sum_shared_shard_grads(params, self.group)
+
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x: (B, T, dim), or (B, T/n, dim) under SP. rope: rotary (cos, sin) tables for the T
+        positions (see ``rotary_table``). cache: this layer's KV cache when decoding; the new
+        positions follow the cached ones."""
+        if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
+            raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
+                             f"{self.q_proj.in_features}), got {tuple(x.shape)}")
+        wk, wv, bk, bv = self._kv_params()
+        if self.fused:
+            q, k, v = fused_column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
+                                   sequence_parallel=self.sequence_parallel, group=self.group)
+        else:
+            x = enter_tp_region(x, self.sequence_parallel, self.group)  # (B, T, D): f
+            q, k, v = self.q_proj.forward_local(x), F.linear(x, wk, bk), F.linear(x, wv, bv)
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        # q: (B, h_local, T, hd); k, v: (B, kv_local, T, hd)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, kv_local, past + T, hd)
+        if not self._kv_identity:
+            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+        causal, mask = self.causal, None
+        if past and self.causal:  # queries sit at positions past .. past+T-1, keys at 0 .. past+T-1
+            causal = False
+            if T > 1:
+                keys = torch.arange(past + T, device=x.device)
+                mask = keys[None, :] <= torch.arange(past, past + T, device=x.device)[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local * hd)
+        return self.o_proj(y)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads} (heads {self.heads[0]}:{self.heads[1]} here), "
+                f"num_kv_heads={self.num_kv_heads} (kv heads {self.kv_heads[0]}:"
+                f"{self.kv_heads[1]} here{', shared' if self.kv_shared else ''}), "
+                f"head_dim={self.head_dim}, causal={self.causal}, "
+                f"sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,180 @@
+"""``tensorpar verify``: the parallel layers against the dense model, number by number.
+
+Builds a dense model (vocab embedding, RMSNorm, GQA attention, LayerNorm, SwiGLU MLP, LM head and
+cross-entropy) and its tensor-parallel twin through the ``from_dense`` constructors, runs forward
+and backward on both, and reports, for the logits, the loss and every parameter gradient, the
+largest relative error over all ranks; then the collectives each rank issued, against the count the
+Megatron scheme prescribes. Exits non-zero on any mismatch.
+
+    python -m tensorpar verify --tp 2
+    python -m tensorpar verify --tp 4 --sequence-parallel
+    torchrun --nproc-per-node 2 -m tensorpar verify --tp 2
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.embedding import VocabParallelEmbedding
+from tensorpar.parallel.linear import ColumnParallelLinear
+from tensorpar.parallel.norm import LayerNorm, RMSNorm
+from tensorpar.parallel.sharding import ShardSpec
+from tensorpar.runtime.counting import KINDS, CollectiveCounter
+from tensorpar.runtime.groups import device_for
+from tensorpar.runtime.launch import run_ranks
+from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
+from tensorpar.transformer.mlp import ParallelMLP
+from tensorpar.transformer.reference import BlockConfig, DenseBlock
+
+TOLERANCE = 1e-5  # fp32, relative
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|: the error relative to the tensor's scale."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def dense_shard(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The slice of the dense tensor ``t`` that a parameter with ``spec`` holds."""
+    return t if spec is None else spec.take(t)
+
+
+class ParallelBlock(nn.Module):
+    """The tensor-parallel twin of :class:`DenseBlock`; attribute names match it."""
+
+    def __init__(self, dense: DenseBlock, sequence_parallel: bool, group: ProcessGroup | None):
+        super().__init__()
+        sp = {"sequence_parallel": sequence_parallel, "group": group}
+        a, m = dense.attn, dense.mlp
+        self.emb = VocabParallelEmbedding.from_dense(dense.emb, **sp)
+        self.norm1 = RMSNorm.from_dense(dense.norm1, **sp)
+        self.attn = ParallelSelfAttention.from_dense(a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                     a.num_heads, a.num_kv_heads, **sp)
+        self.norm2 = LayerNorm.from_dense(dense.norm2, **sp)
+        self.mlp = ParallelMLP.from_dense(m.up, m.down, m.gate, activation="silu", **sp)
+        self.norm_f = RMSNorm.from_dense(dense.norm_f, **sp)
+        self.head = ColumnParallelLinear.from_dense(dense.head, **sp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)  # (B, T, D), or (B, T/n, D) under SP
+        h = h + self.attn(self.norm1(h))
+        h = h + self.mlp(self.norm2(h))
+        return self.head(self.norm_f(h))  # (B, T, V_local): vocab-sharded logits
+
+
+def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool) -> dict:
+    """Collectives per rank the scheme prescribes for one forward and one backward of the block."""
+    if n == 1:
+        return {"forward": {}, "backward": {}}
+    kv_shared = head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)[2]
+    if not sequence_parallel:
+        # forward: g in embedding, attention, MLP; loss: one all-gather + one all-reduce
+        # backward: f in attention, MLP, LM head (+ the shared-KV gradient sum)
+        return {"forward": {"all_reduce": 4, "all_gather": 1},
+                "backward": {"all_reduce": 3 + kv_shared}}
+    # forward: reduce-scatter in embedding, attention, MLP; all-gather in attention, MLP, head;
+    #   loss: one all-gather + one all-reduce
+    # backward: each of those swapped (3 all-gathers, 3 reduce-scatters), plus one all-reduce of
+    #   replicated-weight gradients per norm (3) and the shared-KV gradient sum
+    return {"forward": {"all_reduce": 1, "all_gather": 4, "reduce_scatter": 3},
+            "backward": {"all_reduce": 3 + kv_shared, "all_gather": 3, "reduce_scatter": 3}}
+
+
+def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
+                group: ProcessGroup | None = None) -> dict:
+    """Run on every rank: dense and parallel forward/backward; errors and collective counts.
+
+    Runs on this rank's GPU when the group uses NCCL, on the CPU otherwise.
+    """
+    device = device_for(group)
+    torch.manual_seed(seed)
+    dense = DenseBlock(cfg).to(device)
+    ids = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).to(device)
+    targets = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).to(device)
+    logits = dense(ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+
+    tp = ParallelBlock(dense, sequence_parallel, group)
+    with CollectiveCounter() as fwd:
+        logits_local = tp(ids)
+        loss_tp = vocab_parallel_cross_entropy(logits_local, targets, group=group)
+    with CollectiveCounter() as bwd:
+        loss_tp.backward()
+
+    errors = {
+        "logits": max_rel_error(logits_local, logits[..., tp.head.shard_start:tp.head.shard_stop]),
+        "loss": max_rel_error(loss_tp, loss),
+    }
+    dense_params = dict(dense.named_parameters())
+    for name, p in tp.named_parameters():
+        ref = dense_params[name].grad
+        errors[f"grad {name}"] = max_rel_error(p.grad, dense_shard(ref, p.tp_shard))
+    shapes = {"logits": tuple(logits.shape), "loss": ()}
+    shapes.update({f"grad {k}": tuple(v.shape) for k, v in dense_params.items()})
+    return {"errors": errors, "shapes": shapes,
+            "counts": {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}}
+
+
+def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: bool) -> bool:
+    """Print the error and collective tables from every rank's results; True when all agree."""
+    ok = True
+    mode = "on" if sequence_parallel else "off"
+    print(f"tensorpar verify: TP={n}, sequence parallel {mode}, fp32, "
+          f"tolerance {TOLERANCE:.0e} (max relative error over ranks)")
+    names = list(results[0]["errors"])
+    width = max(len(k) for k in names) + 2
+    print(f"{'tensor':<{width}}{'dense shape':<16}{'max rel err':>12}")
+    for name in names:
+        err = max(r["errors"][name] for r in results)
+        good = err <= TOLERANCE
+        ok &= good
+        shape = str(results[0]["shapes"][name])
+        print(f"{name:<{width}}{shape:<16}{err:>12.2e}  {'ok' if good else 'MISMATCH'}")
+    expected = expected_collectives(cfg, n, sequence_parallel)
+    print(f"\ncollectives per rank   {'forward':>9} {'expected':>9}   {'backward':>9} "
+          f"{'expected':>9}")
+    for kind in KINDS:
+        row, good = f"{kind:<22}", True
+        for phase in ("forward", "backward"):
+            got = {r["counts"][phase].get(kind, 0) for r in results}
+            want = expected[phase].get(kind, 0)
+            good &= got == {want}
+            shown = "/".join(str(g) for g in sorted(got))
+            row += f" {shown:>9} {want:>9}  "
+        ok &= good
+        print((row + ("" if good else "MISMATCH")).rstrip())
+    print("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
+    return ok
+
+
+def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
+    """Refuse sizes the TP model cannot take, with the numbers, before any rank starts."""
+    if n < 1:
+        raise ValueError(f"--tp must be >= 1, got {n}")
+    head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
+    if cfg.dim % cfg.num_heads:
+        raise ValueError(f"--dim {cfg.dim} does not divide by --num-heads {cfg.num_heads}")
+    for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):
+        if value < n:
+            raise ValueError(f"{flag} {value} cannot be split over --tp {n}")
+    if sequence_parallel and cfg.seq_len % n:
+        raise ValueError(f"--seq-len {cfg.seq_len} does not divide by --tp {n}, which sequence "
+                         "parallelism needs")
+
+
+def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> bool:
+    """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
+    check_config(cfg, n, sequence_parallel)
+    results = run_ranks(verify_rank, n, cfg, sequence_parallel, seed)
+    return True if results is None else report(results, cfg, n, sequence_parallel)
+

@@ -1,0 +1,102 @@
+"""The launcher: results per rank, failures reported with tracebacks, no hangs."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensorpar import RankError, RankPool, init_tensor_parallel, launch, tp_rank, tp_size
+
+
+def _whoami():
+    return tp_rank(), tp_size(), dist.get_backend()
+
+
+def _fail_on_rank_one_while_others_wait():
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on rank one")
+    dist.all_reduce(torch.ones(1))  # the other ranks block here, waiting for rank 1
+    return "unreachable"
+
+
+def test_launch_returns_each_ranks_result():
+    assert launch(_whoami, 3) == [(0, 3, "gloo"), (1, 3, "gloo"), (2, 3, "gloo")]
+
+
+def test_failing_rank_is_reported_and_the_others_stopped():
+    """A rank that raises while the others wait in a collective: its traceback comes back, the
+    waiting ranks are stopped after the grace period, and the pool refuses further work."""
+    pool = RankPool(3, grace_s=2)
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        pool.run(_fail_on_rank_one_while_others_wait)
+    assert time.monotonic() - start < 60
+    assert "rank 1 failed" in str(err.value) and "boom on rank one" in str(err.value)
+    assert all(not p.is_alive() for p in pool._procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(_whoami)
+
+
+def _die():
+    os._exit(3)
+
+
+def test_dead_rank_is_reported():
+    with RankPool(2) as pool, pytest.raises(RankError, match=r"died \(exit codes \[3"):
+        pool.run(_die)
+
+
+def test_init_single_process_without_launcher():
+    """No launcher environment: a world of one on gloo, run in a fresh interpreter."""
+    code = ("import tensorpar, torch.distributed as d; g = tensorpar.init_tensor_parallel(); "
+            "print(d.get_world_size(g), d.get_backend())")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "gloo"]
+
+
+def _subgroups():
+    group = init_tensor_parallel(tp_size=2)  # already initialized: only makes the TP groups
+    return tp_rank(group), tp_size(group)
+
+
+def test_tp_groups_of_consecutive_ranks():
+    """With 4 ranks and tp_size=2 the TP groups are {0, 1} and {2, 3}."""
+    assert launch(_subgroups, 4) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+def test_tp_size_must_divide_world():
+    """The ValueError is raised on every rank (so none waits for the others)."""
+    with pytest.raises(RankError) as err:
+        launch(_bad_tp, 4)
+    message = str(err.value)
+    assert message.count("ValueError: tp_size=3 must be >= 1 and divide the world size 4") == 4
+
+
+def _bad_tp():
+    init_tensor_parallel(tp_size=3)
+
+
+def _verify_on_subgroup():
+    from tensorpar.transformer.reference import BlockConfig
+    from tensorpar.transformer.verify import TOLERANCE, expected_collectives, verify_rank
+
+    group = init_tensor_parallel(tp_size=2)
+    cfg = BlockConfig()
+    result = verify_rank(cfg, True, seed=0, group=group)
+    assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
+    assert result["counts"] == expected_collectives(cfg, 2, True)
+    return tp_rank(group)
+
+
+def test_layers_on_tp_subgroups():
+    """World of 4 split into two TP groups of 2: every layer uses only its group (group=...),
+    and both groups reproduce the dense model with the TP=2 collective counts."""
+    assert launch(_verify_on_subgroup, 4) == [0, 1, 0, 1]

@@ -1,0 +1,161 @@
+"""The conjugate collective pairs: forward, backward and collective count at every world size."""
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.groups import tp_rank, tp_size
+
+from tests_common import WORLD_SIZES
+from tp_check import assert_close, shard
+
+B, T, D = 2, 12, 10  # D = 10 splits unevenly over 3 and 4 ranks
+
+
+def _run(op, x, grad_out):
+    x = x.detach().clone().requires_grad_(True)
+    before = x.detach().clone()
+    with CollectiveCounter() as fwd:
+        y = op(x)
+    with CollectiveCounter() as bwd:
+        y.backward(grad_out)
+    assert torch.equal(x.detach(), before), "the input was modified in place"
+    return y, x.grad, {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+
+
+def _pairs_body():
+    """Each pair against what it must compute; runs on every rank."""
+    n, r = tp_size(), tp_rank()
+    torch.manual_seed(0)  # the same draws on every rank
+    full, grad = torch.randn(B, T, D), torch.randn(B, T, D)
+    all_partials = torch.randn(n, B, T, D)
+    per_rank = all_partials[r]  # each rank's partial sum
+    grads_all = torch.randn(n, B, T, D)  # each rank's upstream gradient for replicated outputs
+    counts = {}
+
+    # f: identity forward, all-reduce backward
+    y, gx, counts["copy"] = _run(tp.copy_to_tp, full, grads_all[r])
+    assert_close("copy fwd", y, full)
+    assert_close("copy bwd", gx, grads_all.sum(0))
+
+    # g: all-reduce forward, identity backward
+    y, gx, counts["reduce"] = _run(tp.reduce_from_tp, per_rank, grad)
+    assert_close("reduce fwd", y, all_partials.sum(0))
+    assert_close("reduce bwd", gx, grad)
+
+    # gather last dim (uneven shards): all-gather forward, split backward
+    y, gx, counts["gather"] = _run(lambda x: tp.gather_from_tp(x, full_size=D), shard(full, -1),
+                                   grad)
+    assert_close("gather fwd", y, full)
+    assert_close("gather bwd", gx, shard(grad, -1))
+
+    # scatter last dim: split forward, all-gather backward
+    y, gx, counts["scatter"] = _run(tp.scatter_to_tp, full, shard(grad, -1))
+    assert_close("scatter fwd", y, shard(full, -1))
+    assert_close("scatter bwd", gx, grad)
+
+    # sequence gather: all-gather forward, reduce-scatter backward
+    y, gx, counts["seq_gather"] = _run(tp.gather_from_sequence, shard(full, 1), grads_all[r])
+    assert_close("seq gather fwd", y, full)
+    assert_close("seq gather bwd", gx, shard(grads_all.sum(0), 1))
+
+    # sequence reduce-scatter: reduce-scatter forward, all-gather backward
+    y, gx, counts["seq_rs"] = _run(tp.reduce_scatter_to_sequence, per_rank, shard(grad, 1))
+    assert_close("seq reduce-scatter fwd", y, shard(all_partials.sum(0), 1))
+    assert_close("seq reduce-scatter bwd", gx, grad)
+
+    # sequence scatter: split forward, all-gather backward
+    y, gx, counts["seq_scatter"] = _run(tp.scatter_to_sequence, full, shard(grad, 1))
+    assert_close("seq scatter fwd", y, shard(full, 1))
+    assert_close("seq scatter bwd", gx, grad)
+    return counts
+
+
+EXPECTED = {
+    "copy": ({}, {"all_reduce": 1}),
+    "reduce": ({"all_reduce": 1}, {}),
+    "gather": ({"all_gather": 1}, {}),
+    "scatter": ({}, {"all_gather": 1}),
+    "seq_gather": ({"all_gather": 1}, {"reduce_scatter": 1}),
+    "seq_rs": ({"reduce_scatter": 1}, {"all_gather": 1}),
+    "seq_scatter": ({}, {"all_gather": 1}),
+}
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_conjugate_pairs(ranks, n):
+    """Every pair computes its collective in forward and the conjugate in backward, out of place,
+    with exactly one collective where one is due (none at world size 1)."""
+    for counts in ranks(n).run(_pairs_body):
+        for name, (fwd, bwd) in EXPECTED.items():
+            want = ({}, {}) if n == 1 else (fwd, bwd)
+            assert (counts[name]["forward"], counts[name]["backward"]) == want, name
+
+
+def _sum_grads_body():
+    n, r = tp_size(), tp_rank()
+    w = torch.full((3,), float(r + 1), requires_grad=True)
+    b = torch.full((2,), 10.0 * (r + 1), requires_grad=True)
+    w2, b2 = tp.sum_grads_in_backward([w, b])
+    with CollectiveCounter() as bwd:
+        ((w2 * (r + 1)).sum() + (b2 * 2).sum()).backward()
+    total = sum(range(1, n + 1))
+    assert torch.equal(w.grad, torch.full((3,), float(total)))  # sum over ranks of (r + 1)
+    assert torch.equal(b.grad, torch.full((2,), 2.0 * n))
+    return dict(bwd.counts)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sum_grads_in_backward(ranks, n):
+    """Gradients of replicated tensors are summed over the group with a single all-reduce."""
+    for counts in ranks(n).run(_sum_grads_body):
+        assert counts == ({} if n == 1 else {"all_reduce": 1})
+
+
+def _gather_any_sizes_body():
+    n, r = tp_size(), tp_rank()
+    sizes = [1 + (2 * k) % 3 for k in range(n)]  # 1, 3, 2, 1: not tensor_split's order
+    torch.manual_seed(0)
+    full, grad = torch.randn(2, sum(sizes)), torch.randn(2, sum(sizes))
+    start = sum(sizes[:r])
+    piece = full[:, start : start + sizes[r]]
+    y, gx, counts = _run(tp.gather_from_tp, piece, grad)  # no full_size: sizes exchanged
+    assert_close("gather fwd", y, full)
+    assert_close("gather bwd", gx, grad[:, start : start + sizes[r]])
+    return counts
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_gather_without_full_size_takes_any_shard_sizes(ranks, n):
+    """Without full_size the shard sizes are exchanged first (one small all-gather), so uneven
+    shards in any order gather correctly instead of aborting gloo."""
+    for counts in ranks(n).run(_gather_any_sizes_body):
+        assert counts == {"forward": {"all_gather": 2}, "backward": {}}
+
+
+def _sequence_not_divisible_body(seq_len):
+    x = torch.randn(2, seq_len, 4)
+    for op in (tp.reduce_scatter_to_sequence, tp.scatter_to_sequence):
+        with pytest.raises(ValueError, match=f"sequence length {seq_len} does not divide by the "
+                                             f"TP size {tp_size()}"):
+            op(x)
+    with pytest.raises(ValueError, match="holds 3 of the last dim"):
+        tp.gather_from_tp(torch.randn(2, 3), full_size=4 * tp_size() + 1)
+    return True
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sequence_length_must_divide(ranks, n):
+    """A sequence that cannot be split evenly is refused on every rank before any collective
+    (the pool stays healthy: every rank returned)."""
+    assert ranks(n).run(_sequence_not_divisible_body, n * 3 + 1) == [True] * n
+    assert ranks(n).run(_pairs_body)  # the group still works afterwards
+
+
+def test_identity_without_process_group():
+    """With torch.distributed not initialized every wrapper returns its input: world size 1."""
+    x = torch.randn(2, 4, 6)
+    for op in (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.scatter_to_tp,
+               tp.gather_from_sequence, tp.reduce_scatter_to_sequence, tp.scatter_to_sequence):
+        assert op(x) is x

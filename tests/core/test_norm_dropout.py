@@ -1,0 +1,100 @@
+"""Sequence-parallel norms, the dropout RNG streams, and seeded init of the composite layers."""
+
+import pytest
+import torch
+from torch import nn
+
+from tensorpar import (
+    LayerNorm,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RMSNorm,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+)
+from tensorpar.parallel.dropout import region_for
+from tensorpar.transformer.reference import DenseAttention, DenseMLP
+
+from tests_common import WORLD_SIZES
+from tp_check import compare_module, counts_ok, shard
+
+B, T, D = 2, 12, 16
+
+
+def _norm_body(kind, sp):
+    torch.manual_seed(0)
+    dense = nn.LayerNorm(D) if kind == "layer" else nn.RMSNorm(D)
+    with torch.no_grad():  # non-trivial affine parameters
+        for p in dense.parameters():
+            p.uniform_(0.5, 1.5)
+    cls = LayerNorm if kind == "layer" else RMSNorm
+    norm = cls.from_dense(dense, sequence_parallel=sp)
+    seq = (lambda t: shard(t, 1)) if sp else (lambda t: t)
+    return compare_module(dense, norm, torch.randn(B, T, D), seq, seq)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_norms(ranks, n, kind, sp):
+    """On sequence shards each rank's weight gradient is partial; one all-reduce (weight and bias
+    together) in backward makes it the dense gradient. Without SP no communication at all."""
+    results = ranks(n).run(_norm_body, kind, sp)
+    counts_ok(results, {}, {"all_reduce": 1} if sp and n > 1 else {})
+
+
+def _dropout_body():
+    import torch.distributed as dist
+
+    rng = TensorParallelRNG(seed=1234)
+    x = torch.ones(4, 64)
+    masks = {}
+    for region in ("replicated", "sharded"):
+        y = rng.dropout(x, 0.5, region)
+        kept = y != 0
+        assert torch.allclose(y[kept], torch.full_like(y[kept], 2.0))  # inverted scaling
+        masks[region] = kept
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, masks)
+    again = TensorParallelRNG(seed=1234)
+    assert torch.equal(again.dropout(x, 0.5, "replicated") != 0, masks["replicated"])
+    assert torch.equal(rng.dropout(x, 0.3, "sharded", training=False), x)
+    return gathered
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dropout_streams(ranks, n):
+    """Replicated region: the same mask on every rank. Sharded region: a different mask per rank.
+    Both reproducible from the seed."""
+    gathered = ranks(n).run(_dropout_body)[0]
+    for r in range(1, n):
+        assert torch.equal(gathered[r]["replicated"], gathered[0]["replicated"])
+        assert not torch.equal(gathered[r]["sharded"], gathered[0]["sharded"])
+    assert region_for(True) == "sharded" and region_for(False) == "replicated"
+
+
+def _composite_init_body():
+    torch.manual_seed(3)
+    mlp = ParallelMLP(D, 40, gated=True, bias=False)
+    attn = ParallelSelfAttention(D, 8, 2, bias=False)
+    emb = VocabParallelEmbedding(30, D)
+    torch.manual_seed(3)
+    dense_mlp = DenseMLP(D, 40, gated=True, bias=False)
+    dense_attn = DenseAttention(D, 8, 2, bias=False)
+    dense_emb = nn.Embedding(30, D)
+    dense = dict(dense_mlp.named_parameters(prefix="mlp"))
+    dense |= dict(dense_attn.named_parameters(prefix="attn"))
+    dense |= dict(dense_emb.named_parameters(prefix="emb"))
+    for prefix, module in (("mlp", mlp), ("attn", attn), ("emb", emb)):
+        for name, p in module.named_parameters(prefix=prefix):
+            spec = p.tp_shard
+            ref = dense[name].narrow(spec.dim, spec.start, spec.stop - spec.start)
+            assert torch.equal(p, ref), name
+    return True
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_composite_init_is_the_same_at_every_tp_size(ranks, n):
+    """MLP, attention and embedding built from scratch after manual_seed hold the shards of the
+    dense modules built after the same seed (same RNG order: gate, up, down; q, k, v, o)."""
+    assert all(ranks(n).run(_composite_init_body))

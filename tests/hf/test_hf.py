@@ -1,0 +1,228 @@
+"""Hugging Face models converted with ``parallelize`` or loaded with ``from_pretrained``: logits,
+loss, greedy generation and one fine-tuning step equal the dense model's at TP=1-4, for GPT-2,
+Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorpar.hf.parallelize import parallelize  # noqa: E402
+from tensorpar.hf.plans import LLAMA_PLAN, plan_for, translate_hf_plan  # noqa: E402
+from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
+from tensorpar.hf.styles import is_conv1d  # noqa: E402
+from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
+from tensorpar.transformer.verify import dense_shard  # noqa: E402
+
+from tp_check import assert_close  # noqa: E402
+
+SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def tiny_configs():
+    T = transformers
+    return {
+        "gpt2": T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                             n_inner=80, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0),
+        "llama": T.LlamaConfig(**SIZES),
+        "llama-mqa": T.LlamaConfig(**(SIZES | {"num_key_value_heads": 1})),
+        "qwen2-tied": T.Qwen2Config(**SIZES, tie_word_embeddings=True),
+        "qwen3": T.Qwen3Config(**SIZES, head_dim=16),
+        # no built-in plan: translated from base_model_tp_plan, or given by the user
+        "gemma": T.GemmaConfig(**SIZES, head_dim=16),  # scaled embedding subclass, tied head
+        "gpt_neox": T.GPTNeoXConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
+                                    num_hidden_layers=2, num_attention_heads=4),
+        "opt": T.OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=80, num_hidden_layers=2,
+                           num_attention_heads=4, word_embed_proj_dim=64, dropout=0.0),
+    }
+
+
+OPT_PLAN = {  # a plan written by hand: OPT declares none
+    "model.decoder.embed_tokens": "vocab",
+    "model.decoder.layers.*.self_attn": "attention",
+    "model.decoder.layers.*.fc1": "column",
+    "model.decoder.layers.*.fc2": "row",
+    "lm_head": "column_gather",
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Small random models of each family, saved with save_pretrained (nothing is downloaded)."""
+    transformers.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("hf")
+    for name, cfg in tiny_configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.save_pretrained(root / name)
+    char_tokenizer().save_pretrained(root / "llama")
+    # generation settings of the directory (eos list as in Llama 3, a penalty) apply too
+    transformers.GenerationConfig(eos_token_id=[2, 7], repetition_penalty=1.3).save_pretrained(
+        root / "llama")
+    return root
+
+
+def char_tokenizer():
+    """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def _dense(path):
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _parity_body(path, how, plan=None):
+    """Both models: logits and loss, greedy tokens, gradients, one SGD step."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 96, (2, 10))
+    dense = _dense(path)
+    model = from_pretrained(path, plan=plan) if how == "load" else \
+        parallelize(_dense(path), plan)
+    ref = dense(ids, labels=ids)
+    with CollectiveCounter() as fwd:
+        out = model(ids, labels=ids)
+    assert_close("logits", out.logits, ref.logits)
+    assert_close("loss", out.loss, ref.loss)
+    greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **greedy), dense.generate(ids, **greedy))
+    # one fine-tuning step: the same gradients and the same updated weights, shard by shard
+    for m in (dense, model):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    dense_params = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        ref_p, ref_g = dense_params[name], dense_params[name].grad
+        if name.endswith("weight") and is_conv1d(dense.get_submodule(name.rpartition(".")[0])):
+            ref_p, ref_g = ref_p.t(), ref_g.t()  # GPT-2's Conv1D is (in, out); shards are (out, in)
+        if ref_g.abs().max() < 1e-6:  # a key bias without rotary: exactly zero, noise only
+            assert p.grad.abs().max() < 1e-6, name
+            continue
+        assert_close(f"grad {name}", p.grad, dense_shard(ref_g, p.tp_shard))
+        assert_close(f"updated {name}", p, dense_shard(ref_p, p.tp_shard))
+    local = sum(p.numel() for p in model.parameters())
+    return {"forward": dict(fwd.counts), "params": local,
+            "dense": sum(p.numel() for p in dense.parameters())}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-mqa", "qwen2-tied", "qwen3"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_from_pretrained_matches_dense(ranks, hf_dirs, family, n):
+    """Logits and loss to 1e-5, identical greedy tokens, and after one SGD step every weight
+    shard equal to its slice of the dense model's; each rank holds about 1/n of the weights."""
+    results = ranks(n).run(_parity_body, str(hf_dirs / family), "load")
+    for r in results:
+        assert r["params"] <= r["dense"] / n + 0.15 * r["dense"], r  # + replicated norms etc.
+    if n > 1:  # the embedding's all-reduce and one per attention and MLP; the head's all-gather
+        assert results[0]["forward"] == {"all_reduce": 1 + 2 * 2, "all_gather": 1}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2-tied"])
+def test_parallelize_in_place_uneven(ranks, hf_dirs, family):
+    """parallelize() on a loaded dense model, 3 ranks: 4 heads dealt 2, 1, 1 (KV heads shared),
+    vocab 96 and hidden 80 uneven."""
+    ranks(3).run(_parity_body, str(hf_dirs / family), "convert")
+
+
+@pytest.mark.parametrize("family", ["gemma", "gpt_neox", "opt"])
+def test_families_without_builtin_plan(ranks, hf_dirs, family):
+    """Gemma and GPT-NeoX through their own base_model_tp_plan (Gemma's scaled embedding
+    subclass, GPT-NeoX's fused per-head QKV and renamed checkpoint keys), OPT through a plan
+    written by hand: all exact at TP=2."""
+    ranks(2).run(_parity_body, str(hf_dirs / family), "load", OPT_PLAN if family == "opt" else None)
+
+
+def _different_weights_body(path):
+    torch.manual_seed(dist_rank())  # forgot to seed alike
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match="the ranks hold different dense weights"):
+        parallelize(model)
+
+
+def dist_rank():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_parallelize_refuses_different_weights(ranks, hf_dirs):
+    """Ranks whose dense models differ (a random init without a shared seed) are refused on
+    every rank, instead of silently mixing shards of different models."""
+    ranks(2).run(_different_weights_body, str(hf_dirs / "llama"))
+
+
+def test_unsupported_layouts_refused():
+    """A plan that would silently give wrong results is refused: a tied head without its
+    embedding, and a c_attn that is not GPT-2's q|k|v packing (GPT-BigCode's multi-query)."""
+    cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="lm_head shares its weight with model.embed_tokens"):
+        parallelize(model, {"model.layers.*.mlp": "mlp", "lm_head": "column_gather"})
+    bigcode = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(
+        vocab_size=96, n_embd=48, n_layer=1, n_head=6))
+    with pytest.raises(ValueError, match="is not GPT-2's Conv1D packing q|k|v"):
+        parallelize(bigcode, {"transformer.h.*.attn": "attention"})
+
+
+def test_plans():
+    """The built-in Llama-family plan is what transformers' own base_model_tp_plan translates to
+    (Qwen3's q/k norms stay replicated)."""
+    for cls in (transformers.LlamaConfig, transformers.Qwen2Config, transformers.Qwen3Config):
+        assert translate_hf_plan(cls.base_model_tp_plan, "model") == {
+            k: v for k, v in LLAMA_PLAN.items() if k.startswith("model.layers")}
+
+
+def test_no_plan_is_a_clear_error():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan for Sequential(.|\n)*0\n  2"
+                                         r"(.|\n)*Pass plan="):
+        plan_for(model)
+    with pytest.raises(ValueError, match="unknown style 'colwise'"):
+        parallelize(model, {"0": "colwise"})
+    with pytest.raises(ValueError, match="'layers.*.mlp' matches no module"):
+        parallelize(model, {"layers.*.mlp": "mlp"})
+
+
+def _tensorpar(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_verify_and_generate(hf_dirs):
+    """``verify --hf`` prints the per-layer table and passes; ``generate --hf`` gives the same
+    text at TP=1 and TP=2 (character tokenizer); clear errors without a tokenizer or config."""
+    out = _tensorpar("verify", "--hf", hf_dirs / "qwen3", "--tp", 2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
+                 "rank 1: parameters", "all outputs, gradients and greedy tokens match"):
+        assert text in out.stdout, out.stdout
+    texts = []
+    for tp in (1, 2):
+        gen = _tensorpar("generate", "--hf", hf_dirs / "llama", "--tp", tp, "--prompt", "Hi ",
+                         "--max-new-tokens", 12)
+        assert gen.returncode == 0, gen.stderr
+        texts.append(gen.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("Hi ") and len(texts[0]) > 4
+    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
+    assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
+    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids", "5,6,7",
+                     "--max-new-tokens", 4)
+    assert gen.returncode == 0 and gen.stdout.startswith("5 6 7 "), gen.stderr
+    bad = _tensorpar("verify", "--hf", hf_dirs, "--tp", 2)
+    assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr

@@ -1,0 +1,135 @@
+"""The planner against measurements: predicted per-rank peak memory within 10% of MemoryMeter's
+and predicted collectives equal to CollectiveCounter's, on real gloo ranks; published numbers;
+the MLP split; the CLI."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.optim import implementation
+from tensorpar.gpt.spec import gpt_spec
+from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.plan import cli as plan_cli
+from tensorpar.plan.comm import mlp_split_comparison, predicted_comm
+from tensorpar.plan.memory import tensorpar_memory
+from tensorpar.plan.meter import MemoryMeter
+from tensorpar.plan.zoo import preset, spec_from_hf_config
+from tensorpar.runtime.counting import CollectiveCounter
+
+from tests_common import ADAMW_OPTIONS
+
+# (config, sequence_parallel, bf16 autocast, full recompute, AdamW implementation);
+# B=2, T=24 (divides by 2, 3, 4)
+CASES = [
+    ({"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}, False, False,
+     False, "fused"),
+    ({"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 1}, True, True,
+     False, "foreach"),
+    ({"vocab_size": 97, "n_layer": 2, "dim": 48, "n_head": 4, "n_kv_head": 4,
+      "tie_embeddings": False, "hidden_dim": 80}, False, True, True, "fused"),
+    ({"vocab_size": 200, "n_layer": 3, "dim": 64, "n_head": 4, "n_kv_head": 2}, True, False,
+     True, "for-loop"),
+]
+B, T = 2, 24
+
+
+def _measure(cases):
+    out = []
+    for cfg_d, sp, bf16, recompute, optimizer in cases:
+        model = GPT(GPTConfig(**cfg_d), None, sp, seed=0, recompute=recompute)
+        layout = Layout.gather(model)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS[optimizer])
+        assert implementation(opt) == optimizer
+        ids = torch.randint(0, cfg_d["vocab_size"], (B, T))
+        for _ in range(2):  # the second step: AdamW states exist, as in steady training
+            with MemoryMeter() as mem, CollectiveCounter() as comm:
+                with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                    loss = model(ids, ids)
+                loss.backward()
+                clip_grad_norm_(model, layout, 1.0)
+                counted = {k: dict(getattr(comm, k)) for k in ("counts", "bytes", "ring_bytes")}
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        out.append({"peak": mem.peak_bytes, "entry": mem.entry_bytes, "comm": counted})
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_predictions_match_measurements(ranks, n):
+    """On every rank: the predicted peak of a training step (forward, backward, grad norm, AdamW)
+    is within 10% of the measured one, and the predicted collectives equal the counted ones
+    exactly (calls, payload and ring bytes per kind)."""
+    results = ranks(n).run(_measure, CASES)
+    for rank, per_case in enumerate(results):
+        for (cfg_d, sp, bf16, recompute, optimizer), got in zip(CASES, per_case, strict=True):
+            spec = gpt_spec(GPTConfig(**cfg_d))
+            what = (f"rank {rank}/{n} {cfg_d} sp={sp} bf16={bf16} recompute={recompute} "
+                    f"AdamW {optimizer}")
+            mem = tensorpar_memory(spec, n, B, T, sp, "bf16-autocast" if bf16 else "fp32",
+                                   "full" if recompute else "none", rank=rank,
+                                   optimizer=optimizer)
+            assert got["entry"] == pytest.approx(mem["weights"] + mem["optimizer"], rel=0.02), what
+            assert got["peak"] == pytest.approx(mem["total"], rel=0.10), (what, got, mem)
+            comm = predicted_comm(spec, B, T, n, sp, "bf16" if bf16 else "fp32",
+                                  "full" if recompute else "none")
+            assert got["comm"] == {k: comm[k] for k in ("counts", "bytes", "ring_bytes")}, what
+
+
+def test_published_numbers():
+    """Llama-2-7B has 6.74B parameters (28 GB of fp32 weights, 14 GB in 16-bit); the other
+    presets have their published sizes."""
+    sizes = {"gpt2": 124.4e6, "gpt2-xl": 1557.6e6, "llama-2-7b": 6.738e9,
+             "llama-2-13b": 13.016e9, "llama-2-70b": 68.977e9, "llama-3-8b": 8.030e9,
+             "llama-3-70b": 70.554e9}
+    for name, params in sizes.items():
+        assert preset(name).params() == pytest.approx(params, rel=1e-3), name
+    p = preset("llama-2-7b").params()
+    assert round(4 * p / 1e9) == 27 and round(2 * p / 1e9, 1) == 13.5  # "28 GB" is 7e9 x 4
+
+
+def test_hf_config_and_split():
+    """An HF Llama config.json gives the Llama spec; column-then-row moves the fewest bytes."""
+    hf = {"model_type": "llama", "vocab_size": 32000, "num_hidden_layers": 32,
+          "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+          "intermediate_size": 11008}
+    assert spec_from_hf_config(hf, "x").params() == preset("llama-2-7b").params()
+    rows = mlp_split_comparison(1, 1024, 1024, 4096, 4)
+    assert rows[0]["split"].startswith("column-then-row")
+    assert rows[0]["ring_bytes"] * 2 < rows[1]["ring_bytes"]
+
+
+def _cli(*argv):
+    ap = argparse.ArgumentParser()
+    plan_cli.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def test_cli(capsys, tmp_path):
+    """--json parses and names the smallest fitting TP size; the table prints; a PNG is written;
+    bad input gets one line."""
+    png = tmp_path / "plan.png"
+    assert _cli("--model", "llama-2-7b", "--tp", "1,2,4,8", "--dtype", "bf16", "--seq", "4096",
+                "--device-memory", "80GB", "--json", "--split", "--png", str(png)) == 0
+    data = json.loads(capsys.readouterr().out)
+    fits = [r["tp"] for r in data["rows"] if r["fits"]]
+    assert fits and str(min(fits)) in data["verdict"]["bf16"] and png.stat().st_size > 0
+    assert data["split"][0]["split"].startswith("column-then-row")
+    assert _cli("--model", "gpt2", "--tp", "2") == 0
+    assert "smallest that fits" in capsys.readouterr().out
+    manifest = tmp_path / "manifest.json"  # a checkpoint's: its run's batch and sequence
+    manifest.write_text(json.dumps({"config": {"n_layer": 2, "dim": 64, "n_head": 4,
+                                               "n_kv_head": 2, "vocab_size": 256},
+                                    "train": {"batch_size": 3, "seq_len": 48}}))
+    assert _cli("--config", str(manifest), "--tp", "2", "--optimizer", "for-loop", "--json") == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert (row["batch"], row["seq"]) == (3, 48)
+    for bad, needle in ((["--model", "nope"], "llama-2-7b"), (["--tp", "33"], "--tp 33"),
+                        (["--device-memory", "lots"], "--device-memory"),
+                        (["--model", "gpt2", "--png", str(tmp_path / "no" / "x.png")], "x.png")):
+        assert _cli(*bad) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
