@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tensorpar.runtime.seeds import derive_seed
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..255; decoding replaces invalid sequences."""
@@ -77,7 +79,7 @@ class TokenBatches:
 
     def _window_order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
             self._perm = (epoch, torch.randperm(self.windows, generator=gen))
         return self._perm[1]
 

@@ -25,6 +25,7 @@ from tensorpar.gpt.data import ByteTokenizer
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.seeds import derive_seed
 
 
 def pick_token(logits_BV_local: torch.Tensor, vocab_start: int, vocab_size: int,
@@ -59,7 +60,8 @@ def generate(model: GPT, ids_BT: torch.Tensor, max_new_tokens: int, temperature:
     was_training = model.training
     model.eval()
     cache = model.new_cache(ids_BT.shape[1] + max_new_tokens)
-    gen = torch.Generator(ids_BT.device).manual_seed(seed) if temperature > 0 else None
+    gen = torch.Generator(ids_BT.device).manual_seed(derive_seed(seed, "sampling")) \
+        if temperature > 0 else None
     emb = model.embed
     out = [ids_BT]
     logits = model(ids_BT, cache=cache)[:, -1]  # (B, V_local): prefill the cache

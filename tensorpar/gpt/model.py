@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from tensorpar.parallel.mappings import enter_tp_region
 from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
 from tensorpar.runtime.groups import tp_size
+from tensorpar.runtime.seeds import derive_seed
 from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
 from tensorpar.transformer.kv_cache import KVCache
 from tensorpar.transformer.mlp import ParallelMLP
@@ -122,7 +122,7 @@ class GPT(nn.Module):
     """The GPT of ``cfg`` split over ``group``.
 
     sequence_parallel: the residual stream between blocks holds T/n tokens per rank.
-    rng: dropout streams (reseed them with ``rng.manual_seed``); only used when cfg.dropout > 0.
+    rng: dropout streams (``rng.set_step(s)`` before step s); only used when cfg.dropout > 0.
     seed: weights depend on it and on each parameter's name, never on the TP size.
     fused: QKV, gate/up and the LM head each as one autograd op that overlaps the backward
         all-reduce of the input gradient with the weight-gradient matmuls, and the row layers
@@ -130,7 +130,7 @@ class GPT(nn.Module):
         parameters, same numbers (to fp32 rounding), same collectives.
     recompute: keep only each block's input in forward and recompute the block in backward
         (full activation recomputation: less memory, one more forward per block, whose
-        collectives run again).
+        collectives run again). The recomputed block draws the dropout masks of the first.
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
@@ -139,9 +139,6 @@ class GPT(nn.Module):
                  recompute: bool = False):
         super().__init__()
         cfg.check(tp_size(group))
-        if recompute and cfg.dropout > 0:
-            raise ValueError(f"recompute with --dropout {cfg.dropout}: recomputed blocks would "
-                             "draw other dropout masks; use one or the other")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         self.fused, self.recompute = fused, recompute
         self.rng = rng or TensorParallelRNG(seed, group)
@@ -174,7 +171,7 @@ class GPT(nn.Module):
                 std = 0.02
                 if name.endswith(("o_proj.weight", "down.weight")):
                     std /= math.sqrt(2 * self.cfg.n_layer)
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                gen = torch.Generator().manual_seed(derive_seed(seed, "init", name))
                 full = torch.empty(dense_shape(p)).normal_(0.0, std, generator=gen)
             if spec.dim is not None:
                 full = full.narrow(spec.dim, spec.start, spec.stop - spec.start)
@@ -206,7 +203,8 @@ class GPT(nn.Module):
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, use_reentrant=False,
+                               context_fn=self.rng.checkpoint_contexts)
             else:
                 x = block(x, rope, cache.layers[i] if cache is not None else None)
         x = self.norm(x)

@@ -44,6 +44,9 @@ from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.launch import run_ranks
 
+# how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest
+RNG_SCHEME = "hashed"
+
 
 @dataclass
 class TrainConfig:
@@ -132,8 +135,8 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
             "tokenizer": ByteTokenizer.name,
             "data": {"source": label, "sha256_16": batches.digest,
                      "position": {"step": None, "sequences": None}},
-            "rng": {"scheme": "per-step", "seed": cfg.seed,
-                    "note": "batch and dropout masks of step s derive from (seed, s)"}}
+            "rng": {"scheme": RNG_SCHEME, "seed": cfg.seed,
+                    "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"}}
     metrics = progress = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +158,7 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
         for g in opt.param_groups:
             g["lr"] = learning_rate(cfg, step)
         x, y = (t.to(device) for t in batches.batch(step))
-        model.rng.manual_seed(cfg.seed * 1_000_003 + step)
+        model.rng.set_step(step)
         measure = step == measured_step
         counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure else (None, None)
         with counter or nullcontext(), meter or nullcontext():
@@ -217,6 +220,12 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         if ckpt is not None:
             manifest = CheckpointReader(ckpt).manifest
             resume_from, saved_model = str(ckpt), manifest["config"]
+            scheme = manifest.get("rng", {}).get("scheme")
+            if scheme != RNG_SCHEME:
+                print(f"tensorpar train: note: {ckpt} was written with random streams seeded by "
+                      f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
+                      "other batches and dropout masks than the original would have",
+                      file=sys.stderr)
             saved_train = {k: v for k, v in manifest["train"].items()
                            if k not in ("resume", "out")}
             for k, v in model_args.items():
@@ -239,9 +248,6 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
                                              if v is not None}))
     cfg.check()
     model_cfg.check(cfg.tp)
-    if cfg.recompute and model_cfg.dropout > 0:
-        raise ValueError(f"--recompute with --dropout {model_cfg.dropout}: recomputed blocks "
-                         "would draw other dropout masks; use one or the other")
     if model_cfg.vocab_size != ByteTokenizer.vocab_size:
         raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
                          f"{ByteTokenizer.vocab_size}")

@@ -1,5 +1,6 @@
 """What ranks run on: process groups (``groups``), the local launcher and torchrun mode
-(``launch``), collective accounting (``counting``), atomic output files (``output``).
+(``launch``), collective accounting (``counting``), atomic output files (``output``), and the
+seeds of every random stream (``seeds``).
 
 The bottom of the core: imports torch only, nothing else from tensorpar.
 """

@@ -1,0 +1,27 @@
+"""Seeds of the random streams, each derived by hashing (seed, purpose, coordinates).
+
+Adding offsets makes streams collide: with ``seed * K + step`` for the step and ``+ tp_rank`` for
+the shard, rank r at step s draws exactly the masks rank r - 1 draws at step s + 1. A hash of every
+coordinate gives each (purpose, step, rank, ...) a stream of its own, and the same stream again
+whenever the same coordinates come back (a resumed run, a recomputed forward).
+
+The purposes tensorpar draws from (``README.md``, "Randomness", has the table)::
+
+    init              (parameter name)                 the GPT's weights
+    data-order        (epoch)                          the permutation of the training windows
+    dropout-replicated (step, dp rank)                 masks of activations every TP rank holds
+    dropout-sharded   (step, dp rank, tp rank)         masks of activations split over TP ranks
+    hf-tp-region      (dp rank, tp rank)               HF dropout between f and g (heads, hidden)
+    sampling          ()                               generation's Gumbel noise
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def derive_seed(seed: int, purpose: str, *coords: int | str) -> int:
+    """A 63-bit seed for the stream ``purpose`` at ``coords``: a BLAKE2b hash of all of them,
+    so two streams share a seed only if every coordinate is the same."""
+    key = repr((int(seed), purpose, *coords)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
