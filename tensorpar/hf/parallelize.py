@@ -37,11 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.hf.dropout import install_region_streams
 from tensorpar.hf.plans import plan_for, tied_heads
 from tensorpar.hf.styles import Converter, ModuleSource
 from tensorpar.parallel.mappings import _all_reduce
 from tensorpar.parallel.sharding import REPLICATED
-from tensorpar.runtime.groups import tp_size
+from tensorpar.runtime.groups import tp_rank, tp_size
 
 STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
 
@@ -77,7 +78,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     matches = check_plan(model, plan)
     source = source or ModuleSource(model)
     conv = Converter(source, group, dtype)  # dtype None: each layer keeps its own
-    tied, embeddings = tied or {}, {}
+    tied, embeddings, regions = tied or {}, {}, []
     # embeddings first, so that a tied head finds its shard
     for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
         for name in matches[pattern]:
@@ -97,8 +98,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
                 new = conv.row(name, m)
             elif style == "attention":
                 new = conv.attention(name, m)
+                regions.append(name)
             elif style == "mlp":
                 new = conv.mlp(name, m)
+                regions.append(name)
             else:
                 continue
             setattr(parent, child, new)
@@ -112,21 +115,41 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     if conv.n > 1:
         for name in conv.grad_sum:
             model.get_parameter(name).register_hook(partial(_all_reduce, group=group))
+    # dropout between f and g draws from a per-rank stream (hf/dropout.py)
+    install_region_streams(model, regions, tp_rank(group))
     return model
 
 
+def _has_dropout(model: nn.Module) -> bool:
+    """Whether the model drops anything: a dropout module or a config probability above 0."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    cfg = vars(getattr(model, "config", None) or object())
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               for k, v in cfg.items() if "dropout" in k or "pdrop" in k)
+
+
 def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> None:
-    """Raise ValueError on every rank unless all ranks hold the same dense weights (one small
-    all-gather of per-parameter checksums)."""
+    """Raise ValueError on every rank unless all ranks hold the same dense weights, and, for a
+    model with dropout, the same state of torch's global generator (the stream the TP group
+    shares outside TP regions). One small all-gather of checksums."""
     if tp_size(group) == 1:
         return
-    names = [n for n, p in model.named_parameters() if not p.is_meta]
+    names = [n for n, p in model.named_parameters() if not p.is_meta] + ["<global RNG state>"]
+    # the state's bytes weighted by position: equal sums mean equal states in practice
+    state = torch.get_rng_state().double()
+    rng = (state * torch.arange(1, state.numel() + 1)).sum() if _has_dropout(model) else \
+        torch.zeros((), dtype=torch.float64)
     sums = torch.stack([p.detach().double().sum() for n, p in model.named_parameters()
-                        if not p.is_meta]).cpu()
+                        if not p.is_meta] + [rng]).cpu()
     every = [torch.empty_like(sums) for _ in range(tp_size(group))]
     dist.all_gather(every, sums, group=group)
     differ = [names[i] for i in range(len(names))
               if any(not torch.equal(e[i], every[0][i]) for e in every)]
+    if differ[:1] == ["<global RNG state>"]:
+        raise ValueError("the ranks' global random generators differ and the model has dropout: "
+                         "call torch.manual_seed with the same seed on every rank before "
+                         "parallelize(), so the ranks draw the same masks outside TP regions")
     if differ:
         raise ValueError(f"the ranks hold different dense weights ({', '.join(differ[:3])}"
                          f"{', ...' if len(differ) > 3 else ''}): build the model from the same "

@@ -1,0 +1,83 @@
+"""Dropout in Hugging Face models after ``parallelize``: each region draws from the right stream.
+
+HF layers draw their masks from torch's global generator. That is right for activations every TP
+rank holds whole (the embeddings, the residual stream): seeded alike on every rank
+(``torch.manual_seed``), the global generator is the stream the TP group shares, and every rank
+draws the same masks as long as every rank draws the same amount. It is wrong inside a TP region,
+where each rank holds other heads or hidden units: dense head h and head h + H/n would get the
+same attention-dropout mask, and with heads split unevenly (6 over 4 ranks: 2, 2, 1, 1) the ranks
+would draw different amounts and their residual masks would drift apart afterwards.
+
+So inside each region the global generator is swapped for a stream of this rank's own::
+
+    module entry (attention / MLP, f)  ── per-rank stream ──>  row layer starts (g)  ── global ──>
+    e.g. GPT-2:  attn(q, k, v, dropout on the probabilities) | c_proj, resid_dropout
+
+The stream's seed hashes (base seed, "hf-tp-region", dp rank, tp rank) (``runtime/seeds.py``);
+the base seed is ``torch.initial_seed()`` when ``parallelize`` runs, i.e. the seed the user gave
+every rank. The stream then runs on from step to step, as the global generator does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tensorpar.parallel.linear import RowParallelLinear
+from tensorpar.runtime.seeds import derive_seed
+
+
+def _global_state(device: torch.device) -> torch.Tensor:
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def _set_global_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
+
+
+class RegionStream:
+    """This rank's stream for dropout inside TP regions, swapped in for torch's global generator
+    while a region runs (one state per device)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._states: dict[torch.device, torch.Tensor] = {}
+        self._outside: dict[torch.device, torch.Tensor] = {}  # the global state, while inside
+
+    def enter(self, device: torch.device) -> None:
+        if device in self._outside:  # already inside (a region nested in another)
+            return
+        if device not in self._states:
+            self._states[device] = torch.Generator(device).manual_seed(self.seed).get_state()
+        self._outside[device] = _global_state(device)
+        _set_global_state(device, self._states[device])
+
+    def leave(self, device: torch.device) -> None:
+        if device not in self._outside:
+            return
+        self._states[device] = _global_state(device)
+        _set_global_state(device, self._outside.pop(device))
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def install_region_streams(model: nn.Module, regions: list[str], tp_rank: int,
+                           dp_rank: int = 0, seed: int | None = None) -> RegionStream:
+    """Make the modules named in ``regions`` (converted attention and MLP modules) draw their
+    dropout from a per-rank stream, from their entry until their row layer starts."""
+    stream = RegionStream(derive_seed(torch.initial_seed() if seed is None else seed,
+                                      "hf-tp-region", dp_rank, tp_rank))
+    for name in regions:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(lambda m, args: stream.enter(_device(m)))
+        # leaves at the row layer, and in any case when the module returns (or raises)
+        module.register_forward_hook(lambda m, args, out: stream.leave(_device(m)),
+                                     always_call=True)
+        for row in (m for m in module.modules() if isinstance(m, RowParallelLinear)):
+            row.register_forward_pre_hook(lambda m, args: stream.leave(_device(m)))
+    return stream
