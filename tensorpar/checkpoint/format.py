@@ -9,6 +9,16 @@
         rank00-of02.safetensors          the slices rank 0 owns (weights and AdamW moments)
         rank01-of02.safetensors
 
+Each tensor's entry: ``{"shape", "dtype", "split_dim", "pieces": [{"rank", "start", "stop"}]}``;
+a piece says that rank's file holds the dense rows [start, stop) of ``split_dim``. A rank may own
+several ranges of one tensor (a fused dim: GPT-2's q|k|v, each block split alike); its file then
+stacks them along ``split_dim`` and each piece after the first gives its ``offset`` there: rows
+[offset, offset + stop - start) of the file's tensor. Every dense element is in exactly one piece.
+
+Versions: 1 has no ``offset`` (one range per rank and tensor); 2 may have it. A checkpoint is
+written as version 1 whenever it can be, so readers that know only version 1 still read every
+checkpoint without fused tensors, and refuse, rather than misread, those with them.
+
 No pickle: the format is JSON plus safetensors. ``save.py`` writes it, ``load.py`` reads it at any
 TP size, ``export.py`` turns it into one dense file.
 """
@@ -20,7 +30,8 @@ import os
 from pathlib import Path
 
 FORMAT = "tensorpar-checkpoint"
-VERSION = 1
+VERSION = 2  # the newest version written and read
+VERSIONS = (1, 2)  # read; 1: no piece has an offset (see the module docstring)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 

@@ -1,7 +1,8 @@
 """Loading a sharded checkpoint at any TP size (the format: ``format.py``).
 
 Loading reads, for every parameter of the model being loaded, the dense slice its rank needs from
-whichever files hold it, so a checkpoint saved at TP=2 resumes at TP=1 or 4.
+whichever files hold it, so a checkpoint saved at TP=2 resumes at TP=1 or 4. A fused dim (GPT-2's
+q|k|v) is read block by block: the manifest's pieces are dense ranges, wherever they sit in a file.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from torch import nn
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
     FORMAT,
-    VERSION,
+    VERSIONS,
     CheckpointError,
     find_checkpoint,
     sha256_of,
 )
-from tensorpar.parallel.sharding import dense_shape
+from tensorpar.parallel.sharding import ShardSpec, dense_shape
 
 
 class CheckpointReader:
@@ -40,10 +41,12 @@ class CheckpointReader:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{found}/manifest.json is corrupted: {e}") from None
         m = self.manifest
-        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        if not isinstance(m, dict) or m.get("format") != FORMAT or \
+                m.get("version") not in VERSIONS:
             what = (f"format={m.get('format')!r}, version={m.get('version')!r}"
                     if isinstance(m, dict) else f"a JSON {type(m).__name__}")
-            raise CheckpointError(f"{found}: not a {FORMAT} v{VERSION} checkpoint ({what})")
+            raise CheckpointError(f"{found}: not a {FORMAT} checkpoint of version "
+                                  f"{' or '.join(map(str, VERSIONS))} ({what})")
         shape = {"tp_size": int, "step": int, "config": dict, "files": list, "tensors": dict}
         bad = [k for k, t in shape.items() if not isinstance(m.get(k), t)]
         if bad or len(m["files"]) != m["tp_size"]:
@@ -87,6 +90,7 @@ class CheckpointReader:
         for piece in entry["pieces"]:
             src = self._file(piece["rank"]).get_slice(key)
             a, b = piece["start"], piece["stop"]
+            at = piece.get("offset", 0) - a  # file row of dense row x: x + at
             if sdim is None:  # replicated: the whole tensor, in one file
                 whole = src[:]
                 return whole if dim is None else whole.narrow(dim, start, stop - start)
@@ -94,11 +98,13 @@ class CheckpointReader:
                 lo, hi = max(a, start), min(b, stop)
                 if lo >= hi:
                     continue
-                index = (slice(None),) * dim + (slice(lo - a, hi - a),)
+                index = (slice(None),) * dim + (slice(lo + at, hi + at),)
                 out.narrow(dim, lo - start, hi - lo).copy_(src[index])
                 filled += hi - lo
             else:  # another split dim (or the whole tensor): place the piece where it goes
-                piece_t = src[:] if dim is None else src[:].narrow(dim, start, stop - start)
+                piece_t = src[(slice(None),) * sdim + (slice(a + at, b + at),)]
+                if dim is not None:
+                    piece_t = piece_t.narrow(dim, start, stop - start)
                 out.narrow(sdim, a, b - a).copy_(piece_t)
                 filled += b - a
         expected = shape[dim] if dim == sdim else shape[sdim]
@@ -106,6 +112,15 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir}: the pieces of {key} cover {filled} of "
                                   f"{expected} rows")
         return out
+
+
+def read_shard(reader: CheckpointReader, key: str, spec: ShardSpec) -> torch.Tensor:
+    """What a parameter with ``spec`` holds of the saved tensor ``key``: each of its dense ranges
+    (one per block of a fused dim, ``ShardSpec.ranges``), concatenated along the split dim."""
+    if spec.dim is None:
+        return reader.read(key)
+    pieces = [reader.read(key, spec.dim, a, b) for a, b in spec.ranges()]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
 
 
 def check_fits(reader: CheckpointReader, model: nn.Module) -> None:
@@ -140,12 +155,11 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in model.named_parameters():
         spec = p.tp_shard
-        p.copy_(reader.read(name, spec.dim, spec.start, spec.stop))
+        p.copy_(read_shard(reader, name, spec))
         if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:
             state = optimizer.state[p]
             for s in ADAM_STATES:
-                state[s] = reader.read(f"optimizer.{s}.{name}", spec.dim, spec.start,
-                                       spec.stop).to(p.device)
+                state[s] = read_shard(reader, f"optimizer.{s}.{name}", spec).to(p.device)
             # fused (and capturable) AdamW keep the step on the parameter's device, the others
             # on the CPU, as torch's own load_state_dict does
             group = group_of.get(id(p), {})

@@ -1,9 +1,10 @@
 """Saving a sharded checkpoint (the format: ``format.py``).
 
 Each rank writes only what it owns (see ``parallel/layout.py``): replicated tensors once, shared
-KV heads once. Writes are atomic: ranks write into ``.step-N.tmp/``, rank 0 adds the manifest last
-and renames the directory into place. A kill during a save leaves the previous checkpoint as it
-was; the newest ``step-*`` directory with a manifest is the one loaded.
+KV heads once, each rank's slice of every block of a fused q|k|v. Writes are atomic: ranks write
+into ``.step-N.tmp/``, rank 0 adds the manifest last and renames the directory into place. A kill
+during a save leaves the previous checkpoint as it was; the newest ``step-*`` directory with a
+manifest is the one loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tensorpar.checkpoint.format import (
     ADAM_STATES,
     FORMAT,
     VERSION,
+    VERSIONS,
     list_checkpoints,
     make_readable,
     sha256_of,
@@ -103,14 +105,26 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     return final
 
 
+def _pieces(layout: Layout, name: str, n: int) -> list[dict]:
+    """Which rank's file holds which dense rows of ``name``: a rank's owned ranges, stacked in its
+    file in the order ``owned_local`` concatenates them (``offset``: where each one starts)."""
+    pieces = []
+    for r in range(n):
+        offset = 0
+        for a, b in layout.owned_ranges(name, r):
+            if offset and pieces[-1]["stop"] == a:  # adjacent in the file and in the dense tensor
+                pieces[-1]["stop"] = b  # (a fused dim at TP=1): one piece
+            else:
+                pieces.append({"rank": r, "start": a, "stop": b} |
+                              ({"offset": offset} if offset else {}))
+            offset += b - a
+    return pieces
+
+
 def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
     tensors = {}
     for name, p in model.named_parameters():
-        pieces = []
-        for r in range(n):
-            owned = layout.owned(name, r)
-            if owned is not None:
-                pieces.append({"rank": r, "start": owned[0], "stop": owned[1]})
+        pieces = _pieces(layout, name, n)
         entry = {"shape": list(layout.shapes[name]), "dtype": str(p.dtype).removeprefix("torch."),
                  "split_dim": layout.shards[name][0].dim, "pieces": pieces}
         tensors[name] = entry
@@ -123,5 +137,8 @@ def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
         opt = {"type": type(optimizer).__name__, "step": step,
                "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                 for g in optimizer.param_groups]}
-    return {"format": FORMAT, "version": VERSION, "tp_size": n, "step": step, **meta,
+    # version 1 when no piece needs an offset: older readers then read it as before
+    packed = any("offset" in piece for t in tensors.values() for piece in t["pieces"])
+    version = VERSION if packed else min(VERSIONS)
+    return {"format": FORMAT, "version": version, "tp_size": n, "step": step, **meta,
             "optimizer": opt, "files": files, "tensors": tensors}

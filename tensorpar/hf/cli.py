@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tensorpar.hf.plans import is_conv1d
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.launch import RankError, run_ranks
 from tensorpar.runtime.output import human_bytes
@@ -80,8 +81,8 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
     dense_params = dict(dense.named_parameters())
     for name, p in model.named_parameters():
         g = dense_params[name].grad
-        if g.dim() == 2 and p.shape != dense_shard(g, p.tp_shard).shape:
-            g = g.t()  # GPT-2's Conv1D stores (in, out)
+        if name.endswith(".weight") and is_conv1d(dense.get_submodule(name.rpartition(".")[0])):
+            g = g.t()  # GPT-2's Conv1D stores (in, out); shards are (out, in), as nn.Linear
         key = _layer_of(name)
         grads[key] = max(grads.get(key, 0.0), max_rel_error(p.grad, dense_shard(g, p.tp_shard)))
     n_layers = len(out.hidden_states) - 1
@@ -142,9 +143,9 @@ def _check_dir(path: str) -> None:
         raise ValueError("--hf needs transformers: pip install tensorpar[hf]") from None
 
 
-def _run(fn, n: int, *args):
+def _run(fn, n: int, *args, run=run_ranks):
     try:
-        return run_ranks(fn, n, *args)
+        return run(fn, n, *args)
     except RankError as e:  # a ValueError on the ranks (unsupported model, ...): one line
         errors = re.findall(r"^(?:\w+\.)*(?:ValueError|CheckpointError): (.*)$", str(e), re.M)
         if errors:
@@ -152,9 +153,12 @@ def _run(fn, n: int, *args):
         raise
 
 
-def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int = 16) -> bool:
+def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int = 16,
+                  run=run_ranks) -> bool:
+    """Print the table; True when everything matches. ``run(fn, n, *args)``: how the n ranks are
+    had (default: spawned, or joined under torchrun; tests pass their pool of ranks)."""
     _check_dir(path)
-    results = _run(verify_hf_rank, n, path, seed, batch, seq_len)
+    results = _run(verify_hf_rank, n, path, seed, batch, seq_len, run=run)
     return True if results is None else report_hf(results, path, n)
 
 

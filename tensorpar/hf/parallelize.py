@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.dropout import install_region_streams
-from tensorpar.hf.plans import plan_for, tied_heads
+from tensorpar.hf.plans import check_split, plan_for, tied_heads
 from tensorpar.hf.styles import Converter, ModuleSource
 from tensorpar.parallel.mappings import _all_reduce
 from tensorpar.parallel.sharding import REPLICATED
@@ -164,5 +164,8 @@ def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
     checked. ``plan`` defaults to the built-in plan of the model's family (module docstring).
     """
     plan = plan or plan_for(model)
+    for pattern, names in check_plan(model, plan).items():  # before any collective
+        for name in names:
+            check_split(model, name, plan[pattern], tp_size(group))
     check_same_weights(model, group)
     return apply_plan(model, plan, group, tied=tied_heads(model))

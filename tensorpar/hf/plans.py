@@ -12,13 +12,18 @@ Position embeddings (GPT-2's ``wpe``), norms and Qwen3's per-head q/k norms stay
 Another model that declares ``base_model_tp_plan`` in its config gets a plan translated from it.
 ``lm_head`` gathers its vocab-split logits, so the model's own loss and ``generate()`` run
 unchanged (use ``vocab_parallel_cross_entropy`` on a ``column`` head to avoid the gather).
+
+``check_split`` says, before anything is converted, whether a plan's style can split a module
+over n ranks (GPT-NeoX's per-head fused q|k|v needs n to divide its heads).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from tensorpar.hf.styles import OUT_PROJ, is_conv1d
+from tensorpar.transformer.attention import head_layout
+
+OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
 
 GPT2_PLAN = {
     "transformer.wte": "vocab",
@@ -109,3 +114,47 @@ def tied_heads(model: nn.Module) -> dict[str, str]:
         return {"lm_head": _module_name(model, emb)}
     return {}
 
+
+def is_conv1d(m: nn.Module) -> bool:  # GPT-2's Conv1D: weight (in, out), y = x W + b
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
+
+
+def attention_heads(m: nn.Module, cfg) -> tuple[int, int]:
+    """(query heads, KV heads) of an attention module, from its config or its own attributes."""
+    H = getattr(cfg, "num_attention_heads", None) or getattr(m, "num_heads", None)
+    return H, getattr(cfg, "num_key_value_heads", None) or H
+
+
+def check_split(model: nn.Module, name: str, style: str, n: int) -> None:
+    """Raise ValueError, naming ``name``, if ``style`` cannot split that module over ``n`` ranks
+    (the converter calls it for each module; ``from_pretrained`` for the whole plan up front).
+
+    It depends on the model and n only, so every rank raises the same error. ``attention``: every
+    rank needs a query head (``head_layout``). ``column``/``row`` on a projection inside an
+    attention module (a plan splitting q|k|v layer by layer, as GPT-NeoX's fused per-head
+    ``query_key_value``): ``tensor_split`` of its features keeps every head whole and the q/kv
+    ratio unchanged only when n divides both head counts; else the module's own forward would
+    reshape cut heads.
+    """
+    m = model.get_submodule(name)
+    if style == "attention":
+        H, K = attention_heads(m, getattr(m, "config", None))
+        try:
+            if H is not None:  # no head count: the converter names what it lacks
+                head_layout(H, K, n, 0)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        return
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name)
+    if style not in ("column", "column_gather", "row") or not any(
+            isinstance(getattr(parent, a, None), int) for a in ("head_dim", "head_size")):
+        return
+    cfg = getattr(parent, "config", None) or getattr(model, "config", None)
+    H, K = attention_heads(parent, cfg)
+    if H and (H % n or K % n):
+        kv = f" and {K} KV heads" if K != H else ""
+        raise ValueError(f"{name}: style {style!r} splits this projection of the attention "
+                         f"{parent_name} by features, which keeps heads whole only if the TP "
+                         f"size divides the head counts: {H} heads{kv} over {n} ranks; use a TP "
+                         f"size dividing {H}{f' and {K}' if kv else ''}")

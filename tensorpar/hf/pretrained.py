@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.hf.parallelize import apply_plan
-from tensorpar.hf.plans import plan_for, tied_heads
+from tensorpar.hf.parallelize import apply_plan, check_plan
+from tensorpar.hf.plans import check_split, plan_for, tied_heads
+from tensorpar.runtime.groups import tp_size
 
 
 class SafetensorsSource:
@@ -90,7 +91,9 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
 
     The model is built with its parameters on the meta device; each rank then reads only its own
     slices of the split weights (and the replicated ones whole), so per-rank memory is about 1/N
-    of the split weights plus the replicated ones.
+    of the split weights plus the replicated ones. A split the model cannot take (GPT-NeoX's
+    per-head q|k|v over a TP size that does not divide its heads) is a ValueError naming the
+    module, raised on every rank before anything is read.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,9 +102,14 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
+    plan = plan or plan_for(model)
+    # every split checked before a byte is read (and before any collective: there is none here),
+    # the same verdict on every rank
+    for pattern, names in check_plan(model, plan).items():
+        for name in names:
+            check_split(model, name, plan[pattern], tp_size(group))
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model))
-    apply_plan(model, plan or plan_for(model), group, source=source, dtype=dtype,
-               tied=tied_heads(model))
+    apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model))
     source.close()
     if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
         from transformers import GenerationConfig

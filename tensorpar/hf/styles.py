@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
 from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tensorpar.parallel.grad_sync import sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -22,13 +23,12 @@ from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, 
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.attention import head_layout
 
-OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
-
 
 class ModuleSource:
     """Dense tensors read from the model being converted (by parameter name)."""
 
     def __init__(self, model: nn.Module):
+        self.model = model  # lets the converter check a module's surroundings (check_split)
         self.tensors = dict(model.named_parameters(remove_duplicate=False))
 
     def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
@@ -36,10 +36,6 @@ class ModuleSource:
         if dim is not None:
             t = t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start)
         return t.clone()
-
-
-def is_conv1d(m: nn.Module) -> bool:  # GPT-2's Conv1D: weight (in, out), y = x W + b
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
 
 
 def _features(m: nn.Module) -> tuple[int, int]:
@@ -112,6 +108,7 @@ class Converter:
     def __init__(self, source, group: ProcessGroup | None, dtype):
         self.source, self.group, self.dtype = source, group, dtype
         self.n, self.rank = tp_size(group), tp_rank(group)
+        self.model = getattr(source, "model", None)  # None: from_pretrained checked up front
         self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
 
     def column(self, name, m, ranges=None, parts=1, gather=False, cls=ColumnParallelLinear,
@@ -119,7 +116,9 @@ class Converter:
         """ranges: output rows to hold, one range per block of a fused (``parts``) weight; their
         positions within a block are the same. weight: an existing shard to use (tied head)."""
         in_f, out_f = _features(m)
-        if ranges is None:
+        if ranges is None:  # an even split of the features (a plan's column style, an MLP's)
+            if self.model is not None:
+                check_split(self.model, name, "column", self.n)
             ranges = [shard_range(out_f, self.n, self.rank)]
         a, b = ranges[0]  # block 0 starts at 0, so its range is the in-block range
         layer = cls(in_f, out_f, m.bias is not None, gather_output=gather, group=self.group,
@@ -135,6 +134,8 @@ class Converter:
 
     def row(self, name, m, in_range=None):
         in_f, out_f = _features(m)
+        if in_range is None and self.model is not None:
+            check_split(self.model, name, "row", self.n)
         a, b = in_range or shard_range(in_f, self.n, self.rank)
         layer = RowParallelLinear(in_f, out_f, m.bias is not None, input_is_parallel=True,
                                   group=self.group, device="meta", in_range=(a, b))
@@ -187,6 +188,8 @@ class Converter:
 
     def attention(self, name, m):
         cfg = getattr(m, "config", None)
+        if self.model is not None:
+            check_split(self.model, name, "attention", self.n)
         if hasattr(m, "c_attn"):  # GPT-2: fused q|k|v Conv1D, multi-head only
             H, hd = m.num_heads, m.head_dim
             (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
@@ -203,9 +206,7 @@ class Converter:
         elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
                 any(hasattr(m, p) for p in OUT_PROJ):
             out = next(p for p in OUT_PROJ if hasattr(m, p))
-            H = getattr(cfg, "num_attention_heads", None) or m.num_heads
-            K = getattr(cfg, "num_key_value_heads", None) or H
-            hd = m.head_dim
+            (H, K), hd = attention_heads(m, cfg), m.head_dim
             (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
             m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
                                    cls=InRegionColumn)

@@ -5,6 +5,10 @@
 slice minus what a lower rank already holds. Ownership makes each dense element count once, even
 where ranks hold copies (replicated norms, KV heads shared when there are fewer KV heads than
 ranks). It is what the global gradient norm sums and what a checkpoint stores.
+
+A fused dimension (``ShardSpec.parts`` = P equal blocks of size B, GPT-2's q|k|v) is split block
+by block: a rank holds [start, stop) of every block, so it owns [s, e) (computed within a block,
+as for an unfused dim) of every block, the dense ranges [i·B + s, i·B + e) for i < P.
 """
 
 from __future__ import annotations
@@ -40,11 +44,18 @@ class Layout:
             if theirs.keys() != mine.keys():
                 raise ValueError(f"rank {r} has different parameters than rank {tp_rank(group)}: "
                                  f"{sorted(theirs.keys() ^ mine.keys())[:5]}")
+        for name in mine:  # ownership compares ranges within one block layout
+            cuts = [(theirs[name].dim, theirs[name].full_size, theirs[name].parts)
+                    for theirs in every]
+            if len(set(cuts)) > 1:
+                raise ValueError(f"the ranks split {name} differently (dim, dense size, blocks "
+                                 f"by rank): {cuts}")
         return cls(shapes, {name: [theirs[name] for theirs in every] for name in mine})
 
     def owned(self, name: str, rank: int) -> tuple[int, int] | None:
-        """The dense range [start, stop) of the split dim that ``rank`` owns, or None if it owns
-        nothing of ``name``. A replicated parameter is owned whole by rank 0: (0, 0) with dim None.
+        """The range [start, stop) of the split dim that ``rank`` owns *within each block*
+        (the dense range itself when ``parts`` is 1), or None if it owns nothing of ``name``.
+        A replicated parameter is owned whole by rank 0: (0, 0) with dim None.
         """
         spec = self.shards[name][rank]
         if spec.dim is None:
@@ -53,18 +64,40 @@ class Layout:
                                     and s.start <= spec.start])
         return (start, spec.stop) if start < spec.stop else None
 
+    def owned_ranges(self, name: str, rank: int) -> list[tuple[int, int]]:
+        """The dense ranges of the split dim that ``rank`` owns, one per block, in the order its
+        local tensor holds them ([] if none). Replicated: [(0, 0)] on rank 0 (the whole tensor)."""
+        owned, spec = self.owned(name, rank), self.shards[name][rank]
+        if owned is None or spec.dim is None:
+            return [] if owned is None else [owned]
+        block = spec.full_size // spec.parts
+        return [(i * block + owned[0], i * block + owned[1]) for i in range(spec.parts)]
+
     def numel(self, name: str) -> int:
         return math.prod(self.shapes[name])
 
 
-def owned_local(layout: Layout, name: str, t: torch.Tensor, rank: int) -> torch.Tensor | None:
-    """The part of ``t`` (this rank's local shard of ``name``, or a same-shaped gradient or
-    optimizer state) that ``rank`` owns, or None."""
-    owned = layout.owned(name, rank)
-    spec = layout.shards[name][rank]
+def owned_pieces(layout: Layout, name: str, t: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """Views of the parts of ``t`` (this rank's local shard of ``name``, or a same-shaped gradient
+    or optimizer state) that ``rank`` owns, one per dense range of ``owned_ranges``.
+
+    The local tensor stacks the P blocks' slices, each ``stop - start`` long along ``dim``: block
+    i's owned range [s, e) sits at local offset i·(stop - start) + (s - start)."""
+    owned, spec = layout.owned(name, rank), layout.shards[name][rank]
     if owned is None or spec.dim is None:
-        return None if owned is None else t
-    return t.narrow(spec.dim, owned[0] - spec.start, owned[1] - owned[0])
+        return [] if owned is None else [t]
+    width = spec.stop - spec.start
+    return [t.narrow(spec.dim, i * width + owned[0] - spec.start, owned[1] - owned[0])
+            for i in range(spec.parts)]
+
+
+def owned_local(layout: Layout, name: str, t: torch.Tensor, rank: int) -> torch.Tensor | None:
+    """The part of ``t`` that ``rank`` owns (``owned_pieces`` concatenated along the split dim,
+    in the order of ``owned_ranges``), or None."""
+    pieces = owned_pieces(layout, name, t, rank)
+    if len(pieces) <= 1:
+        return pieces[0] if pieces else None
+    return torch.cat(pieces, dim=layout.shards[name][rank].dim)
 
 
 @torch.no_grad()
@@ -81,9 +114,8 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for name, g in grads:
-        owned = owned_local(layout, name, g, rank)
-        if owned is not None:
-            sq += owned.float().pow(2).sum()
+        for piece in owned_pieces(layout, name, g, rank):  # every block of a fused dim
+            sq += piece.float().pow(2).sum()
     if tp_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt()

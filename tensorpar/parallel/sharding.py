@@ -46,15 +46,27 @@ class ShardSpec:
     full_size: int = 0
     parts: int = 1  # a fused dim (GPT-2's q|k|v): ``parts`` equal blocks, each split alike
 
+    def __post_init__(self):
+        if self.dim is None:
+            return
+        block, rest = divmod(self.full_size, max(self.parts, 1))
+        if self.parts < 1 or rest or not 0 <= self.start <= self.stop <= block:
+            raise ValueError(f"ShardSpec: [{self.start}, {self.stop}) of each of {self.parts} "
+                             f"blocks does not fit a dimension of {self.full_size}")
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The dense ranges of the split dim this rank holds, in the order its local tensor
+        stacks them: with block size B = full_size / parts, block i contributes
+        [i·B + start, i·B + stop), so the local size along ``dim`` is parts · (stop - start)."""
+        block = self.full_size // self.parts
+        return [(i * block + self.start, i * block + self.stop) for i in range(self.parts)]
+
     def take(self, dense: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the dense tensor (the blocks' slices, concatenated)."""
         if self.dim is None:
             return dense
-        if self.parts == 1:
-            return dense.narrow(self.dim, self.start, self.stop - self.start)
-        block = self.full_size // self.parts
-        return torch.cat([dense.narrow(self.dim, i * block + self.start, self.stop - self.start)
-                          for i in range(self.parts)], dim=self.dim)
+        pieces = [dense.narrow(self.dim, a, b - a) for a, b in self.ranges()]
+        return pieces[0] if self.parts == 1 else torch.cat(pieces, dim=self.dim)
 
 
 REPLICATED = ShardSpec(dim=None)

@@ -100,6 +100,20 @@ def test_owned_slices_stored_once(ranks, tmp_path):
     assert stored == sum(p.numel() for p in model.parameters())
 
 
+def test_unfused_checkpoints_keep_version_1(ranks, tmp_path):
+    """A model without fused dims (tensorpar's GPT, KV heads shared over 4 ranks) is written as
+    version 1, one piece per rank and no offsets, exactly what readers of version 1 read; and a
+    manifest marked version 1 loads."""
+    ranks(4).run(_save_body, str(tmp_path), 1)
+    manifest = json.loads((find_checkpoint(tmp_path) / "manifest.json").read_text())
+    assert manifest["version"] == 1
+    for key, entry in manifest["tensors"].items():
+        ranks_seen = [piece["rank"] for piece in entry["pieces"]]
+        assert len(set(ranks_seen)) == len(ranks_seen), key
+        assert all(set(piece) == {"rank", "start", "stop"} for piece in entry["pieces"]), key
+    load_checkpoint(tmp_path, GPT(GPTConfig(**(TINY | {"n_kv_head": 1}))))
+
+
 def test_corrupted_and_missing_files_rejected(tmp_path):
     model = _saved(tmp_path)
     ckpt = find_checkpoint(tmp_path)

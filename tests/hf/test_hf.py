@@ -1,6 +1,7 @@
 """Hugging Face models converted with ``parallelize`` or loaded with ``from_pretrained``: logits,
 loss, greedy generation and one fine-tuning step equal the dense model's at TP=1-4, for GPT-2,
-Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3."""
+Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3.
+The models: ``conftest.py``."""
 
 import os
 import subprocess
@@ -21,29 +22,6 @@ from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
 from tp_check import assert_close  # noqa: E402
 
-SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-
-
-def tiny_configs():
-    T = transformers
-    return {
-        "gpt2": T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                             n_inner=80, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                             bos_token_id=0, eos_token_id=0),
-        "llama": T.LlamaConfig(**SIZES),
-        "llama-mqa": T.LlamaConfig(**(SIZES | {"num_key_value_heads": 1})),
-        "qwen2-tied": T.Qwen2Config(**SIZES, tie_word_embeddings=True),
-        "qwen3": T.Qwen3Config(**SIZES, head_dim=16),
-        # no built-in plan: translated from base_model_tp_plan, or given by the user
-        "gemma": T.GemmaConfig(**SIZES, head_dim=16),  # scaled embedding subclass, tied head
-        "gpt_neox": T.GPTNeoXConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
-                                    num_hidden_layers=2, num_attention_heads=4),
-        "opt": T.OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=80, num_hidden_layers=2,
-                           num_attention_heads=4, word_embed_proj_dim=64, dropout=0.0),
-    }
-
-
 OPT_PLAN = {  # a plan written by hand: OPT declares none
     "model.decoder.embed_tokens": "vocab",
     "model.decoder.layers.*.self_attn": "attention",
@@ -51,33 +29,6 @@ OPT_PLAN = {  # a plan written by hand: OPT declares none
     "model.decoder.layers.*.fc2": "row",
     "lm_head": "column_gather",
 }
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    """Small random models of each family, saved with save_pretrained (nothing is downloaded)."""
-    transformers.logging.set_verbosity_error()
-    root = tmp_path_factory.mktemp("hf")
-    for name, cfg in tiny_configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        model.save_pretrained(root / name)
-    char_tokenizer().save_pretrained(root / "llama")
-    # generation settings of the directory (eos list as in Llama 3, a penalty) apply too
-    transformers.GenerationConfig(eos_token_id=[2, 7], repetition_penalty=1.3).save_pretrained(
-        root / "llama")
-    return root
-
-
-def char_tokenizer():
-    """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def _dense(path):
@@ -166,11 +117,10 @@ def test_parallelize_refuses_different_weights(ranks, hf_dirs):
     ranks(2).run(_different_weights_body, str(hf_dirs / "llama"))
 
 
-def test_unsupported_layouts_refused():
+def test_unsupported_layouts_refused(hf_configs):
     """A plan that would silently give wrong results is refused: a tied head without its
     embedding, and a c_attn that is not GPT-2's q|k|v packing (GPT-BigCode's multi-query)."""
-    cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=True)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(hf_configs["qwen2-tied"])
     with pytest.raises(ValueError, match="lm_head shares its weight with model.embed_tokens"):
         parallelize(model, {"model.layers.*.mlp": "mlp", "lm_head": "column_gather"})
     bigcode = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(

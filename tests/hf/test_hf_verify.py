@@ -1,0 +1,86 @@
+"""``verify --hf`` (``run_verify_hf``) on every family the README lists, on the shared gloo ranks;
+splits a family cannot take refused up front with a ValueError naming the module."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorpar.hf.cli import run_verify_hf  # noqa: E402
+from tensorpar.hf.parallelize import parallelize  # noqa: E402
+from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
+from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
+
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2-tied", "qwen3", "gemma", "gemma2", "granite",
+            "starcoder2", "cohere", "smollm3", "gpt_neox"]
+
+
+def _verify(ranks, capsys, path, n):
+    """run_verify_hf's verdict and table, its ranks taken from the test pool."""
+    ok = run_verify_hf(str(path), n, run=lambda fn, k, *args: ranks(k).run(fn, *args))
+    return ok, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_hf_every_family(ranks, hf_dirs, capsys, family):
+    """At TP=2 every hidden state, the logits, the loss and every gradient are within 1e-5 of the
+    dense model, greedy tokens identical (GPT-2: the Conv1D weights' gradients transposed, the
+    fused q|k|v compared block by block)."""
+    ok, out = _verify(ranks, capsys, hf_dirs / family, 2)
+    assert ok, out
+    for text in ("layer 0", "layer 1", "logits", "loss", "identical", "rank 1: parameters"):
+        assert text in out, out
+
+
+def test_verify_hf_gpt2_uneven(ranks, hf_dirs, capsys):
+    """GPT-2 at TP=3: 4 heads dealt 2, 1, 1 in each block of the fused q|k|v, MLP 80 split
+    27, 27, 26; still exact."""
+    ok, out = _verify(ranks, capsys, hf_dirs / "gpt2", 3)
+    assert ok, out
+
+
+NEOX_QKV = "gpt_neox.layers.0.attention.query_key_value"
+
+
+def _refused_body(path, how):
+    """The error and the collectives issued up to it, on this rank."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path) if how == "convert" else None
+    with CollectiveCounter() as counted, pytest.raises(ValueError) as err:
+        from_pretrained(path) if how == "load" else parallelize(dense)
+    return str(err.value), dict(counted.counts)
+
+
+@pytest.mark.parametrize("how", ["load", "convert"])
+def test_uneven_heads_refused_up_front(ranks, hf_dirs, how):
+    """GPT-NeoX splits its per-head fused q|k|v with the plain column style: 4 heads over 3 ranks
+    would cut heads apart (the forward's reshape fails, or worse). from_pretrained and
+    parallelize refuse it with a ValueError naming the module and the numbers, the same on every
+    rank, before any collective (and, loading, before reading weights)."""
+    results = ranks(3).run(_refused_body, str(hf_dirs / "gpt_neox"), how)
+    messages = {msg for msg, _ in results}
+    assert len(messages) == 1, messages
+    msg = messages.pop()
+    assert msg.startswith(f"{NEOX_QKV}: style 'column'") and "4 heads over 3 ranks" in msg, msg
+    for _, counts in results:
+        assert counts == {}, counts
+
+
+def test_verify_hf_refuses_uneven_neox(ranks, hf_dirs):
+    """``verify --hf`` on GPT-NeoX at TP=3 is that one-line ValueError, not a forward crash."""
+    with pytest.raises(ValueError, match=rf"^{NEOX_QKV}: .* 4 heads over 3 ranks"):
+        run_verify_hf(str(hf_dirs / "gpt_neox"), 3,
+                      run=lambda fn, k, *args: ranks(k).run(fn, *args))
+
+
+def test_more_ranks_than_heads_names_the_module(hf_configs):
+    """Style 'attention' over more ranks than heads: the error names the attention module."""
+    model = transformers.AutoModelForCausalLM.from_config(hf_configs["llama"])
+    from tensorpar.hf.plans import check_split
+
+    with pytest.raises(ValueError, match=r"^model.layers.0.self_attn: num_heads=4 cannot be "
+                                         r"split over 5 ranks"):
+        check_split(model, "model.layers.0.self_attn", "attention", 5)
+    check_split(model, "model.layers.0.self_attn", "attention", 4)  # 4 ranks: fine
