@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
@@ -37,8 +36,7 @@ from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.dropout import ParallelDropout, TensorParallelRNG, region_for
 from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tensorpar.parallel.fused import fused_column
-from tensorpar.parallel.linear import ColumnParallelLinear
-from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.linear import ColumnParallelLinear, column_linears
 from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
 from tensorpar.runtime.groups import tp_size
@@ -101,15 +99,17 @@ class Block(nn.Module):
     """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool, group: ProcessGroup | None,
-                 rng: TensorParallelRNG, device=None, fused: bool = True):
+                 rng: TensorParallelRNG, device=None, fused: bool = True,
+                 keep_gathered_input: bool = False):
         super().__init__()
         kw = {"sequence_parallel": sequence_parallel, "group": group}
+        cols = {"fused": fused, "keep_gathered_input": keep_gathered_input}
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.attn = ParallelSelfAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=False,
-                                          device=device, fused=fused, **kw)
+                                          device=device, **cols, **kw)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.mlp = ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
-                               bias=False, device=device, fused=fused, **kw)
+                               bias=False, device=device, **cols, **kw)
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
@@ -131,23 +131,28 @@ class GPT(nn.Module):
     recompute: keep only each block's input in forward and recompute the block in backward
         (full activation recomputation: less memory, one more forward per block, whose
         collectives run again). The recomputed block draws the dropout masks of the first.
+    keep_gathered_input: under SP, the column layers (QKV, gate/up, the head) keep their
+        all-gathered (B, T, D) input for backward instead of their (B, T/n, D) shard and skip
+        the all-gather again in backward (the default keeps the shard, as Megatron does: less
+        memory, one more all-gather per column op, overlapped with the input-gradient matmul).
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, seed: int = 0,
                  rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
-                 recompute: bool = False):
+                 recompute: bool = False, keep_gathered_input: bool = False):
         super().__init__()
         cfg.check(tp_size(group))
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         self.fused, self.recompute = fused, recompute
+        self.keep_gathered_input = keep_gathered_input
         self.rng = rng or TensorParallelRNG(seed, group)
         kw = {"sequence_parallel": sequence_parallel, "group": group, "device": device}
         # built on the meta device, then every parameter drawn by ``init_weights``
         meta = {**kw, "device": "meta"}
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta)
-        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused)
-                                    for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused,
+                                          keep_gathered_input) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta)
         if recompute:
             # a replayed block stops once its last saved tensor is back: with the all-reduce
@@ -210,12 +215,10 @@ class GPT(nn.Module):
         x = self.norm(x)
         # tied: the embedding's vocab rows are exactly a column-parallel head's shard
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if self.fused:
-            (logits_BTV_local,) = fused_column(x, [head], sequence_parallel=self.sequence_parallel,
-                                               group=self.group)
-        else:
-            x = enter_tp_region(x, self.sequence_parallel, self.group)
-            logits_BTV_local = F.linear(x, head)
+        column = fused_column if self.fused else column_linears
+        (logits_BTV_local,) = column(x, [head], sequence_parallel=self.sequence_parallel,
+                                     group=self.group,
+                                     keep_gathered_input=self.keep_gathered_input)
         if targets_BT is None:
             return logits_BTV_local
         return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group)

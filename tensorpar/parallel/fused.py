@@ -1,25 +1,34 @@
-"""The column side of a block as one autograd op, with its backward collective overlapped.
+"""The column side of a block as one autograd op, its backward collectives overlapped with compute.
 
-An opt-in variant of ``enter_tp_region`` followed by the block's column-parallel matmuls (Q, K and
-V; gate and up; the LM head), for the layers' ``fused=True``. Same parameters, same collectives,
-same numbers (to fp32 rounding) as the plain path::
+A variant of ``enter_tp_region`` followed by the block's column-parallel matmuls (Q, K and V; gate
+and up; the LM head), for the layers' ``fused=True``. Same parameters, same collectives, same
+numbers (to fp32 rounding) as the plain path::
 
     forward   x ──f (or SP all-gather)──> x_full ──> y_i = x_full W_i^T      for each weight i
-    backward  dx = sum_i dy_i W_i          (the input gradient, which the layers below wait for)
+              saved: x, or under SP only this rank's (B, T/n, D) shard of x_full
+    backward  SP: start all-gather(shard) -> x_full, asynchronously
+              dx = sum_i dy_i W_i          (the input gradient) while the all-gather runs
+              SP: wait
               start all-reduce(dx)         (or its reduce-scatter under SP), asynchronously
               dW_i = dy_i^T x_full         (the weight gradients) while the collective runs
               wait
 
-This is Megatron's overlap of the input-gradient all-reduce with the weight-gradient GEMM (its
-``LinearWithGradAccumulationAndAsyncCommunication``). In the plain path ``f``'s all-reduce runs
-after every matmul of the block's backward, so nothing hides it.
+This is Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``: under SP the gathered
+input is not kept for backward (Korthikanti et al. 2022, section 4.2.2: the column layers keep
+their sequence shard, so every activation of the block is 1/n of the unsharded model's) but
+gathered again, hidden behind the input-gradient matmul; the input-gradient collective is hidden
+behind the weight-gradient matmuls. ``keep_gathered_input=True`` keeps the gathered (B, T, D)
+instead: one all-gather fewer in backward, n times the memory for that tensor. In the plain path
+``f``'s all-reduce (or the SP reduce-scatter) runs after every matmul of the block's backward, so
+nothing hides it; under SP its matmuls are ``regathering_column``, which re-gathers the shard the
+same way (the plain path differs from this one only in the input-gradient collective).
 
 The matmuls themselves stay separate: concatenating the weights into one GEMM was measured slower
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
-The collective writes into ``dx``, a fresh tensor that nothing else references (autograd saved
-nothing of it), which keeps the rule that collectives never mutate what autograd holds.
+The collectives write into fresh tensors that nothing else references (``dx``, the re-gathered
+input), which keeps the rule that collectives never mutate what autograd holds.
 
 The row side (``fused_row``, without sequence parallelism) is the row matmul and its forward
 all-reduce (g) as one op: the partial product is made inside it, so it is reduced in place,
@@ -33,56 +42,89 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.mappings import SEQ_DIM, _all_gather, _reduce_scatter_single
+from tensorpar.parallel.mappings import _gather_sequence, _reduce_scatter_single
 from tensorpar.runtime.groups import tp_size
 
 
+def _split_params(has_bias, weights_and_biases):
+    """(weights, biases): has_bias[i] says whether weight i has a bias; those that exist follow
+    the weights (autograd Functions take tensors as flat arguments)."""
+    weights = list(weights_and_biases[:len(has_bias)])
+    present = iter(weights_and_biases[len(has_bias):])
+    return weights, [next(present) if h else None for h in has_bias]
+
+
 class _FusedColumn(torch.autograd.Function):
-    """forward: f (or the SP all-gather), then the matmuls; backward: all-reduce (or
+    """forward: f (or the SP all-gather), then the matmuls; backward: (SP: the all-gather of the
+    input shard again, overlapped with the input-gradient matmul, then) the all-reduce (or
     reduce-scatter) of the input gradient, overlapped with the weight-gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, x, group, sequence_parallel, has_bias, *weights_and_biases):
-        # has_bias[i]: weight i has a bias; the biases that exist follow the weights
-        weights = list(weights_and_biases[:len(has_bias)])
-        present = iter(weights_and_biases[len(has_bias):])
-        biases = [next(present) if h else None for h in has_bias]
+    def forward(ctx, x, group, sequence_parallel, keep_gathered, has_bias, *weights_and_biases):
+        weights, biases = _split_params(has_bias, weights_and_biases)
         n = tp_size(group)
-        x_full = x
-        if sequence_parallel and n > 1:  # (B, T/n, D) -> (B, T, D)
-            x_full = _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * n, group)
+        sp = sequence_parallel and n > 1
+        x_full = _gather_sequence(x, group) if sp else x  # (B, T/n, D) -> (B, T, D)
         ctx.x_dtype = x.dtype
         cast = _autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
-        ctx.save_for_backward(x_full, *weights)
-        ctx.group, ctx.sp, ctx.n, ctx.has_bias = group, sequence_parallel and n > 1, n, has_bias
+        ctx.regather = sp and not keep_gathered
+        # the shard, cast like x_full: gathering the cast shard gives the cast x_full exactly
+        ctx.save_for_backward(cast(x) if ctx.regather else x_full, *weights)
+        ctx.group, ctx.sp, ctx.n, ctx.has_bias = group, sp, n, has_bias
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
     def backward(ctx, *dys):
-        x_full, *weights = ctx.saved_tensors
-        B, T, D = x_full.shape
+        x_saved, *weights = ctx.saved_tensors
+        regathered = _gather_sequence(x_saved, ctx.group, async_op=True) if ctx.regather \
+            else None  # started first: it travels while dx is computed
+        (B, T), D = dys[0].shape[:2], weights[0].shape[1]
         work = None
         if ctx.sp:
             # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input needs:
             # rank r's sequence rows first, so no copy is made to reorder it
             dx_parts = _input_grad([dy.reshape(B, ctx.n, T // ctx.n, -1).transpose(0, 1)
                                     for dy in dys], weights, ctx.x_dtype)  # (n, B, T/n, D)
+            x_full = regathered() if regathered else x_saved  # waits for the all-gather
+            regathered = None  # frees the unordered buffer it held
             dx = dx_parts.new_empty((B, T // ctx.n, D))
             work = _reduce_scatter_single(dx, dx_parts.flatten(0, 1), group=ctx.group,
                                           async_op=True)
         else:
-            dx = _input_grad(dys, weights, ctx.x_dtype)  # (B, T, D)
+            dx, x_full = _input_grad(dys, weights, ctx.x_dtype), x_saved  # (B, T, D)
             if ctx.n > 1:
                 work = dist.all_reduce(dx, group=ctx.group, async_op=True)
-        # the weight gradients: computed while the collective is in flight
-        x_2d = x_full.reshape(-1, D)
-        dws = [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) for dy in dys]  # (out_i, D) each
-        dbs = [dy.reshape(-1, dy.shape[-1]).sum(0)
-               for dy, h in zip(dys, ctx.has_bias, strict=True) if h]
+        dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)  # while the collective is in flight
         if work is not None:
             work.wait()
+        return (dx, None, None, None, None, *dws, *dbs)
+
+
+class _RegatheringColumn(torch.autograd.Function):
+    """forward: the matmuls on the SP-gathered input, saving only this rank's shard of it;
+    backward: the all-gather of the shard again, overlapped with the input-gradient matmul."""
+
+    @staticmethod
+    def forward(ctx, x_full, x_shard, group, has_bias, *weights_and_biases):
+        weights, biases = _split_params(has_bias, weights_and_biases)
+        ctx.x_dtype = x_full.dtype
+        cast = _autocast_cast(x_full.device.type)  # as in _FusedColumn: autocast's linear
+        x_full = cast(x_full)
+        weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
+        ctx.save_for_backward(cast(x_shard), *weights)
+        ctx.group, ctx.has_bias = group, has_bias
+        return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x_shard, *weights = ctx.saved_tensors
+        wait = _gather_sequence(x_shard, ctx.group, async_op=True)
+        dx = _input_grad(dys, weights, ctx.x_dtype)  # (B, T, D): the gather's backward
+        x_full = wait()  # reduce-scatters it, after this op
+        del wait  # frees the unordered buffer it held
+        dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)
         return (dx, None, None, None, *dws, *dbs)
 
 
@@ -111,25 +153,56 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
     return dx
 
 
+def _weight_grads(dys, x_full, has_bias):
+    """dW_i = dy_i^T x_full (out_i, D) and, where a bias is, db_i = sum of dy_i over tokens."""
+    x_2d = x_full.reshape(-1, x_full.shape[-1])
+    dys_2d = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+    return ([dy.t().mm(x_2d) for dy in dys_2d],
+            [dy.sum(0) for dy, h in zip(dys_2d, has_bias, strict=True) if h])
+
+
+def _flat_params(weights, biases, n_weights: int):
+    biases = list(biases) if biases is not None else [None] * n_weights
+    if len(biases) != n_weights:
+        raise ValueError(f"{n_weights} weights but {len(biases)} biases")
+    has_bias = tuple(b is not None for b in biases)
+    return has_bias, list(weights) + [b for b in biases if b is not None]
+
+
 def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
                  biases: list[torch.Tensor | None] | None = None, *,
-                 sequence_parallel: bool = False,
-                 group: ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
+                 sequence_parallel: bool = False, group: ProcessGroup | None = None,
+                 keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(enter_tp_region(x), w_i, b_i) for i)`` as one autograd op whose backward
-    overlaps its collective with the weight-gradient matmuls.
+    overlaps its collectives with the matmuls.
 
     x: (B, T, D) replicated, or (B, T/n, D) under sequence parallelism.
     weights: column shards (out_i, D) of this rank; biases: their (out_i,) shards, None entries
     for weights without one (or None: no biases). Returns one (B, T, out_i) tensor per weight.
+    keep_gathered_input: under SP, keep the gathered (B, T, D) input for backward instead of the
+    shard (no all-gather in backward; n times the memory for it).
     """
     if x.dim() != 3:
         raise ValueError(f"fused_column: expected activations (B, T, D), got {tuple(x.shape)}")
-    biases = list(biases) if biases is not None else [None] * len(weights)
-    if len(biases) != len(weights):
-        raise ValueError(f"fused_column: {len(weights)} weights but {len(biases)} biases")
-    has_bias = tuple(b is not None for b in biases)
-    tensors = list(weights) + [b for b in biases if b is not None]
-    return _FusedColumn.apply(x, group, sequence_parallel, has_bias, *tensors)
+    try:
+        has_bias, tensors = _flat_params(weights, biases, len(weights))
+    except ValueError as e:
+        raise ValueError(f"fused_column: {e}") from None
+    return _FusedColumn.apply(x, group, sequence_parallel, keep_gathered_input, has_bias,
+                              *tensors)
+
+
+def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: list[torch.Tensor],
+                       biases: list[torch.Tensor | None] | None = None,
+                       group: ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(F.linear(x_full, w_i, b_i) for i)`` keeping only ``x_shard`` for backward.
+
+    x_full: (B, T, D), the all-gather of every rank's ``x_shard`` (B, T/n, D) (the output of
+    ``gather_from_sequence(x_shard)``, whose backward reduce-scatters the input gradient).
+    Backward gathers the shard again while it computes the input gradient (see above).
+    """
+    has_bias, tensors = _flat_params(weights, biases, len(weights))
+    return _RegatheringColumn.apply(x_full, x_shard.detach(), group, has_bias, *tensors)
 
 
 class _FusedRow(torch.autograd.Function):

@@ -8,7 +8,9 @@ Column parallel: W is split along its output features (weight dim 0, with the bi
 
     The input is replicated (f = copy_to_tp: identity forward, all-reduce backward) or, under
     sequence parallelism, all-gathered along the sequence. The output stays sharded on its last
-    dim, or is all-gathered when ``gather_output=True``.
+    dim, or is all-gathered when ``gather_output=True``. Under SP the layer keeps only this rank's
+    (B, T/n, in) shard of X for backward and all-gathers it again there, while dX = dY_i W_i
+    computes (``column_linears``; Korthikanti et al. 2022, as Megatron).
 
 Row parallel: W is split along its input features (weight dim 1)::
 
@@ -31,16 +33,36 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.fused import fused_row
+from tensorpar.parallel.fused import fused_row, regathering_column
 from tensorpar.parallel.grad_sync import sum_grads_in_backward
 from tensorpar.parallel.mappings import (
     enter_tp_region,
     exit_tp_region,
+    gather_from_sequence,
     gather_from_tp,
     scatter_to_tp,
 )
 from tensorpar.parallel.sharding import replicated_parameter, shard_range, sharded_parameter
 from tensorpar.runtime.groups import tp_rank, tp_size
+
+
+def column_linears(x: torch.Tensor, weights: list[torch.Tensor],
+                   biases: list[torch.Tensor | None] | None = None, *,
+                   sequence_parallel: bool = False, group: ProcessGroup | None = None,
+                   keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
+    """The plain column side of a block: Y_i = enter_tp_region(X) W_i^T + b_i for each weight.
+
+    x: (B, T, D), or (B, T/n, D) under SP, entering the TP region once for all the weights.
+    Under SP (n > 1) the matmuls keep only ``x``, this rank's shard, for backward and all-gather
+    it again there, overlapped with the input-gradient matmul (``fused.regathering_column``);
+    ``keep_gathered_input`` keeps the gathered (B, T, D) instead (one all-gather fewer in
+    backward, n times the memory for it). Each output is (B, T, out_i).
+    """
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    if sequence_parallel and tp_size(group) > 1 and not keep_gathered_input:
+        return regathering_column(gather_from_sequence(x, group), x, weights, biases, group)
+    x_tp = enter_tp_region(x, sequence_parallel, group)
+    return tuple(F.linear(x_tp, w, b) for w, b in zip(weights, biases, strict=True))
 
 
 def _check_splittable(features: int, n: int, what: str) -> None:
@@ -107,6 +129,8 @@ class ColumnParallelLinear(_ParallelLinear):
     group: the TP process group (None: the whole world).
     out_range: the rows of the dense weight this rank holds (default: its ``tensor_split`` shard);
         attention uses it to cut along head boundaries.
+    keep_gathered_input: under SP, keep the all-gathered (B, T, in) input for backward instead
+        of this rank's shard (see ``column_linears``).
     """
 
     split_dim = 0
@@ -123,10 +147,11 @@ class ColumnParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         out_range: tuple[int, int] | None = None,
+        keep_gathered_input: bool = False,
     ):
         super().__init__(in_features, out_features, bias, sequence_parallel, group, device, dtype,
                          out_range)
-        self.gather_output = gather_output
+        self.gather_output, self.keep_gathered_input = gather_output, keep_gathered_input
 
     @classmethod
     def from_dense(
@@ -137,11 +162,13 @@ class ColumnParallelLinear(_ParallelLinear):
         group: ProcessGroup | None = None,
         *,
         out_range: tuple[int, int] | None = None,
+        keep_gathered_input: bool = False,
     ) -> ColumnParallelLinear:
         """This rank's column shard of ``linear``; together the shards compute ``linear``."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     gather_output, sequence_parallel, group, device="meta",
-                    dtype=linear.weight.dtype, out_range=out_range)
+                    dtype=linear.weight.dtype, out_range=out_range,
+                    keep_gathered_input=keep_gathered_input)
         return layer.load_dense(linear.weight, linear.bias)
 
     @property
@@ -151,13 +178,16 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward_local(self, x_tp: torch.Tensor) -> torch.Tensor:
         """The sharded matmul on an input already in the TP region (after f or the SP gather).
 
-        Lets a block that feeds several column layers (QKV, gate and up) enter the region once.
+        Autograd keeps ``x_tp`` for backward: under SP the gathered input (``column_linears``,
+        which blocks feeding several column layers use, keeps the shard instead).
         """
         return F.linear(x_tp, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, "ColumnParallelLinear")
-        y = self.forward_local(enter_tp_region(x, self.sequence_parallel, self.group))
+        (y,) = column_linears(x, [self.weight], [self.bias], group=self.group,
+                              sequence_parallel=self.sequence_parallel,
+                              keep_gathered_input=self.keep_gathered_input)
         if self.gather_output:
             y = gather_from_tp(y, self.group, full_size=self.out_features)
         return y
@@ -165,7 +195,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(rows {self.shard_start}:{self.shard_stop} here), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+                + (", keep_gathered_input=True" if self.keep_gathered_input else ""))
 
 
 class RowParallelLinear(_ParallelLinear):

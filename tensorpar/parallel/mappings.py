@@ -81,9 +81,21 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     return out
 
 
-def _gather_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """All-gather of even sequence shards: (B, T/n, D) -> (B, T, D)."""
-    return _all_gather(x, SEQ_DIM, [x.shape[SEQ_DIM]] * tp_size(group), group)
+def _gather_sequence(x: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
+    """All-gather of even sequence shards: (B, T/n, D) -> (B, T, D), into a fresh buffer.
+
+    async_op: only start it and return ``wait``, which waits and returns the (B, T, D)."""
+    n, x = tp_size(group), x.contiguous()
+    gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo's layout: (n·B, T/n, D)
+    work = _all_gather_single(gathered, x, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        if x.shape[0] == 1:  # (n, T/n, D) is already (1, T, D) in memory
+            return gathered.view(1, -1, *x.shape[2:])
+        return torch.cat(gathered.view(n, *x.shape).unbind(0), SEQ_DIM)
+
+    return wait if async_op else wait()
 
 
 def _check_sequence(x: torch.Tensor, n: int, what: str) -> None:

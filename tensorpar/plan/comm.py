@@ -6,9 +6,13 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
 
     per block   forward: attention g + MLP g      2 all-reduces of N·D   (Megatron: 2 per layer)
                 backward: attention f + MLP f     2 all-reduces of N·D
-                SP: each all-reduce becomes an all-gather + a reduce-scatter of the same N·D
+                SP: each all-reduce becomes an all-gather + a reduce-scatter of the same N·D,
+                and backward all-gathers again the N/t·D input shard attention's and the MLP's
+                column side kept instead of the gathered input (Megatron; payload N·D in the
+                matmuls' dtype), unless ``keep_gathered_input``
     embedding   forward g (SP: reduce-scatter; its backward all-gather)
-    LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter backward)
+    LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter and the
+                re-gather of the kept shard backward)
     loss        1 all-gather of t·(N + 1) fp32 statistics (logsumexp per token, and the
                 vocab size), 1 all-reduce of N fp32 target logits
     grad norm   1 all-reduce of one fp32 scalar
@@ -17,12 +21,14 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
                 when some KV head is held by several ranks (fewer KV heads than ranks)
     recompute   each block's forward runs again in backward up to its last saved tensor: the
                 attention's exit and the MLP's entry (SP: all-gather) run again, not the MLP's
-                exit (non-reentrant checkpointing stops once every saved tensor is recomputed)
+                exit (non-reentrant checkpointing stops once every saved tensor is recomputed);
+                under SP the recomputed column side still re-gathers its shard in its backward
 
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
-master weights): the row layers' outputs (forward g) travel in bf16, input gradients in fp32
-(the residual stream stays fp32), loss statistics and weight gradients in fp32.
+master weights): the row layers' outputs (forward g) and the re-gathered input shards travel in
+bf16, input gradients in fp32 (the residual stream stays fp32), loss statistics and weight
+gradients in fp32.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ from tensorpar.transformer.attention import head_layout
 
 def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
-                   recompute: str = "none") -> dict:
+                   recompute: str = "none", keep_gathered_input: bool = False) -> dict:
     """Collectives of one step of tensorpar's GPT of ``spec`` (forward, backward, grad norm).
+
+    keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
+    (no re-gather there), as its ``keep_gathered_input`` option.
 
     Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
@@ -75,12 +84,17 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
     def enter_backward(source: str, calls: int) -> None:
         add(source, "backward", "reduce_scatter" if sp else "all_reduce", calls, act * 4)
 
+    def regather(source: str, calls: int) -> None:
+        if sp and not keep_gathered_input:  # the kept shard, cast to the matmuls' dtype
+            add(source, "backward", "all_gather", calls, act * out_b)
+
     exit_region("embedding", "forward", 1, 4)
     exit_backward("embedding", 1, 4)
     for part in ("attention", "mlp"):
         enter_region(f"{part} (x{L} blocks)", "forward", L)
         exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
         enter_backward(f"{part} (x{L} blocks)", L)
+        regather(f"{part} input re-gather (x{L} blocks)", L)
         exit_backward(f"{part} (x{L} blocks)", L, out_b)
     if recompute == "full":
         enter_region("recompute: attention", "backward", L)
@@ -88,6 +102,7 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
         enter_region("recompute: mlp entry", "backward", L)
     enter_region("LM head f", "forward", 1)
     enter_backward("LM head f", 1)
+    regather("LM head input re-gather", 1)
     add("loss statistics", "forward", "all_gather", 1, t * (N + 1) * 4)
     add("loss target logits", "forward", "all_reduce", 1, N * 4)
     if sp:

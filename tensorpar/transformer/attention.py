@@ -24,8 +24,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_column
 from tensorpar.parallel.grad_sync import sum_shared_shard_grads
-from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear, column_linears
 from tensorpar.parallel.sharding import shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.kv_cache import LayerKVCache
@@ -63,12 +62,16 @@ class ParallelSelfAttention(nn.Module):
     fused: Q, K and V as one autograd op whose backward all-reduce is overlapped with the
         weight-gradient matmuls, and the output projection reducing its product in place
         (``parallel/fused.py``); the same numbers and collectives.
+    keep_gathered_input: under SP, Q, K and V keep the all-gathered (B, T, dim) input for
+        backward; by default they keep this rank's (B, T/n, dim) shard and all-gather it again in
+        backward, overlapped with the input-gradient matmul (one more all-gather, 1/n the memory).
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, causal: bool = True,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 *, device=None, dtype=None, fused: bool = False):
+                 *, device=None, dtype=None, fused: bool = False,
+                 keep_gathered_input: bool = False):
         super().__init__()
         kv_heads = num_kv_heads or num_heads
         n, rank = tp_size(group), tp_rank(group)
@@ -80,7 +83,7 @@ class ParallelSelfAttention(nn.Module):
             head_dim = dim // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.causal, self.sequence_parallel, self.group = causal, sequence_parallel, group
-        self.fused = fused
+        self.fused, self.keep_gathered_input = fused, keep_gathered_input
         self.heads, self.kv_heads, self.kv_shared = (h0, h1), (k0, k1), shared
         hd, kw = head_dim, {"bias": bias, "group": group, "device": device, "dtype": dtype}
         self.q_proj = ColumnParallelLinear(dim, num_heads * hd, out_range=(h0 * hd, h1 * hd), **kw)
@@ -100,7 +103,7 @@ class ParallelSelfAttention(nn.Module):
     def from_dense(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
                    num_kv_heads: int | None = None, causal: bool = True,
                    sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                   fused: bool = False):
+                   fused: bool = False, keep_gathered_input: bool = False):
         """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
         kv_heads = num_kv_heads or num_heads
         head_layout(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
@@ -119,7 +122,7 @@ class ParallelSelfAttention(nn.Module):
                     f"num_heads={num_heads}, num_kv_heads={kv_heads}, head_dim={hd}")
         attn = cls(dim, num_heads, kv_heads, hd, bias=False, causal=causal,
                    sequence_parallel=sequence_parallel, group=group, device="meta",
-                   dtype=q.weight.dtype, fused=fused)
+                   dtype=q.weight.dtype, fused=fused, keep_gathered_input=keep_gathered_input)
         for mine, dense in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v),
                             (attn.o_proj, o)):
             mine.load_dense(dense.weight, dense.bias)
@@ -144,12 +147,10 @@ class ParallelSelfAttention(nn.Module):
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
         wk, wv, bk, bv = self._kv_params()
-        if self.fused:
-            q, k, v = fused_column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
-                                   sequence_parallel=self.sequence_parallel, group=self.group)
-        else:
-            x = enter_tp_region(x, self.sequence_parallel, self.group)  # (B, T, D): f
-            q, k, v = self.q_proj.forward_local(x), F.linear(x, wk, bk), F.linear(x, wv, bv)
+        column = fused_column if self.fused else column_linears  # f, then the Q, K, V matmuls
+        q, k, v = column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
+                         sequence_parallel=self.sequence_parallel, group=self.group,
+                         keep_gathered_input=self.keep_gathered_input)
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -178,4 +179,5 @@ class ParallelSelfAttention(nn.Module):
                 f"num_kv_heads={self.num_kv_heads} (kv heads {self.kv_heads[0]}:"
                 f"{self.kv_heads[1]} here{', shared' if self.kv_shared else ''}), "
                 f"head_dim={self.head_dim}, causal={self.causal}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (", keep_gathered_input=True" if self.keep_gathered_input else ""))

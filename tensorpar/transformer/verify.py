@@ -71,8 +71,12 @@ class ParallelBlock(nn.Module):
         return self.head(self.norm_f(h))  # (B, T, V_local): vocab-sharded logits
 
 
-def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool) -> dict:
-    """Collectives per rank the scheme prescribes for one forward and one backward of the block."""
+def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool,
+                         keep_gathered_input: bool = False) -> dict:
+    """Collectives per rank the scheme prescribes for one forward and one backward of the block.
+
+    keep_gathered_input: the column layers keep their SP-gathered input for backward (the
+    ``keep_gathered_input`` option of the layers) instead of re-gathering their shard there."""
     if n == 1:
         return {"forward": {}, "backward": {}}
     kv_shared = head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)[2]
@@ -84,9 +88,12 @@ def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool) -> d
     # forward: reduce-scatter in embedding, attention, MLP; all-gather in attention, MLP, head;
     #   loss: one all-gather + one all-reduce
     # backward: each of those swapped (3 all-gathers, 3 reduce-scatters), plus one all-reduce of
-    #   replicated-weight gradients per norm (3) and the shared-KV gradient sum
+    #   replicated-weight gradients per norm (3) and the shared-KV gradient sum; and the column
+    #   side of attention, MLP and head all-gathers the input shard it kept (3), as Megatron
+    regather = 0 if keep_gathered_input else 3
     return {"forward": {"all_reduce": 1, "all_gather": 4, "reduce_scatter": 3},
-            "backward": {"all_reduce": 3 + kv_shared, "all_gather": 3, "reduce_scatter": 3}}
+            "backward": {"all_reduce": 3 + kv_shared, "all_gather": 3 + regather,
+                         "reduce_scatter": 3}}
 
 
 def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,

@@ -19,13 +19,13 @@ def _sp_shards(sp):
     return (lambda t: shard(t, 1)) if sp else (lambda t: t)
 
 
-def _mlp_body(gated, bias, sp, fused=False):
+def _mlp_body(gated, bias, sp, fused=False, keep=False):
     torch.manual_seed(0)
     act = F.silu if gated else F.gelu
     dense = DenseMLP(D, 50, gated=gated, bias=bias, activation=act)  # 50: uneven over 3 and 4
     mlp = ParallelMLP.from_dense(dense.up, dense.down, dense.gate,
                                  activation="silu" if gated else "gelu", sequence_parallel=sp,
-                                 fused=fused)
+                                 fused=fused, keep_gathered_input=keep)
     return compare_module(dense, mlp, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp))
 
 
@@ -38,17 +38,18 @@ def test_parallel_mlp(ranks, n, gated, bias, sp, fused):
     exactly one all-reduce forward and one backward (one all-gather + one reduce-scatter each way
     under SP, plus the all-reduce of the replicated down-bias gradient when there is a bias).
     Fused (gate and up as one autograd op, the backward collective overlapped): the same numbers and
-    the same collectives."""
+    the same collectives. Under SP gate and up keep their input shard and all-gather it again in
+    backward: a second all-gather there."""
     results = ranks(n).run(_mlp_body, gated, bias, sp, fused)
     if n == 1:
         return counts_ok(results, {}, {})
     if not sp:
         return counts_ok(results, {"all_reduce": 1}, {"all_reduce": 1})
-    bwd = {"all_gather": 1, "reduce_scatter": 1} | ({"all_reduce": 1} if bias else {})
+    bwd = {"all_gather": 2, "reduce_scatter": 1} | ({"all_reduce": 1} if bias else {})
     counts_ok(results, {"all_gather": 1, "reduce_scatter": 1}, bwd)
 
 
-def _attention_body(heads, kv_heads, sp, causal, bias=False, fused=False):
+def _attention_body(heads, kv_heads, sp, causal, bias=False, fused=False, keep=False):
     """bias: True (all four projections), False, or a string naming the ones that have one."""
     torch.manual_seed(0)
     dense = DenseAttention(D, heads, kv_heads, head_dim=4, bias=bias is True, causal=causal)
@@ -58,7 +59,8 @@ def _attention_body(heads, kv_heads, sp, causal, bias=False, fused=False):
             proj.bias = torch.nn.Parameter(torch.randn(proj.out_features))
     attn = ParallelSelfAttention.from_dense(dense.q_proj, dense.k_proj, dense.v_proj,
                                             dense.o_proj, heads, kv_heads, causal=causal,
-                                            sequence_parallel=sp, fused=fused)
+                                            sequence_parallel=sp, fused=fused,
+                                            keep_gathered_input=keep)
     return compare_module(dense, attn, torch.randn(B, T, D), _sp_shards(sp), _sp_shards(sp),
                           zero_grads=("k_proj.bias",))
 
@@ -74,7 +76,8 @@ ATTENTION_LAYOUTS = [  # (heads, kv_heads): MHA, GQA, MQA, uneven heads
 def test_parallel_attention(ranks, n, heads, kv_heads, sp, fused):
     """Heads split across ranks (tensor_split over heads); KV heads shared by several ranks when
     there are fewer than ranks, their gradients summed with one all-reduce in backward. Fused
-    QKV (one autograd op, the backward collective overlapped): the same numbers and collectives."""
+    QKV (one autograd op, the backward collective overlapped): the same numbers and collectives.
+    Under SP, Q, K and V keep their input shard: one more all-gather in backward."""
     if heads < n:
         pytest.skip("fewer heads than ranks is refused: see test_attention_errors")
     results = ranks(n).run(_attention_body, heads, kv_heads, sp, True, False, fused)
@@ -82,7 +85,7 @@ def test_parallel_attention(ranks, n, heads, kv_heads, sp, fused):
         return counts_ok(results, {}, {})
     shared = head_layout(heads, kv_heads, n, 0)[2]
     fwd = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
-    bwd = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
+    bwd = {"all_gather": 2, "reduce_scatter": 1} if sp else {"all_reduce": 1}
     if shared:
         bwd["all_reduce"] = bwd.get("all_reduce", 0) + 1
     counts_ok(results, fwd, bwd)
@@ -112,9 +115,24 @@ def test_parallel_attention_with_biases(ranks, n, sp, fused):
     if n == 1:
         return counts_ok(results, {}, {})
     fwd = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
-    bwd = ({"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1})
+    bwd = ({"all_gather": 2, "reduce_scatter": 1} if sp else {"all_reduce": 1})
     bwd["all_reduce"] = bwd.get("all_reduce", 0) + head_layout(8, 2, n, 0)[2] + sp
     counts_ok(results, fwd, bwd)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("fused", [False, True])
+def test_keep_gathered_input(ranks, n, fused):
+    """keep_gathered_input=True under SP: the column side keeps the gathered input instead of
+    its shard, so the backward has no second all-gather; the numbers are the same (MLP with
+    uneven hidden shards, GQA attention with shared KV heads at 3 and 4 ranks)."""
+    mlp = ranks(n).run(_mlp_body, True, False, True, fused, True)
+    attn = ranks(n).run(_attention_body, 8, 2, True, True, False, fused, True)
+    if n == 1:
+        return counts_ok(mlp + attn, {}, {})
+    counts_ok(mlp, {"all_gather": 1, "reduce_scatter": 1}, {"all_gather": 1, "reduce_scatter": 1})
+    counts_ok(attn, {"all_gather": 1, "reduce_scatter": 1},
+              {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1})
 
 
 def test_head_layout_shares_kv_heads_only_when_needed():

@@ -7,9 +7,12 @@ import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.parallel.fused import fused_column
+from tensorpar.parallel.linear import column_linears
 from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.groups import tp_size
 
-from tp_check import assert_close
+from tests_common import WORLD_SIZES
+from tp_check import assert_close, leaf, shard
 
 CFG = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
 
@@ -33,7 +36,7 @@ def _fused_vs_plain_body(sp, n_kv_head, autocast):
     assert_close("loss", fused[0], plain[0], tol)
     for name, g in plain[1].items():
         assert_close(f"grad {name}", fused[1][name], g, tol if "norm" not in name else 5e-2)
-    assert fused[2:] == plain[2:], (fused[2:], plain[2:])  # same collectives, same bytes
+    assert fused[2:] == plain[2:], (fused[2:], plain[2:])  # same collectives and bytes
     return fused[2]
 
 
@@ -66,3 +69,53 @@ def test_fused_column_one_rank():
         fused_column(x[0], ws)
     with pytest.raises(ValueError, match="3 weights but 1 biases"):
         fused_column(x, ws, [bias])
+
+
+def _sp_column_body(batch, keep):
+    """fused_column and column_linears on a sequence shard against the dense matmuls."""
+    torch.manual_seed(0)
+    T, D, outs = 12, 10, (14, 5)  # 14 and 5 split unevenly over 3 and 4 ranks
+    x = torch.randn(batch, T, D)
+    ws = [torch.randn(o, D) for o in outs]
+    bias = torch.randn(outs[1])
+    grads = [torch.randn(batch, T, o) for o in outs]
+    ref_x, ref_ws, ref_b = leaf(x), [leaf(w) for w in ws], leaf(bias)
+    refs = [ref_x @ ref_ws[0].T, ref_x @ ref_ws[1].T + ref_b]
+    torch.autograd.backward(refs, grads)
+    counts, kept = {}, []
+
+    def pack(t):  # the sizes of what autograd keeps for backward (F.linear keeps 2-D views)
+        kept.append(t.numel())
+        return t
+
+    for name, op in (("fused", fused_column), ("plain", column_linears)):
+        xs, my_ws, my_b = leaf(shard(x, 1)), [leaf(shard(w, 0)) for w in ws], leaf(shard(bias, 0))
+        kept.clear()
+        with CollectiveCounter() as fwd, torch.autograd.graph.saved_tensors_hooks(
+                pack, lambda t: t):
+            ys = op(xs, my_ws, [None, my_b], sequence_parallel=True, keep_gathered_input=keep)
+        with CollectiveCounter() as bwd:
+            torch.autograd.backward(ys, [shard(g, -1) for g in grads])
+        assert (x.numel() in kept) == (keep or tp_size() == 1), (name, kept)  # x_full kept?
+        for y, ref in zip(ys, refs, strict=True):
+            assert_close(f"{name} output", y, shard(ref, -1))
+        assert_close(f"{name} input grad", xs.grad, shard(ref_x.grad, 1))
+        for w, ref_w in zip(my_ws, ref_ws, strict=True):
+            assert_close(f"{name} weight grad", w.grad, shard(ref_w.grad, 0))
+        assert_close(f"{name} bias grad", my_b.grad, shard(ref_b.grad, 0))
+        counts[name] = (dict(fwd.counts), dict(bwd.counts))
+    return counts
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("batch,keep", [(2, False), (1, False), (2, True)])
+def test_sequence_parallel_column_ops(ranks, n, batch, keep):
+    """Under SP the fused op and the plain path (column_linears) keep only the (B, T/n, D) input
+    shard for backward and all-gather it again there (B = 1 too, where the gathered buffer is
+    already in order): outputs and gradients equal the dense matmuls', with one all-gather
+    forward and one all-gather + one reduce-scatter backward; keep_gathered_input keeps the
+    gathered input and skips the backward all-gather."""
+    for counts in ranks(n).run(_sp_column_body, batch, keep):
+        want = (({}, {}) if n == 1 else
+                ({"all_gather": 1}, {"reduce_scatter": 1} | ({} if keep else {"all_gather": 1})))
+        assert counts == {"fused": want, "plain": want}, counts

@@ -13,10 +13,11 @@ from tp_check import compare_module, counts_ok, shard
 B, T, IN, OUT = 2, 12, 10, 14  # 10 and 14 split unevenly over 3 and 4 ranks
 
 
-def _column_body(bias, gather_output, sequence_parallel):
+def _column_body(bias, gather_output, sequence_parallel, keep_gathered_input=False):
     torch.manual_seed(0)
     dense = nn.Linear(IN, OUT, bias)
-    layer = ColumnParallelLinear.from_dense(dense, gather_output, sequence_parallel)
+    layer = ColumnParallelLinear.from_dense(dense, gather_output, sequence_parallel,
+                                            keep_gathered_input=keep_gathered_input)
     x = torch.randn(B, T, IN)
     return compare_module(
         dense, layer, x,
@@ -26,16 +27,20 @@ def _column_body(bias, gather_output, sequence_parallel):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("bias,gather_output,sp", [
-    (True, False, False), (False, True, False), (True, False, True), (True, True, True)])
-def test_column_parallel(ranks, n, bias, gather_output, sp):
+@pytest.mark.parametrize("bias,gather_output,sp,keep", [
+    (True, False, False, False), (False, True, False, False), (True, False, True, False),
+    (True, True, True, False), (True, False, True, True)])
+def test_column_parallel(ranks, n, bias, gather_output, sp, keep):
     """Y_i = X W_i^T + b_i on every rank equals the dense output's shard (or the whole output when
-    gathered); f costs one all-reduce in backward, or an all-gather/reduce-scatter pair under SP."""
-    results = ranks(n).run(_column_body, bias, gather_output, sp)
+    gathered); f costs one all-reduce in backward, or an all-gather/reduce-scatter pair under SP.
+    Under SP the layer keeps its input shard and all-gathers it again in backward (one more
+    all-gather), unless ``keep_gathered_input`` keeps the gathered input."""
+    results = ranks(n).run(_column_body, bias, gather_output, sp, keep)
     if n == 1:
         return counts_ok(results, {}, {})
     fwd = {"all_gather": 1 + gather_output} if sp else ({"all_gather": 1} if gather_output else {})
-    bwd = {"reduce_scatter": 1} if sp else {"all_reduce": 1}
+    bwd = ({"reduce_scatter": 1} | ({} if keep else {"all_gather": 1})) if sp else \
+        {"all_reduce": 1}
     counts_ok(results, fwd, bwd)
 
 

@@ -60,7 +60,8 @@ def test_gpt_matches_one_device(ranks, n, tied, sp, n_kv_head):
         bwd = {"all_reduce": 2 * L + 1 + shared}
     else:  # + norm weight grads (2 per block and the final norm) summed over sequence shards
         fwd = {"reduce_scatter": 2 * L + 1, "all_gather": 2 * L + 2, "all_reduce": 1}
-        bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1,
+        # the column ops (QKV, gate/up per block, the head) gather their input shard again
+        bwd = {"all_gather": 4 * L + 2, "reduce_scatter": 2 * L + 1,
                "all_reduce": 2 * L + 1 + shared}
     for r in results:
         assert (r["forward"], r["backward"]) == (fwd, bwd), r
