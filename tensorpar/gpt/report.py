@@ -125,8 +125,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
         if s.get("peak_memory"):
             planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                       recompute, cfg.fused, rank=r,
-                                       optimizer=optimizer)["total"]
+                                       recompute, cfg.fused, rank=r, optimizer=optimizer,
+                                       dropout=model_cfg.dropout > 0)["total"]
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
@@ -163,7 +163,8 @@ def _by_source(predicted: dict, sp: bool) -> str:
         parts[source] = parts.get(source, 0) + row["bytes"]
     minimum = ("Megatron's minimum: per layer 2 all-reduces of B·T·D each way"
                if not sp else "Megatron's minimum under SP: per layer 2 all-gathers + 2 "
-               "reduce-scatters of B·T·D each way, the ring bytes of the 4 all-reduces")
+               "reduce-scatters of B·T·D each way (the ring bytes of the 4 all-reduces), and in "
+               "backward each column op's input shard gathered again, as Megatron does")
     text = [f"{name} {human_bytes(b)}" + (f" ({minimum})" if name == "blocks" else "")
             for name, b in parts.items()]
     return " + ".join(text)

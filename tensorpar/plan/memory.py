@@ -80,12 +80,19 @@ def rank_params(spec: ModelSpec, tp: int, rank: int = 0) -> dict:
     n_tensors += spec.n_layer * (linears + 2 * (1 + (spec.norm == "layer")) + biases)
     return {"total": embed + head + spec.learned_pos * D + spec.n_layer * block + norm,
             "matmul": spec.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
-            "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors}
+            "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors, "block": block}
+
+
+def _block_copies(spec: ModelSpec, s: dict) -> int:
+    """The bf16 copies of one block's matmul weights that autocast makes and backward keeps."""
+    D, hd, hl, kvl, H = spec.dim, spec.head_dim, s["heads"], s["kv_heads"], s["hidden"]
+    return ((hl + 2 * kvl) * hd * D + hl * hd * D + (3 if spec.gated_mlp else 2) * H * D) * 2
 
 
 def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
-                 autocast: bool) -> int:
-    """Bytes one block keeps for backward on one rank. N tokens (B·T), Ns under SP (N/t)."""
+                 autocast: bool, dropout: bool = False, regather: bool = False) -> int:
+    """Bytes one block keeps for backward on one rank. N tokens (B·T), Ns under SP (N/t).
+    regather: under SP the column ops keep their input shard (all-gathered again in backward)."""
     D, hd = spec.dim, spec.head_dim
     hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
     resid = 2 * Ns * D * 4  # the residual stream after attention and after the MLP (fp32)
@@ -97,6 +104,8 @@ def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fu
     # unfused path under autocast casts it once per projection
     n_cols_attn, n_cols_mlp = (1, 1) if fused or not autocast else (3, 2 if spec.gated_mlp else 1)
     columns = (n_cols_attn + n_cols_mlp) * N * D * act
+    if regather:  # one shard per column op, cast once to the matmul dtype
+        columns = 2 * Ns * D * act
     q = N * hl * hd * act
     if s["kv_identity"]:  # k and v read directly: the rotated k and the projection's v
         kv = 2 * N * kvl * hd * act
@@ -104,11 +113,10 @@ def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fu
         kv = 2 * N * hl * hd * act
     attn = 2 * q + kv + q + B * hl * (N // B) * 4  # rotated q, k, v, output, o_proj input, lse
     mlp = (4 if spec.gated_mlp else 2) * N * H * act
-    if autocast:  # the bf16 copies of the block's matmul weights
-        weights = ((hl + 2 * kvl) * hd * D + hl * hd * D + (3 if spec.gated_mlp else 2) * H * D) * 2
-    else:  # fp32: the layers save the parameters themselves
-        weights = 0
-    return resid + norms + columns + attn + mlp + weights
+    # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
+    weights = _block_copies(spec, s) if autocast else 0
+    masks = 2 * Ns * D if dropout else 0  # the two residual branches' bool masks, 1 B each
+    return resid + norms + columns + attn + mlp + weights + masks
 
 
 def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
@@ -123,7 +131,8 @@ def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
 def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
                      sequence_parallel: bool = False, dtype: str = "fp32",
                      recompute: str = "none", fused: bool = True, rank: int = 0,
-                     optimizer: str = "fused") -> dict:
+                     optimizer: str = "fused", dropout: bool = False,
+                     keep_gathered_input: bool = False) -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
@@ -132,6 +141,11 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
     temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
     denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
+    dropout: the residual branches drop (a bool mask each is kept). keep_gathered_input: under SP
+    the column ops keep their gathered (B, T, D) input instead of their (B, T/n, D) shard.
+
+    "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
+    bf16 weight copies each moment includes (what Megatron-style bf16 weights replace).
     """
     if optimizer not in ADAMW:
         raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
@@ -145,9 +159,12 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     Ns = N // tp if sequence_parallel and tp > 1 else N
     weights, grads = 4 * p["total"], 4 * p["total"]
     states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
-    block = _block_saved(spec, s, N, Ns, B, act, fused, autocast)
+    regather = sequence_parallel and tp > 1 and not keep_gathered_input
+    block = _block_saved(spec, s, N, Ns, B, act, fused, autocast, dropout, regather)
+    block_copies = _block_copies(spec, s) if autocast else 0
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
-    final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + N * D * act
+    final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + \
+        (Ns if regather else N) * D * act  # the head's input
     head_copy = s["vocab"] * D * 2 if autocast else 0
     if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
         logits = N * s["vocab"] * 4
@@ -157,9 +174,9 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     rope = 4 * T * spec.head_dim
     tail = final_norm + head_copy + logits + loss
     if recompute == "full":  # each block keeps only its input (the checkpoint's)
-        blocks = L * Ns * D * 4
+        blocks, copies = L * Ns * D * 4, head_copy
     else:
-        blocks = L * block
+        blocks, copies = L * block, L * block_copies + head_copy
     activations = embed + blocks + tail + rope
     # the loss backward: the vocab-parallel loss builds its gradient in one fp32 buffer, in
     # place; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
@@ -167,19 +184,37 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     loss_bwd = (2 if tp == 1 else 1) * N * s["vocab"] * 4 + (N * s["vocab"] * 2 if autocast
                                                                else 0)
     peaks = {"loss backward": activations + loss_bwd}
+    in_copies = {"activations": copies, "loss backward": copies, "optimizer step": 0}
     # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
     # full recomputation also the recomputed block
     hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+    if regather:  # the column op's input, gathered again for its weight gradients
+        hidden_grads += N * D * act
     top = activations - tail + 4 * s["vocab"] * D + hidden_grads
+    in_copies["block backward"] = copies - head_copy
     if recompute == "full":
-        top += block - Ns * D * 4
+        # inside the recomputed block's MLP backward (measured: tests/plan/test_plan_modes.py):
+        # the block's saved tensors are back, less its input (a checkpointed input already) and
+        # the SwiGLU product, which down's backward has consumed; one gradient of the width
+        # is in flight, not two; and the embedding's output is block 0's checkpointed input,
+        # not a tensor of its own
+        top += (block - Ns * D * 4 - N * s["hidden"] * act - N * D * 4 - Ns * D * 4)
+        in_copies["block backward"] += block_copies
+    # that is the last block's backward (L blocks' activations, no block gradient yet); at the
+    # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
+    kept = Ns * D * 4 if recompute == "full" else block
+    first = top + (L - 1) * (4 * p["block"] - kept)
+    if first > top:
+        top = first
+        if recompute != "full":
+            in_copies["block backward"] -= (L - 1) * block_copies
     peaks["block backward"] = top
     optimizer_peak = grads + adamw_temporaries(optimizer, p["total"], p["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
     return {"weights": weights, "grads": grads, "optimizer": states,
             "activations": activations, "peak_extra": peaks[where], "peak_at": where,
-            "total": weights + states + peaks[where]}
+            "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies}
 
 
 def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
@@ -201,7 +236,7 @@ def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
 def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
                 device_memory: float | None = None, reserve: float = 0.10,
-                optimizer: str = "fused") -> dict:
+                optimizer: str = "fused", dropout: bool = False) -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
     optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). Weights,
@@ -221,22 +256,23 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,
-                           optimizer=optimizer)
+                           optimizer=optimizer, dropout=dropout)
     params = rank_params(spec, tp)
     p = params["total"]
     weights, grads, states = mem["weights"], mem["grads"], mem["optimizer"]
-    activations, moment = mem["activations"], mem["peak_extra"]
+    activations, moment, peak_at = mem["activations"], mem["peak_extra"], mem["peak_at"]
     if dtype == "bf16":
         # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
-        # moments as tensorpar's autocast, less autocast's bf16 weight copies (the bf16 weights
-        # replace them) and with half-size gradients at the optimizer step. An estimate: the
-        # activations are autocast's (fp32 residual stream and norms), a little above a fully
-        # bf16 model's.
-        copies = 2 * params["matmul"]
+        # moments as tensorpar's autocast, less the bf16 weight copies each of them holds (the
+        # bf16 weights replace them) and with half-size gradients at the optimizer step. An
+        # estimate: the activations are autocast's (fp32 residual stream and norms), a little
+        # above a fully bf16 model's.
         weights, grads, states = 2 * p, 2 * p, 12 * p + 4 * params["tensors"]
-        activations = max(activations - copies, 0)
-        moment = (moment - mem["grads"] + grads if mem["peak_at"] == "optimizer step"
-                  else moment - copies)
+        activations -= mem["copies"]["activations"]
+        peaks = {k: v - mem["copies"][k] for k, v in mem["peaks"].items()}
+        peaks["optimizer step"] += grads - mem["grads"]
+        peak_at = max(peaks, key=peaks.get)
+        moment = peaks[peak_at]
     # gradients are allocated during backward and freed after the step, activations freed
     # during backward: they never peak together, so the total is weights + optimizer states +
     # the largest moment of the step (loss backward, a block's backward, the optimizer step)
@@ -244,7 +280,7 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     row = {"model": spec.name, "tp": tp, "dtype": dtype, "sequence_parallel": sequence_parallel,
            "recompute": recompute, "batch": batch, "seq": seq,
            "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": states,
-           "activations": activations, "peak_bytes": moment, "peak_at": mem["peak_at"],
+           "activations": activations, "peak_bytes": moment, "peak_at": peak_at,
            "activations_paper": paper_activations(spec, tp, batch, seq, sequence_parallel,
                                                   recompute),
            "total": total}
