@@ -6,6 +6,7 @@ Each contender is a ``setup(spec, state, group) -> step`` run on every rank of i
     name               ranks  threads  pool                what it is
     tensorpar          tp     1        the TP pool         tensorpar's GPT (fused, overlapped)
     tensorpar-sp       tp     1        the TP pool         the same with sequence parallelism
+    tensorpar-sp-keep  tp     1        the TP pool         SP, keep_gathered_input=True
     tensorpar-unfused  tp     1        the TP pool         fused=False: plain layers, no overlap
     tensorpar-tp1      1      1        a one-rank pool     GPT at TP=1 (vs dense-1t: its overhead)
     dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
@@ -45,9 +46,10 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:
 
 
 def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
-                    sequence_parallel: bool = False, fused: bool = True) -> StepFn:
+                    sequence_parallel: bool = False, fused: bool = True,
+                    keep_gathered_input: bool = False) -> StepFn:
     """tensorpar's GPT on ``group``, each rank loading its slice of the dense weights."""
-    kwargs = {}
+    kwargs = {"keep_gathered_input": True} if keep_gathered_input else {}
     if "fused" in inspect.signature(GPT).parameters:
         kwargs["fused"] = fused
     elif not fused:
@@ -195,6 +197,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="tensorpar GPT (fused: overlapped backward all-reduce)"),
     Contender("tensorpar-sp", partial(setup_tensorpar, sequence_parallel=True), "tp",
               about="tensorpar GPT with sequence parallelism"),
+    Contender("tensorpar-sp-keep", partial(setup_tensorpar, sequence_parallel=True,
+                                           keep_gathered_input=True), "tp",
+              about="tensorpar-sp keeping the gathered column inputs (no backward re-gather)"),
     Contender("tensorpar-unfused", partial(setup_tensorpar, fused=False), "tp",
               about="tensorpar GPT with the plain layers (fused=False)"),
     Contender("tensorpar-tp1", partial(setup_tensorpar), 1,

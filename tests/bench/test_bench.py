@@ -14,9 +14,9 @@ from tensorpar.bench.spec import BenchSpec, batch
 
 TINY = BenchSpec(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=256, seq_len=16,
                  batch_size=2)
-# every contender but megatron (tests/test_bench_megatron.py)
-NAMES = ["tensorpar", "tensorpar-sp", "tensorpar-unfused", "tensorpar-tp1", "dtensor",
-         "dtensor-sp", "dense-1t", "dense-Nt"]
+# every contender but megatron (tests/bench/test_bench_megatron.py)
+NAMES = ["tensorpar", "tensorpar-sp", "tensorpar-sp-keep", "tensorpar-unfused", "tensorpar-tp1",
+         "dtensor", "dtensor-sp", "dense-1t", "dense-Nt"]
 ONE_RANK = ("tensorpar-tp1", "dense-1t", "dense-Nt")
 
 
