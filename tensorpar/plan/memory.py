@@ -198,7 +198,9 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
         # the SwiGLU product, which down's backward has consumed; one gradient of the width
         # is in flight, not two; and the embedding's output is block 0's checkpointed input,
         # not a tensor of its own
-        top += (block - Ns * D * 4 - N * s["hidden"] * act - N * D * 4 - Ns * D * 4)
+        block_input = embed_output = Ns * D * 4
+        swiglu_product, second_width_grad = N * s["hidden"] * act, N * D * 4
+        top += block - block_input - swiglu_product - second_width_grad - embed_output
         in_copies["block backward"] += block_copies
     # that is the last block's backward (L blocks' activations, no block gradient yet); at the
     # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
