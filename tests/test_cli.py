@@ -1,5 +1,7 @@
-"""``tensorpar verify`` end to end, as a user runs it: spawned ranks and torchrun."""
+"""``tensorpar verify`` end to end, as a user runs it: spawned ranks and torchrun; and the help
+of every subcommand."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -60,3 +62,30 @@ def test_verify_reports_a_mismatch():
     extra = {**good, "counts": {"forward": {"all_reduce": 5, "all_gather": 1},
                                 "backward": {"all_reduce": 3}}}
     assert not report([extra, good], cfg, 2, False)
+
+
+def _subparsers():
+    from tensorpar.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "export", "verify", "plan", "bench"])
+def test_every_flag_has_plain_help_with_its_default(command):
+    """Each flag of each subcommand says what it does and its default (or that it is required),
+    in plain text: no reST markup, which argparse would print as is."""
+    p = _subparsers()[command]
+    texts = [p.description or "", p.epilog or ""]
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        flag = "/".join(action.option_strings)
+        assert action.help, f"{command} {flag} has no help"
+        text = action.help % {"default": action.default} if "%(" in action.help else action.help
+        assert "default" in text or "required" in text, f"{command} {flag}: {text}"
+        texts.append(text)
+    for text in texts:
+        for markup in ("``", "::", ":class:", ":func:", ":mod:"):
+            assert markup not in text, f"{command}: {markup} in {text!r}"

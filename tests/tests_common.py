@@ -3,3 +3,31 @@ WORLD_SIZES = [1, 2, 3, 4]
 # torch.optim.AdamW's keyword for each implementation the planner names (plan.memory.ADAMW)
 ADAMW_OPTIONS = {"fused": {"fused": True}, "foreach": {"foreach": True},
                  "for-loop": {"foreach": False}}
+
+# the smallest GPT the CLI trains in a few seconds (one block, width 32)
+TINY_GPT = ["--n-layer", "1", "--dim", "32", "--n-head", "4", "--n-kv-head", "1", "--seq-len",
+            "32", "--batch-size", "4", "--warmup-steps", "3", "--seed", "2"]
+
+
+def cli_env() -> dict:
+    """This environment without what a surrounding torchrun would set."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+
+
+def tensorpar_cli(*args, timeout: float = 300):
+    """``python -m tensorpar ARGS`` as a user runs it; the CompletedProcess (text)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=cli_env())
+
+
+def read_metrics(run) -> list[dict]:
+    """The rows of ``RUN/metrics.jsonl``."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

@@ -56,6 +56,13 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def remove_unfinished(run_dir: str | Path) -> None:
+    """Delete the hidden ``.step-N.tmp/`` directories that saves which were killed left behind
+    (they are never read as checkpoints)."""
+    for stale in Path(run_dir).glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
                     optimizer: torch.optim.Optimizer | None = None,
                     group: ProcessGroup | None = None, meta: dict | None = None,
@@ -66,8 +73,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
     if rank == 0:
-        for stale in run_dir.glob(".step-*.tmp"):  # left by saves that were killed
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_unfinished(run_dir)
         tmp.mkdir(parents=True)
     _barrier(group)
     tensors = {}

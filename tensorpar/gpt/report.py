@@ -30,20 +30,26 @@ class Metrics:
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
-        kept = []
-        if resume_step and path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a kill
-                    continue
-                if row.get("step", 0) <= resume_step:
-                    kept.append(row)
+        kept = [r for r in self.read(path) if r.get("step", 0) <= resume_step] \
+            if resume_step else []
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
         self.rows = kept
         self._f = open(path, "a")
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        """The rows of a ``metrics.jsonl`` (none if it is missing); a line cut short by a kill
+        is skipped."""
+        rows = []
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
 
     def write(self, row: dict) -> None:
         self.rows.append(row)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.checkpoint.format import find_checkpoint
-from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
+from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.data import ByteTokenizer, TokenBatches, load_text
 from tensorpar.gpt.model import GPT, GPTConfig
@@ -42,7 +41,7 @@ from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
-from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.stopping import StopRequest, signal_name
 
 # how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest
 RNG_SCHEME = "hashed"
@@ -61,7 +60,11 @@ class TrainConfig:
     seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int = dataclasses.field(default=20, metadata={
-        "help": "linear warmup, then cosine decay to lr/10 at --steps"})
+        "help": "linear warmup, then cosine decay to lr/10 at --lr-decay-steps"})
+    lr_decay_steps: int | None = dataclasses.field(default=None, metadata={
+        "help": "the step where the cosine decay reaches lr/10 (constant after); stored with "
+                "the run, so a resume with another --steps keeps the original schedule",
+        "default": "--steps"})
     weight_decay: float = dataclasses.field(default=0.1, metadata={
         "help": "AdamW weight decay (matrices and embeddings; not norms)"})
     grad_clip: float = dataclasses.field(default=1.0, metadata={
@@ -70,7 +73,7 @@ class TrainConfig:
     dtype: str = dataclasses.field(default="fp32", metadata={
         "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
     data: str | None = dataclasses.field(default=None, metadata={
-        "help": "a UTF-8 text file (default: Python's help topics, pydoc_data)"})
+        "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
     out: str = dataclasses.field(default="runs/gpt", metadata={
         "help": "run directory: checkpoints, metrics.jsonl, loss.png"})
     resume: bool = dataclasses.field(default=False, metadata={
@@ -84,8 +87,8 @@ class TrainConfig:
                 "(parallel/fused.py)"})
 
     def check(self) -> None:
-        for flag in ("tp", "steps", "batch_size", "seq_len", "save_every"):
-            if getattr(self, flag) < 1:
+        for flag in ("tp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
+            if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, flag) >= 0:
@@ -100,10 +103,12 @@ class TrainConfig:
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to lr/10 at ``steps``."""
+    """Linear warmup over ``warmup_steps``, then cosine decay to lr/10 at ``lr_decay_steps``
+    (``steps`` when unset), constant after."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    horizon = cfg.lr_decay_steps or cfg.steps
+    frac = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
@@ -117,8 +122,17 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                group=None) -> dict:
-    """The training loop of one rank. Returns what the run measured (on every rank)."""
+    """The training loop of one rank. Returns what the run measured (on every rank).
+
+    A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in
+    flight (the first, if it came during setup) with a checkpoint (``runtime/stopping.py``)."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    with StopRequest(group, device_for(group)) as stop:
+        return _train(cfg, model_cfg, resume_from, group, stop)
+
+
+def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, group,
+           stop: StopRequest) -> dict:
     rank, device = tp_rank(group), device_for(group)
     text, label = load_text(cfg.data)
     batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -153,35 +167,45 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                                     "epoch": round(batches.epoch_of(step), 4)}
         save_checkpoint(out, step, model, layout, opt, group, meta)
 
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = learning_rate(cfg, step)
-        x, y = (t.to(device) for t in batches.batch(step))
-        model.rng.set_step(step)
-        measure = step == measured_step
-        counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure else (None, None)
-        with counter or nullcontext(), meter or nullcontext():
-            with autocast:
-                loss = model(x, y)
-            loss.backward()
-            norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if measure:
-            comm = {k: dict(getattr(counter, k)) for k in comm}
-            peak_memory = meter.peak_bytes
-        loss_value = loss.item()
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step + 1}")
-        if rank == 0:
-            metrics.write({"step": step + 1, "loss": loss_value, "lr": learning_rate(cfg, step),
-                           "grad_norm": norm.item(), "tokens_per_s": tokens / dt,
-                           "step_time_s": dt})
-            progress.update(step + 1, loss_value, tokens / dt)
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save(step + 1)
+    stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = learning_rate(cfg, step)
+            x, y = (t.to(device) for t in batches.batch(step))
+            model.rng.set_step(step)
+            measure = step == measured_step
+            counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure \
+                else (None, None)
+            with counter or nullcontext(), meter or nullcontext():
+                with autocast:
+                    loss = model(x, y)
+                loss.backward()
+                norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if measure:
+                comm = {k: dict(getattr(counter, k)) for k in comm}
+                peak_memory = meter.peak_bytes
+            loss_value = loss.item()
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {step + 1}")
+            if rank == 0:
+                metrics.write({"step": step + 1, "loss": loss_value,
+                               "lr": learning_rate(cfg, step), "grad_norm": norm.item(),
+                               "tokens_per_s": tokens / dt, "step_time_s": dt})
+                progress.update(step + 1, loss_value, tokens / dt)
+            signum = stop.agreed()  # the same on every rank: all stop after this step
+            if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                save(step + 1)
+            if signum:
+                stopped = (signum, step + 1)
+                break
+    finally:
+        if progress is not None:
+            progress.close()  # also when interrupted: the terminal gets its cursor back
     # on CPU the token data is tensor memory of the same device, which the meter counts too
     data_bytes = batches.tokens.nbytes if device.type == "cpu" else 0
     mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "data_bytes": data_bytes}
@@ -189,82 +213,24 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
     if tp_size(group) > 1:
         sizes = [None] * tp_size(group)
         dist.all_gather_object(sizes, mine, group=group)
-    result = {"rank": rank, "sizes": sizes, "comm": comm, "start": start}
+    result = {"rank": rank, "sizes": sizes, "comm": comm, "start": start,
+              "stopped": None if stopped is None else {"signal": signal_name(stopped[0]),
+                                                       "signum": stopped[0],
+                                                       "step": stopped[1]}}
     if rank == 0:
-        progress.close()
         metrics.close()
         if metrics.rows:
             plot_loss(metrics.rows, out / "loss.png",
                       f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
-        progress.console.print(summary(ran, sizes, comm, cfg, model_cfg, implementation(opt)))
-        progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
-                               f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
+        if stopped is not None:
+            print(f"tensorpar train: stopped by {signal_name(stopped[0])} after step "
+                  f"{stopped[1]}; saved {find_checkpoint(out)}; resume with: tensorpar train "
+                  f"--resume --out {out}", file=sys.stderr, flush=True)
+        else:
+            progress.console.print(summary(ran, sizes, comm, cfg, model_cfg,
+                                           implementation(opt)))
+            progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
+                                   f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
     return result
-
-
-def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig, str | None]:
-    """Merge explicit flags with the checkpoint being resumed and the defaults; validate.
-
-    On resume, the model comes from the checkpoint (a model flag that disagrees is an error) and
-    training settings default to the checkpoint's, so the resumed run repeats the original.
-    Explicit flags still win for the settings that may change (steps, tp, ...).
-    """
-    explicit = {k: v for k, v in train_args.items() if v is not None}
-    resume_from = None
-    saved_train, saved_model = {}, {}
-    if explicit.get("resume"):
-        out = explicit.get("out", TrainConfig.out)
-        ckpt = find_checkpoint(out)
-        if ckpt is not None:
-            manifest = CheckpointReader(ckpt).manifest
-            resume_from, saved_model = str(ckpt), manifest["config"]
-            scheme = manifest.get("rng", {}).get("scheme")
-            if scheme != RNG_SCHEME:
-                print(f"tensorpar train: note: {ckpt} was written with random streams seeded by "
-                      f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
-                      "other batches and dropout masks than the original would have",
-                      file=sys.stderr)
-            saved_train = {k: v for k, v in manifest["train"].items()
-                           if k not in ("resume", "out")}
-            for k, v in model_args.items():
-                if k == "hidden_dim" and v == 0:  # 0 means "the default for dim"
-                    continue
-                if v is not None and saved_model.get(k) != v:
-                    raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
-                                     f"{ckpt} ({k}={saved_model.get(k)})")
-    elif find_checkpoint(explicit.get("out", TrainConfig.out)) is not None:
-        raise ValueError(f"{explicit.get('out', TrainConfig.out)} already holds checkpoints: pass "
-                         "--resume to continue that run, or choose another --out")
-    changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype")
-               if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
-    if changed:
-        print(f"tensorpar train: note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
-              "differ from the checkpoint's; the resumed run is not an exact continuation",
-              file=sys.stderr)
-    cfg = TrainConfig(**(saved_train | explicit))
-    model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
-                                             if v is not None}))
-    cfg.check()
-    model_cfg.check(cfg.tp)
-    if model_cfg.vocab_size != ByteTokenizer.vocab_size:
-        raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
-                         f"{ByteTokenizer.vocab_size}")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise ValueError(f"--out {cfg.out} is a file, not a directory")
-    text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
-    if len(ByteTokenizer().encode(text)) < cfg.seq_len + 1:
-        raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
-    if resume_from is not None:
-        CheckpointReader(resume_from).verify()  # a corrupted file too
-    return cfg, model_cfg, resume_from
-
-
-def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> list | None:
-    """Spawn ``cfg.tp`` local ranks, or, under torchrun, be one of its ranks."""
-    world = int(os.environ.get("WORLD_SIZE", cfg.tp))
-    if "TORCHELASTIC_RUN_ID" in os.environ and world != cfg.tp:
-        raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}; "
-                         "tensorpar train runs one TP group (world size = --tp)")
-    return run_ranks(train_rank, cfg.tp, cfg, model_cfg, resume_from)

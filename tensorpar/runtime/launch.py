@@ -11,6 +11,11 @@ Failure handling, so that nothing hangs:
   ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
 - a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool;
 - ranks exit when the process that started them dies (``kill PID``), so none is left behind.
+
+Signals: the ranks ignore Ctrl-C (SIGINT); the launcher takes it (``KeyboardInterrupt``) and
+stops them, so a terminal's Ctrl-C, which reaches every process, ends with no per-rank
+traceback. ``launch(..., forward_signals=...)`` passes the first such signal (a training run's
+SIGTERM) on to the ranks and lets them finish; a second signal, or Ctrl-C, stops them at once.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from tensorpar.runtime.stopping import forwarding
 
 
 class RankError(RuntimeError):
@@ -64,6 +71,7 @@ def _exit_with_parent(parent: int) -> None:
 def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
             parent: int):
     _exit_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -135,8 +143,16 @@ class RankPool:
             )
             for r in range(nprocs)
         ]
-        for p in self._procs:
-            p.start()
+        # started with Ctrl-C ignored, which a new process inherits: a Ctrl-C while a rank still
+        # imports is the launcher's alone too
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         self._closed = False
         self._collect(timeout_s)  # every rank reports "ready" once its process group is up
 
@@ -174,6 +190,15 @@ class RankPool:
             raise RankError(_report(got, None))
         return [got[r][1] for r in range(self.nprocs)]
 
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every rank still running."""
+        for p in self._procs:
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
     def close(self, force: bool = False) -> None:
         """Stop every rank: politely (destroy the process group) unless ``force``."""
         if self._closed:
@@ -205,19 +230,25 @@ def _report(got: dict[int, tuple[bool, Any]], why: str | None) -> str:
     return "\n".join(lines)
 
 
-def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any] | None:
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
+              forward_signals: tuple[int, ...] = ()) -> list[Any] | None:
     """Run ``fn(*args, group=...)`` on ``nprocs`` ranks: spawn them, or, under torchrun, be one of
     them. Returns every rank's result in rank order (under torchrun, gathered to rank 0; the
-    other ranks get None)."""
+    other ranks get None). ``forward_signals``: see :func:`launch` (under torchrun, torchrun
+    itself passes its signals on to every rank)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return launch(fn, nprocs, *args)
+        return launch(fn, nprocs, *args, forward_signals=forward_signals)
     import torch.distributed as dist
 
     from tensorpar.runtime.groups import init_tensor_parallel, tp_rank, tp_size
 
     group = init_tensor_parallel(nprocs)
     try:
-        result = fn(*args, group=group)
+        try:
+            result = fn(*args, group=group)
+        except ValueError as e:  # this rank's own error: it says so itself (see cli.main)
+            e.rank = tp_rank(group)
+            raise
         results = [None] * tp_size(group)
         dist.all_gather_object(results, result, group=group)
         return results if tp_rank(group) == 0 else None
@@ -226,9 +257,10 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any] | No
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
-           **kwargs: Any) -> list[Any]:
+           forward_signals: tuple[int, ...] = (), **kwargs: Any) -> list[Any]:
     """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results.
 
-    timeout_s: the longest the job may run (None: no limit, as for a training run)."""
-    with RankPool(nprocs, timeout_s=timeout_s) as pool:
+    timeout_s: the longest the job may run (None: no limit, as for a training run).
+    forward_signals: signals passed on to the ranks once (the ranks handle them), see above."""
+    with RankPool(nprocs, timeout_s=timeout_s) as pool, forwarding(pool, forward_signals):
         return pool.run(fn, *args, **kwargs)

@@ -1,0 +1,151 @@
+"""Starting a training run from the command line: the flags merged with the run being resumed
+(:func:`resolve`), the ranks launched (:func:`run_train`), and one line on how a run that was
+stopped early ended.
+
+Resuming keeps the run's settings, its learning-rate schedule included (``--lr-decay-steps``,
+stored in the manifest), so ``--steps 400`` then ``--resume --steps 800`` repeats one run of
+``--steps 800 --lr-decay-steps 400`` step for step.
+
+Stopping: SIGTERM or SIGUSR1 (a cluster's preemption) finishes the step in flight, saves and exits
+with 128 + the signal; Ctrl-C, or a second signal, stops every rank at once (exit 130) and says
+which checkpoint is left and how to resume.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.checkpoint.load import CheckpointReader
+from tensorpar.checkpoint.save import remove_unfinished
+from tensorpar.gpt.data import ByteTokenizer, load_text
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.gpt.report import Metrics
+from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_rank
+from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, signal_name
+
+
+def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig, str | None]:
+    """Merge explicit flags with the checkpoint being resumed and the defaults; validate.
+
+    On resume, the model comes from the checkpoint (a model flag that disagrees is an error) and
+    training settings default to the checkpoint's, so the resumed run repeats the original.
+    Explicit flags still win for the settings that may change (steps, tp, ...).
+    """
+    explicit = {k: v for k, v in train_args.items() if v is not None}
+    resume_from = None
+    saved_train, saved_model = {}, {}
+    out = explicit.get("out", TrainConfig.out)
+    if explicit.get("resume"):
+        if not Path(out).is_dir():
+            raise ValueError(f"--resume: {out} does not exist, so there is no run to resume "
+                             "(check --out, or leave out --resume to start a new run)")
+        ckpt = find_checkpoint(out)
+        if ckpt is not None:
+            manifest = CheckpointReader(ckpt).manifest
+            resume_from, saved_model = str(ckpt), manifest["config"]
+            scheme = manifest.get("rng", {}).get("scheme")
+            if scheme != RNG_SCHEME:
+                print(f"tensorpar train: note: {ckpt} was written with random streams seeded by "
+                      f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
+                      "other batches and dropout masks than the original would have",
+                      file=sys.stderr)
+            saved_train = {k: v for k, v in manifest["train"].items()
+                           if k not in ("resume", "out")}
+            # runs saved before --lr-decay-steps existed decayed over their --steps
+            saved_train["lr_decay_steps"] = saved_train.get("lr_decay_steps") \
+                or saved_train["steps"]
+            for k, v in model_args.items():
+                if k == "hidden_dim" and v == 0:  # 0 means "the default for dim"
+                    continue
+                if v is not None and saved_model.get(k) != v:
+                    raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
+                                     f"{ckpt} ({k}={saved_model.get(k)})")
+    elif find_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds checkpoints: pass --resume to continue that run, "
+                         "or choose another --out")
+    elif (Path(out) / "metrics.jsonl").exists():
+        raise ValueError(f"{out} holds the metrics.jsonl of an earlier run (no checkpoint): "
+                         "pass --resume to start that run over, or choose another --out")
+    changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype", "warmup_steps",
+                           "lr_decay_steps")
+               if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
+    if changed:
+        print(f"tensorpar train: note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
+              "differ from the checkpoint's; the resumed run is not an exact continuation",
+              file=sys.stderr)
+    cfg = TrainConfig(**(saved_train | explicit))
+    if cfg.lr_decay_steps is None:  # a new run: decay over its --steps, stored in its manifest
+        cfg.lr_decay_steps = cfg.steps
+    elif ("steps" in explicit and explicit["steps"] != saved_train.get("steps")
+          and "lr_decay_steps" not in explicit):
+        print(f"tensorpar train: note: keeping the run's learning-rate schedule (cosine decay to "
+              f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
+              "change it", file=sys.stderr)
+    model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
+                                             if v is not None}))
+    cfg.check()
+    model_cfg.check(cfg.tp)
+    if model_cfg.vocab_size != ByteTokenizer.vocab_size:
+        raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
+                         f"{ByteTokenizer.vocab_size}")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
+    if len(ByteTokenizer().encode(text)) < cfg.seq_len + 1:
+        raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
+    if resume_from is not None:
+        CheckpointReader(resume_from).verify()  # a corrupted file too
+    return cfg, model_cfg, resume_from
+
+
+def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> int:
+    """Spawn ``cfg.tp`` local ranks, or, under torchrun, be one of its ranks. Returns the exit
+    status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.tp))
+    if "TORCHELASTIC_RUN_ID" in os.environ and world != cfg.tp:
+        raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}: start "
+                         f"{cfg.tp} in all (torchrun --nproc-per-node {cfg.tp}), or pass "
+                         f"--tp {world} (tensorpar train runs one TP group: world size = --tp)")
+    if resume_from is not None:
+        done = CheckpointReader(resume_from).manifest["step"]
+        if done >= cfg.steps:
+            _say(f"{cfg.out} is already at step {done} (--steps {cfg.steps}): nothing to train; "
+                 "pass a larger --steps to continue it")
+            return 0
+    try:
+        results = run_ranks(train_rank, cfg.tp, cfg, model_cfg, resume_from,
+                            forward_signals=STOP_SIGNALS)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        if os.environ.get("RANK", "0") == "0":
+            remove_unfinished(cfg.out)
+            _say(_interrupted(signum, Path(cfg.out)))
+        return 128 + signum
+    stopped = results[0]["stopped"] if results else None
+    return 128 + stopped["signum"] if stopped else 0
+
+
+def _say(line: str) -> None:
+    """One line for the user, from one process: the launcher, or rank 0 under torchrun."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"tensorpar train: {line}", file=sys.stderr, flush=True)
+
+
+def _interrupted(signum: int, out: Path) -> str:
+    """What a run stopped at once has kept: its last step, checkpoint, and how to go on."""
+    how = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
+    rows = Metrics.read(out / "metrics.jsonl")
+    last = rows[-1]["step"] if rows else 0
+    ckpt = find_checkpoint(out) if out.is_dir() else None
+    if ckpt is None:
+        return (f"interrupted ({how}) after step {last}, before the first checkpoint: nothing "
+                "was saved; run the same command with --resume to start it over")
+    saved = CheckpointReader(ckpt).manifest["step"]
+    lost = f"; steps {saved + 1}-{last} are lost" if last > saved else ""
+    return (f"interrupted ({how}) after step {last}; last checkpoint {ckpt} (step {saved})"
+            f"{lost}; resume with: tensorpar train --resume --out {out}")

@@ -1,0 +1,163 @@
+"""Stopping and resuming ``tensorpar train`` as a cluster or a user does: SIGTERM / SIGUSR1
+(preemption: finish the step, save, exit 143), Ctrl-C (stop at once, exit 130, say what is
+kept), and ``--resume`` that keeps the stored learning-rate schedule and refuses what it cannot
+honestly do. Real processes and signals."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests_common import TINY_GPT, cli_env, read_metrics, tensorpar_cli
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("whole")
+    out = tensorpar_cli("train", "--tp", 2, "--steps", STEPS, "--save-every", 20, "--out", run,
+                        *TINY_GPT)
+    assert out.returncode == 0, out.stderr
+    return read_metrics(run)
+
+
+def _start(run, *flags):
+    cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", str(STEPS),
+           "--save-every", "20", "--out", str(run), *TINY_GPT, *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), start_new_session=True)
+
+
+def _signal_after(proc, run, rows: int, signals, group: bool = False, gap: float = 0.0):
+    """Wait until the run has written ``rows`` metrics rows, then send ``signals``, ``gap``
+    seconds apart (two of a kind sent at once would arrive as one)."""
+    deadline = time.monotonic() + 120
+    while len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < rows:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    for i, s in enumerate(signals):
+        time.sleep(gap if i else 0)
+        (os.killpg if group else os.kill)(proc.pid, s)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def _same(resumed, whole):
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
+    for a, b in zip(resumed, whole, strict=True):
+        assert a["loss"] == b["loss"] and a["lr"] == b["lr"], (a, b)
+
+
+def _quiet(err: str) -> None:
+    assert "Traceback" not in err and "leaked" not in err and "warning" not in err.lower(), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted, signum):
+    """SIGTERM (or SIGUSR1) to the launcher: the step in flight finishes, a checkpoint of that
+    step is written, one line, exit 128 + signal; ``--resume`` then equals the whole run."""
+    rc, err, _ = _signal_after(_start(tmp_path), tmp_path, 25, [signum])
+    assert rc == 128 + signum, err
+    _quiet(err)
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert 25 <= last < STEPS
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} after step {last}; saved {tmp_path}/step-{last:08d}" in err, err
+    assert f"resume with: tensorpar train --resume --out {tmp_path}" in err
+    if signum != signal.SIGTERM:
+        return  # the same path as SIGTERM from here on
+    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
+    assert out.returncode == 0, out.stderr
+    _same(read_metrics(tmp_path), uninterrupted)
+
+
+def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
+    """Ctrl-C reaches the launcher and its ranks (the terminal's process group): exit 130 within
+    seconds, one line naming the last step and checkpoint, no partial checkpoint; ``--resume``
+    then equals the whole run."""
+    rc, err, took = _signal_after(_start(tmp_path), tmp_path, 45, [signal.SIGINT], group=True)
+    assert rc == 130, err
+    _quiet(err)
+    assert took < 10
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert f"interrupted (Ctrl-C) after step {last}; last checkpoint {tmp_path}/step-00000040 " \
+           f"(step 40); steps 41-{last} are lost; resume with: tensorpar train --resume " \
+           f"--out {tmp_path}" in err, err
+    assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
+    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
+    assert out.returncode == 0, out.stderr
+    _same(read_metrics(tmp_path), uninterrupted)
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    """A second SIGTERM while the first waits for its step: stop at once (steps of ~1 s)."""
+    wide = ["--dim", "256", "--n-layer", "4", "--seq-len", "256", "--batch-size", "8"]
+    rc, err, took = _signal_after(_start(tmp_path, *wide), tmp_path, 1, [signal.SIGTERM] * 2,
+                                  gap=0.3)
+    assert rc == 143 and "interrupted (SIGTERM) after step" in err, err
+    _quiet(err)
+    assert took < 10
+
+
+def test_resume_keeps_the_schedule(tmp_path):
+    """``--steps 8`` then ``--resume --steps 14`` equals one run of ``--steps 14
+    --lr-decay-steps 8``, and says it kept the schedule; a longer horizon asked for explicitly
+    gives the note that the run is no longer an exact continuation."""
+    first = tensorpar_cli("train", "--tp", 1, "--steps", 8, "--out", tmp_path / "a", *TINY_GPT)
+    assert first.returncode == 0, first.stderr
+    more = tensorpar_cli("train", "--resume", "--steps", 14, "--out", tmp_path / "a")
+    assert more.returncode == 0, more.stderr
+    assert "keeping the run's learning-rate schedule (cosine decay to lr/10 at step 8" \
+        in more.stderr
+    whole = tensorpar_cli("train", "--tp", 1, "--steps", 14, "--lr-decay-steps", 8,
+                          "--out", tmp_path / "b", *TINY_GPT)
+    assert whole.returncode == 0, whole.stderr
+    _same(read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b"))
+    assert read_metrics(tmp_path / "b")[-1]["lr"] == pytest.approx(1e-4)  # lr/10 after step 8
+    again = tensorpar_cli("train", "--resume", "--steps", 16, "--lr-decay-steps", 16,
+                          "--out", tmp_path / "a")
+    assert again.returncode == 0 and "--lr-decay-steps differ" in again.stderr, again.stderr
+
+
+def test_resume_edge_cases(tmp_path):
+    """A folder that does not exist is an error; one without a checkpoint starts over with a
+    note; a run already at --steps says so and starts no rank; a new run never overwrites an
+    earlier run's metrics.jsonl."""
+    missing = tmp_path / "typo"
+    out = tensorpar_cli("train", "--resume", "--out", missing, *TINY_GPT)
+    assert out.returncode == 2 and f"--resume: {missing} does not exist" in out.stderr
+    assert not missing.exists()
+    done = tmp_path / "done"
+    assert tensorpar_cli("train", "--tp", 1, "--steps", 4, "--out", done, *TINY_GPT).returncode == 0
+    t0 = time.monotonic()
+    out = tensorpar_cli("train", "--resume", "--steps", 3, "--out", done)
+    assert out.returncode == 0 and f"{done} is already at step 4 (--steps 3): nothing to train" \
+        in out.stderr, out.stderr
+    assert "step 1/" not in out.stdout and time.monotonic() - t0 < 15
+    assert [r["step"] for r in read_metrics(done)] == [1, 2, 3, 4]
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    out = tensorpar_cli("train", "--out", stale, *TINY_GPT)
+    assert out.returncode == 2 and "holds the metrics.jsonl of an earlier run" in out.stderr
+    assert (stale / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    out = tensorpar_cli("train", "--resume", "--tp", 1, "--steps", 2, "--out", stale, *TINY_GPT)
+    assert out.returncode == 0 and "no checkpoint in" in out.stderr, out.stderr
+    assert [r["step"] for r in read_metrics(stale)] == [1, 2]
+
+
+def test_torchrun_with_the_wrong_size_says_so_once(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "tensorpar", "train", "--tp", "4",
+                          "--steps", "2", "--out", str(tmp_path), *TINY_GPT],
+                         capture_output=True, text=True, timeout=180, env=cli_env())
+    assert run.returncode != 0
+    line = "torchrun started 2 processes but --tp is 4: start 4 in all (torchrun " \
+           "--nproc-per-node 4), or pass --tp 2"
+    assert run.stderr.count(line) == 1, run.stderr
