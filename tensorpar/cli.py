@@ -18,25 +18,31 @@ import argparse
 import dataclasses
 import gc
 import os
+import signal
 import sys
+import threading
 
+from tensorpar.runtime.stopping import Interrupted, raise_interrupted, signal_name
 from tensorpar.transformer.reference import BlockConfig
 
 
 def _add_verify(sub) -> None:
     p = sub.add_parser("verify", help="compare the TP layers with the dense model, print errors "
                        "and collective counts; exit 1 on any mismatch")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks spawned)")
-    p.add_argument("--sequence-parallel", action="store_true", help="also shard the sequence")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size: ranks spawned "
+                   "(default 2)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="also shard the sequence (default off)")
     p.add_argument("--hf", metavar="PATH", help="instead: a local Hugging Face model directory, "
-                   "loaded tensor-parallel and compared layer by layer with the dense model")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+                   "loaded tensor-parallel and compared layer by layer with the dense model "
+                   "(default: tensorpar's own block)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     for f in dataclasses.fields(BlockConfig):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
                        help=f"{f.metadata['help']} (default {f.default})")
 
 
-_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "int | None": int}
 
 
 def _add_dataclass_flags(p, cls, group_title: str) -> None:
@@ -44,7 +50,10 @@ def _add_dataclass_flags(p, cls, group_title: str) -> None:
     g = p.add_argument_group(group_title)
     for f in dataclasses.fields(cls):
         flag = f"--{f.name.replace('_', '-')}"
-        helptext = f"{f.metadata['help']} (default {f.default})"
+        default = f.metadata.get("default", f.default)
+        if f.type == "bool":
+            default = "on" if default else "off"
+        helptext = f"{f.metadata['help']} (default {default})"
         if f.type == "bool":
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            dest=f.name, help=helptext)
@@ -65,20 +74,53 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint or a HF model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="a run directory (its newest checkpoint) or a step-* "
-                     "checkpoint directory")
-    src.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (any; resharded)")
-    p.add_argument("--prompt", help="text to continue")
-    p.add_argument("--prompt-ids", help="--hf without a tokenizer: token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to add")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+                     "checkpoint directory (this or --hf is required)")
+    src.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory (this or "
+                     "--ckpt is required)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size, any (resharded) "
+                   "(default 1)")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="text to continue; repeat for a batch of prompts of any lengths "
+                   "(default: none, use --prompt-file)")
+    p.add_argument("--prompt-file", metavar="FILE",
+                   help="a UTF-8 file of prompts, one per line, empty lines skipped (default: "
+                   "none, use --prompt)")
+    p.add_argument("--prompt-ids", help="--hf without a tokenizer: token ids, e.g. 1,2,3 "
+                   "(default: none, use --prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to add per prompt (default 200)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0: sampling (default 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens only; 0: all (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities sum to p; "
+                   "1: all (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def _prompts(args) -> list[str] | None:
+    """--prompt (repeated) then the lines of --prompt-file; None when neither was given."""
+    if args.prompt is None and args.prompt_file is None:
+        return None
+    prompts = list(args.prompt or [])
+    if args.prompt_file is not None:
+        try:
+            text = open(args.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {e}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompt-file {args.prompt_file} holds no prompt")
+    return prompts
 
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors")
-    p.add_argument("--ckpt", required=True, help="a run directory or a step-* directory")
-    p.add_argument("--out", required=True, help="the .safetensors file to write")
+    p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
+                   "step-* checkpoint directory (required)")
+    p.add_argument("--out", required=True, help="the .safetensors file to write: a new file in "
+                   "an existing directory (required)")
 
 
 def _run(args) -> int:
@@ -96,7 +138,8 @@ def _run(args) -> int:
         return 0 if ok else 1
     if args.command == "train":
         from tensorpar.gpt.model import GPTConfig
-        from tensorpar.gpt.train import TrainConfig, resolve, run_train
+        from tensorpar.gpt.start import resolve, run_train
+        from tensorpar.gpt.train import TrainConfig
 
         pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
         cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
@@ -107,21 +150,21 @@ def _run(args) -> int:
                   file=sys.stderr)
         elif resume_from is not None:
             print(f"tensorpar train: resuming from {resume_from}", file=sys.stderr)
-        run_train(cfg, model_cfg, resume_from)
-        return 0
+        return run_train(cfg, model_cfg, resume_from)
     if args.command == "generate" and args.hf:
         from tensorpar.hf.cli import run_generate_hf
 
-        return run_generate_hf(args.hf, args.tp, args.prompt, args.prompt_ids,
-                               args.max_new_tokens, args.temperature, args.seed)
+        return run_generate_hf(args.hf, args.tp, _prompts(args), args.prompt_ids,
+                               args.max_new_tokens, args.temperature, args.seed,
+                               top_k=args.top_k, top_p=args.top_p)
     if args.command == "generate":
         from tensorpar.gpt.generate import run_generate
 
-        if args.prompt is None:
-            raise ValueError("--prompt is required with --ckpt")
-
-        return run_generate(args.ckpt, args.tp, args.prompt, args.max_new_tokens,
-                            args.temperature, args.seed)
+        prompts = _prompts(args)
+        if prompts is None:
+            raise ValueError("--prompt or --prompt-file is required with --ckpt")
+        return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,
+                            args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p)
     if args.command == "export":
         from tensorpar.checkpoint.export import export_dense
 
@@ -131,7 +174,11 @@ def _run(args) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tensorpar`` parser with every subcommand."""
+    from tensorpar.bench import bench_cli
+    from tensorpar.plan import cli as plan_cli
+
     parser = argparse.ArgumentParser(
         prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,17 +186,32 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_export(sub)
     _add_verify(sub)
-    from tensorpar.bench import bench_cli
-    from tensorpar.plan import cli as plan_cli
-
     plan_cli.add_parser(sub)
     bench_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
+    # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
+    speaks = os.environ.get("RANK", "0") == "0"
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
     try:
         return _run(args)
     except ValueError as e:  # bad sizes, flags or checkpoints: say so plainly, no traceback
-        print(f"tensorpar {args.command}: {e}", file=sys.stderr)
+        rank = getattr(e, "rank", None)
+        if speaks or rank is not None:
+            where = "" if rank is None else f"rank {rank}: "
+            print(f"tensorpar {args.command}: {where}{e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143): every rank is stopped
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        if speaks:
+            how = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
+            print(f"tensorpar {args.command}: interrupted ({how})", file=sys.stderr)
+        return 128 + signum
     finally:  # the error's frames are gone now: free the process groups they held, while the
         gc.collect()  # interpreter is whole (see launch._shut_down)
 

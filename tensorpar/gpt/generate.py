@@ -4,12 +4,30 @@
 
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "The with statement" --max-new-tokens 200
     tensorpar generate --ckpt runs/gpt --tp 4 --prompt "..." --temperature 0.8 --seed 1
+    tensorpar generate --ckpt runs/gpt --tp 2 --prompt "def " --prompt "The" --top-k 20 \\
+        --top-p 0.9 --temperature 0.8
+    tensorpar generate --ckpt runs/gpt --tp 2 --prompt-file prompts.txt   # one prompt a line
 
 Each rank keeps the KV cache of its own heads. The logits stay split by vocabulary: the next token
-is chosen by one all-gather of each rank's best (score, token id) per sequence, never of the
-logits. Sampling uses the Gumbel-max trick: every rank draws the same noise for the whole
-vocabulary from a seeded generator and adds its slice, so the argmax of logits/T + noise is an
-exact sample from softmax(logits/T) and the same token at every TP size.
+is chosen from each rank's slice with a few small collectives, never by gathering the logits
+(``sampling.py``: greedy, Gumbel-max sampling, top-k, top-p), so greedy and seeded sampled
+tokens are the same at every TP size.
+
+Several prompts run as one batch: left-padded to the longest, with an attention mask that keeps
+every token off the padding and rotary positions that start at each prompt's first real token,
+so each prompt's greedy continuation is the one it gets alone. (A sampled continuation depends
+on the seed and on the prompt's place in the batch: the noise is drawn per row.)
+
+Output: one prompt prints its text (the prompt, then the continuation) and a newline. Several
+print each text in prompt order, the second and later ones after a line ``--- i`` (i counting
+from 1)::
+
+    text 1
+    --- 2
+    text 2
+
+The byte tokenizer has no end-of-text token, so a checkpoint's text always runs to
+``--max-new-tokens``; ``generate(..., eos_id=)`` stops a sequence at a token of your choosing.
 """
 
 from __future__ import annotations
@@ -23,95 +41,140 @@ from torch.distributed import ProcessGroup
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.gpt.data import ByteTokenizer
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.runtime.groups import device_for, tp_rank, tp_size
+from tensorpar.gpt.sampling import check_sampling, pick_token
+from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.launch import run_ranks
 from tensorpar.runtime.seeds import derive_seed
 
 
-def pick_token(logits_BV_local: torch.Tensor, vocab_start: int, vocab_size: int,
-               temperature: float, generator: torch.Generator | None,
-               group: ProcessGroup | None = None) -> torch.Tensor:
-    """The next token id (B,) from vocab-sharded logits: argmax (temperature 0) or a sample."""
-    scores = logits_BV_local.float()
-    if temperature > 0:
-        B, v_local = scores.shape
-        noise = torch.empty(B, vocab_size, device=scores.device).exponential_(generator=generator)
-        gumbel = -noise.log()[:, vocab_start:vocab_start + v_local]  # this rank's columns
-        scores = scores / temperature + gumbel
-    best, idx = scores.max(dim=-1)  # (B,) each
-    if tp_size(group) == 1:
-        return idx
-    # (score, global id) of every rank; float64 holds ids exactly
-    mine = torch.stack([best.double(), (idx + vocab_start).double()], dim=-1)  # (B, 2)
-    every = [torch.empty_like(mine) for _ in range(tp_size(group))]
-    dist.all_gather(every, mine, group=group)
-    every = torch.stack(every, dim=1)  # (B, n, 2)
-    # the highest score wins; on a tie the lower rank, which holds the lower token id
-    winner = every[..., 0].argmax(dim=1)  # first maximum
-    return every[torch.arange(len(winner)), winner, 1].long()
+def left_pad(seqs: list[list[int]], pad_id: int = 0, device=None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of any lengths -> ids (B, T) padded on the left with ``pad_id`` and the
+    attention mask (B, T): 1 at real tokens, 0 at padding."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, T - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[b, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def format_completions(texts: list[str]) -> str:
+    """What the CLI prints: each text and a newline, ``--- i`` lines before the second on."""
+    return "".join((f"--- {i + 1}\n" if i else "") + text + "\n" for i, text in enumerate(texts))
+
+
+def _check_mask(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
+    if mask_BT.shape != ids_BT.shape:
+        raise ValueError(f"attention_mask_BT is {tuple(mask_BT.shape)}, ids_BT "
+                         f"{tuple(ids_BT.shape)}: they must match")
+    valid = mask_BT.bool()
+    if not bool(valid[:, -1].all()) or not bool((valid[:, 1:] >= valid[:, :-1]).all()):
+        raise ValueError("attention_mask_BT must pad on the left: 0s, then 1s, and every row "
+                         "ends with a real token (see left_pad)")
 
 
 @torch.no_grad()
 def generate(model: GPT, ids_BT: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0) -> torch.Tensor:
-    """Extend ``ids_BT`` (the same on every rank) by ``max_new_tokens``; returns (B, T + K)."""
-    if not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature {temperature} must be finite and >= 0")
+             seed: int = 0, *, attention_mask_BT: torch.Tensor | None = None, top_k: int = 0,
+             top_p: float = 1.0, eos_id: int | None = None) -> torch.Tensor:
+    """Extend ``ids_BT`` (the same on every rank) by up to ``max_new_tokens``; (B, T + K).
+
+    attention_mask_BT: prompts of different lengths, left-padded (``left_pad``): 1 at real
+        tokens, 0 at padding (which stays in the output). None: every token is real.
+    temperature: 0 is greedy; above 0, sampling, among the ``top_k`` most likely tokens (0: all)
+        and the most likely ones whose probabilities reach ``top_p`` (1: all).
+    eos_id: a sequence ends once it produced this token and its row goes on with ``eos_id``;
+        generation stops when every row has ended, so K may be below ``max_new_tokens``. The
+        byte GPT has no end-of-text token: None runs every row to ``max_new_tokens``.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 0")
+    if attention_mask_BT is not None:
+        _check_mask(ids_BT, attention_mask_BT)
+    if max_new_tokens == 0:
+        return ids_BT.clone()
     was_training = model.training
     model.eval()
+    B = ids_BT.shape[0]
     cache = model.new_cache(ids_BT.shape[1] + max_new_tokens)
     gen = torch.Generator(ids_BT.device).manual_seed(derive_seed(seed, "sampling")) \
         if temperature > 0 else None
-    emb = model.embed
+    emb, mask = model.embed, attention_mask_BT
     out = [ids_BT]
-    logits = model(ids_BT, cache=cache)[:, -1]  # (B, V_local): prefill the cache
+    done = torch.zeros(B, dtype=torch.bool, device=ids_BT.device)
+    logits = model(ids_BT, cache=cache, attention_mask_BS=mask)[:, -1]  # (B, V_local): prefill
     for i in range(max_new_tokens):
         nxt = pick_token(logits, emb.vocab_start, emb.num_embeddings, temperature, gen,
-                         model.group)
+                         model.group, top_k, top_p)  # (B,), the same on every rank
+        if eos_id is not None:
+            nxt = torch.where(done, eos_id, nxt)
+            done |= nxt == eos_id
         out.append(nxt[:, None])
-        if i + 1 < max_new_tokens:
-            logits = model(nxt[:, None], cache=cache)[:, -1]
+        if i + 1 == max_new_tokens or bool(done.all()):
+            break
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        logits = model(nxt[:, None], cache=cache, attention_mask_BS=mask)[:, -1]
     model.train(was_training)
     return torch.cat(out, dim=1)
 
 
-def generate_rank(ckpt: str, prompt: str, max_new_tokens: int, temperature: float, seed: int,
-                  group: ProcessGroup | None = None) -> str | None:
-    """Load ``ckpt`` at this group's TP size and generate; rank 0 returns the text."""
+def generate_rank(ckpt: str, prompts: list[str], max_new_tokens: int, temperature: float,
+                  seed: int, top_k: int = 0, top_p: float = 1.0,
+                  group: ProcessGroup | None = None) -> list[str] | None:
+    """Load ``ckpt`` at this group's TP size and continue every prompt (one batch); rank 0
+    returns the texts (prompt and continuation), in prompt order."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     device = device_for(group)
     cfg = GPTConfig(**CheckpointReader(ckpt).manifest["config"])
     model = GPT(cfg, group, device=device)
     load_checkpoint(ckpt, model, check_hashes=False)  # hashed once by check_request()
     tok = ByteTokenizer()
-    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=device)
-    out = generate(model, ids, max_new_tokens, temperature, seed)
-    return tok.decode(out[0].tolist()) if tp_rank(group) == 0 else None
+    seqs = [tok.encode(p) for p in prompts]
+    ids, mask = left_pad(seqs, device=device)
+    # prompts of one length need no mask: the fused causal attention, as for a single prompt
+    out = generate(model, ids, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p,
+                   attention_mask_BT=None if bool(mask.all()) else mask)
+    if tp_rank(group) != 0:
+        return None
+    T = ids.shape[1]
+    return [tok.decode(row[T - len(s):]) for row, s in zip(out.tolist(), seqs, strict=True)]
 
 
-def check_request(ckpt: str, prompt: str, max_new_tokens: int, temperature: float,
-                  tp: int) -> None:
+def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperature: float,
+                  tp: int, top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ValueError for a request that cannot run, before any rank starts."""
     if tp < 1:
         raise ValueError(f"--tp {tp} must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    check_sampling(temperature, top_k, top_p)
+    if not prompts:
+        raise ValueError("no prompt: give --prompt or --prompt-file")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            which = "--prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
+            raise ValueError(f"{which} is empty: give at least one character")
     reader = CheckpointReader(ckpt)
     reader.verify()
     manifest = reader.manifest
     GPTConfig(**manifest["config"]).check(tp)
     if manifest.get("tokenizer", "bytes") != ByteTokenizer.name:
         raise ValueError(f"checkpoint tokenizer {manifest.get('tokenizer')!r} is not supported")
-    if not prompt:
-        raise ValueError("--prompt is empty: give at least one character")
-    if max_new_tokens < 1 or not temperature >= 0 or temperature == float("inf"):
-        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1 and --temperature "
-                         f"{temperature} >= 0")
 
 
-def run_generate(ckpt: str, tp: int, prompt: str, max_new_tokens: int, temperature: float,
-                 seed: int) -> int:
-    check_request(ckpt, prompt, max_new_tokens, temperature, tp)
-    texts = run_ranks(generate_rank, tp, ckpt, prompt, max_new_tokens, temperature, seed)
+def run_generate(ckpt: str, tp: int, prompts: list[str], max_new_tokens: int,
+                 temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0) -> int:
+    """``tensorpar generate --ckpt``: continue each prompt on ``tp`` ranks and print the texts
+    (one prompt: its text; several: separated by ``--- i`` lines, see the module docstring)."""
+    check_request(ckpt, prompts, max_new_tokens, temperature, tp, top_k, top_p)
+    texts = run_ranks(generate_rank, tp, ckpt, prompts, max_new_tokens, temperature, seed,
+                      top_k, top_p)
     if texts is not None and texts[0] is not None:
-        sys.stdout.write(texts[0] + "\n")
+        sys.stdout.write(format_completions(texts[0]))
         sys.stdout.flush()
     return 0

@@ -41,10 +41,10 @@ from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
 from tensorpar.runtime.groups import tp_size
 from tensorpar.runtime.seeds import derive_seed
-from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
+from tensorpar.transformer.attention import ParallelSelfAttention, head_layout, padded_causal_mask
 from tensorpar.transformer.kv_cache import KVCache
 from tensorpar.transformer.mlp import ParallelMLP
-from tensorpar.transformer.rotary import rotary_table
+from tensorpar.transformer.rotary import rotary_table, rotary_table_at
 
 
 @dataclass
@@ -113,8 +113,8 @@ class Block(nn.Module):
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
-    def forward(self, x, rope, cache=None):
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache))
+    def forward(self, x, rope, cache=None, attn_mask=None):
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -197,21 +197,38 @@ class GPT(nn.Module):
         return KVCache(self.cfg.n_layer, max_len)
 
     def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None,
+                attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T), the same on every rank. Returns this rank's logits
         (B, T, V_local), or with targets the mean cross-entropy (a scalar, the same on every
-        rank). With a cache, the T new tokens follow the cached ones."""
+        rank). With a cache, the T new tokens follow the cached ones.
+
+        attention_mask_BS: a left-padded batch (generation): (B, S) over the S = cached + T
+        positions, 1 (True) at real tokens and 0 at padding, as in transformers. Padding is never
+        attended and each sequence's rotary positions start at 0 at its first real token, so a
+        prompt gets the logits it gets alone. None: every token is real (training's fused
+        causal attention)."""
         B, T = ids_BT.shape
         start = cache.length if cache is not None else 0
         x = self.embed(ids_BT)  # (B, T, D); under SP (B, T/n, D)
-        rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
+        attn_mask = None
+        if attention_mask_BS is None:
+            rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
+        else:
+            if tuple(attention_mask_BS.shape) != (B, start + T):
+                raise ValueError(f"attention_mask_BS is {tuple(attention_mask_BS.shape)}; "
+                                 f"expected (B, cached + T) = ({B}, {start + T})")
+            valid_BS = attention_mask_BS.bool()
+            pos_BT = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # padding: 0
+            rope = rotary_table_at(self.cfg.head_dim, pos_BT, self.cfg.rope_theta)
+            attn_mask = padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute:
-                x = checkpoint(block, x, rope, use_reentrant=False,
+                x = checkpoint(block, x, rope, None, attn_mask, use_reentrant=False,
                                context_fn=self.rng.checkpoint_contexts)
             else:
-                x = block(x, rope, cache.layers[i] if cache is not None else None)
+                x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask)
         x = self.norm(x)
         # tied: the embedding's vocab rows are exactly a column-parallel head's shard
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight

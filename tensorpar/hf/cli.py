@@ -162,40 +162,81 @@ def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int
     return True if results is None else report_hf(results, path, n)
 
 
-def generate_hf_rank(path: str, prompt: str | None, prompt_ids: list[int] | None,
-                     max_new_tokens: int, temperature: float, seed: int, group=None):
+def _eos_and_pad(model, tok) -> tuple[list[int], int]:
+    """The end-of-text ids (generation config, model config, then tokenizer) and the id that
+    pads: the generation config's, else the first end-of-text id, else 0."""
+    gen_cfg = model.generation_config
+    eos = next((e for e in (gen_cfg.eos_token_id, model.config.eos_token_id,
+                            tok.eos_token_id if tok is not None else None) if e is not None), [])
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    return eos, pad
+
+
+def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int] | None,
+                     max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
+                     top_p: float = 1.0, group=None) -> list[str]:
+    """Load ``path`` tensor-parallel and continue the prompts (one left-padded batch) or the
+    single sequence ``prompt_ids`` with transformers' ``generate``; each sequence stops at its
+    end-of-text token. Returns the texts (or the ids, space-separated) on every rank."""
+    from tensorpar.gpt.generate import left_pad
     from tensorpar.hf.pretrained import from_pretrained
 
     transformers = _quiet_transformers()
     model = from_pretrained(path, group)
-    tok = None
-    if prompt is not None:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
-        prompt_ids = tok(prompt)["input_ids"]
-    ids = torch.tensor([prompt_ids])
+    tok = transformers.AutoTokenizer.from_pretrained(path) if prompts is not None else None
+    seqs = [tok(p)["input_ids"] for p in prompts] if tok is not None else [prompt_ids]
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise ValueError(f"prompt {i + 1} of {len(seqs)} gives no token")
+    eos, pad = _eos_and_pad(model, tok)
+    ids, mask = left_pad(seqs, pad)
     torch.manual_seed(seed)  # the same on every rank: the gathered logits are, too
-    kw = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
-        {"do_sample": False}
-    gen_cfg = model.generation_config
-    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else model.config.eos_token_id
-    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else \
-        (eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else 0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, **kw)[0].tolist()
-    return tok.decode(out) if tok is not None else " ".join(map(str, out))
+    kw = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p} \
+        if temperature > 0 else {"do_sample": False}
+    if eos:
+        kw["eos_token_id"] = eos
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, **kw).tolist()
+    texts = []
+    for row, seq in zip(out, seqs, strict=True):
+        new = row[ids.shape[1]:]
+        ends = [i for i, t in enumerate(new) if t in eos]
+        row = seq + new[:ends[0] + 1 if ends else len(new)]  # no left padding, none after eos
+        texts.append(tok.decode(row) if tok is not None else " ".join(map(str, row)))
+    return texts
 
 
-def run_generate_hf(path: str, n: int, prompt: str | None, prompt_ids: str | None,
-                    max_new_tokens: int, temperature: float, seed: int) -> int:
+def run_generate_hf(path: str, n: int, prompts: list[str] | None, prompt_ids: str | None,
+                    max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
+                    top_p: float = 1.0) -> int:
+    """``tensorpar generate --hf``: continue each prompt (or the ``--prompt-ids`` sequence) on
+    ``n`` ranks and print the texts: one prompt, its text; several, separated by ``--- i``
+    lines (see ``tensorpar.gpt.generate``)."""
+    from tensorpar.gpt.generate import format_completions
+    from tensorpar.gpt.sampling import check_sampling
+
     _check_dir(path)
-    if (prompt is None) == (prompt_ids is None):
-        raise ValueError("give --prompt (with a tokenizer in the model directory) or "
-                         "--prompt-ids 1,2,3")
-    if prompt is not None and not any((Path(path) / f).is_file()
-                                      for f in ("tokenizer.json", "tokenizer_config.json")):
+    if n < 1:
+        raise ValueError(f"--tp {n} must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    check_sampling(temperature, top_k, top_p)
+    if (prompts is None) == (prompt_ids is None):
+        raise ValueError("give --prompt or --prompt-file (with a tokenizer in the model "
+                         "directory), or --prompt-ids 1,2,3")
+    if prompts is not None and not any((Path(path) / f).is_file()
+                                       for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{path} has no tokenizer: pass --prompt-ids instead of --prompt")
-    ids = None if prompt_ids is None else [int(t) for t in prompt_ids.split(",")]
-    results = _run(generate_hf_rank, n, path, prompt, ids, max_new_tokens, temperature, seed)
+    ids = None
+    if prompt_ids is not None:
+        try:
+            ids = [int(t) for t in prompt_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {prompt_ids!r}: expected token ids like 1,2,3") \
+                from None
+    results = _run(generate_hf_rank, n, path, prompts, ids, max_new_tokens, temperature, seed,
+                   top_k, top_p)
     if results is not None:
-        sys.stdout.write(results[0] + "\n")
+        sys.stdout.write(format_completions(results[0]))
     return 0

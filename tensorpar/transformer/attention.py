@@ -13,6 +13,10 @@ heads read. When there are fewer KV heads than ranks (or the split falls inside 
 heads are held by several ranks: each such rank computes the KV projection itself (no
 communication in forward), and in backward the KV weight gradients are summed over the ranks that
 hold each head with one all-reduce, so every copy gets the dense gradient.
+
+A batch of prompts of different lengths is left-padded: ``padded_causal_mask`` gives the boolean
+mask that keeps every query off the padding (generation only; training takes the fused causal path,
+no mask).
 """
 
 from __future__ import annotations
@@ -51,6 +55,20 @@ def head_layout(num_heads: int, num_kv_heads: int, n: int, rank: int):
     ranges = [kv_range(r) for r in range(n)]
     shared = any(ranges[r][1] > ranges[r + 1][0] for r in range(n - 1))
     return shard_range(num_heads, n, rank), ranges[rank], shared
+
+
+def padded_causal_mask(valid_BS: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, 1, T, S) bool, True where a query may read a key, for the last T of S positions.
+
+    valid_BS: True at real tokens, False at padding. Query i sits at position S - T + i and reads
+    the real keys at or before it; a padding query reads only itself, so no row is empty (an
+    all-masked row would make NaN that later layers carry into the padding's keys).
+    """
+    S = valid_BS.shape[1]
+    q_pos = torch.arange(S - T, S, device=valid_BS.device)[:, None]  # (T, 1)
+    k_pos = torch.arange(S, device=valid_BS.device)[None, :]  # (1, S)
+    mask = (k_pos <= q_pos) & (valid_BS[:, None, :] | (k_pos == q_pos))  # (B, T, S)
+    return mask[:, None]
 
 
 class ParallelSelfAttention(nn.Module):
@@ -139,10 +157,13 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerKVCache | None = None) -> torch.Tensor:
+                cache: LayerKVCache | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, dim), or (B, T/n, dim) under SP. rope: rotary (cos, sin) tables for the T
         positions (see ``rotary_table``). cache: this layer's KV cache when decoding; the new
-        positions follow the cached ones."""
+        positions follow the cached ones. attn_mask: (B, 1, T, S) bool over the S = cached + T
+        keys, True where a query may read a key; it replaces the causal rule (a padded batch:
+        ``padded_causal_mask``)."""
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
@@ -165,7 +186,13 @@ class ParallelSelfAttention(nn.Module):
         if not self._kv_identity:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
         causal, mask = self.causal, None
-        if past and self.causal:  # queries sit at positions past .. past+T-1, keys at 0 .. past+T-1
+        if attn_mask is not None:
+            if attn_mask.shape[-2:] != (T, k.shape[2]):
+                raise ValueError(f"attn_mask covers {tuple(attn_mask.shape[-2:])} (queries, keys); "
+                                 f"expected ({T}, {k.shape[2]})")
+            causal, mask = False, attn_mask
+        elif past and self.causal:
+            # queries sit at positions past .. past+T-1, keys at 0 .. past+T-1
             causal = False
             if T > 1:
                 keys = torch.arange(past + T, device=x.device)

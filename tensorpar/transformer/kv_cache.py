@@ -3,7 +3,9 @@
 Each rank caches only the K/V heads it holds (``ParallelSelfAttention.kv_heads``), so the cache of a
 TP group takes 1/n of the memory per rank (KV heads shared by several ranks, with fewer KV heads
 than ranks, are cached by each rank that reads them). Decoding needs no extra communication: the
-attention of a new token runs on local heads, exactly as in the forward pass.
+attention of a new token runs on local heads, exactly as in the forward pass. In a left-padded
+batch the padding's keys and values are cached like any others; the attention mask
+(``padded_causal_mask``) keeps every query off them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""``generate --hf``: several prompts of different lengths in one left-padded batch, each equal to
+itself alone; greedy and seeded sampling with top-k and top-p the same at TP=1 and 2; each
+sequence stops at the generation config's end-of-text ids; clear errors. The models:
+``conftest.py`` (a tiny Llama with a character tokenizer, end-of-text ids 2 and 7: "!" and "&")."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorpar.cli import main  # noqa: E402
+from tensorpar.gpt.generate import format_completions  # noqa: E402
+from tensorpar.hf.cli import generate_hf_rank  # noqa: E402
+
+PROMPTS = ["Hi ", "Once upon a", "x", "The cat sat"]
+EOS = "!&"  # ids 2 and 7 of the character tokenizer
+# name: (temperature, top_k, top_p)
+SETTINGS = {"greedy": (0.0, 0, 1.0), "sampled": (0.8, 5, 0.9), "top_k_1": (0.8, 1, 1.0),
+            "tiny_top_p": (0.8, 0, 1e-6)}
+
+
+@pytest.fixture(scope="module")
+def llama(hf_dirs, tmp_path_factory):
+    """The tiny Llama without the directory's repetition penalty: transformers counts the left
+    padding as tokens already seen, so with a penalty a padded prompt is no longer itself."""
+    path = tmp_path_factory.mktemp("hf-gen") / "llama"
+    shutil.copytree(hf_dirs / "llama", path)
+    transformers.GenerationConfig(eos_token_id=[2, 7]).save_pretrained(path)
+    return path
+
+
+def _body(path):
+    out = {name: generate_hf_rank(path, PROMPTS, None, 12, t, 1, k, p)
+           for name, (t, k, p) in SETTINGS.items()}
+    out["alone"] = [generate_hf_rank(path, [p], None, 12, 0.0, 1)[0] for p in PROMPTS]
+    out["ids"] = generate_hf_rank(path, None, [5, 6, 7], 6, 0.8, 1, 5, 0.9)
+    return out
+
+
+def test_batch_equals_alone_and_tp_sizes_agree(ranks, llama):
+    """Greedy: each prompt's text in the batch is its text alone. Greedy and sampled (top-k,
+    top-p) texts are identical at TP=1 and 2; top-k 1 and a tiny top-p are greedy. A text stops
+    right after its first end-of-text character, or runs 12 new characters without one."""
+    outs = {n: ranks(n).run(_body, str(llama)) for n in (1, 2)}
+    ref = outs[1][0]
+    assert all(r == ref for results in outs.values() for r in results)
+    assert ref["greedy"] == ref["alone"] == ref["top_k_1"] == ref["tiny_top_p"]
+    assert ref["sampled"] != ref["greedy"]
+    ended = 0
+    for name in SETTINGS:
+        for text, prompt in zip(ref[name], PROMPTS, strict=True):
+            new = text[len(prompt):]
+            assert text.startswith(prompt)
+            stops = [i for i, c in enumerate(new) if c in EOS]
+            assert (stops and len(new) == stops[0] + 1) or (not stops and len(new) == 12), text
+            ended += bool(stops)
+    assert ended  # this model says "!" early for one of the prompts
+    assert ref["ids"][0].startswith("5 6 7 ") and len(ref["ids"][0].split()) <= 9
+
+
+def _tensorpar(*args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_several_prompts(ranks, llama, tmp_path):
+    """``--prompt`` and ``--prompt-file`` with top-k and top-p reach the ranks: the CLI prints
+    the texts of the same batch, separated by ``--- i`` lines."""
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS[1:]) + "\n")
+    out = _tensorpar("generate", "--hf", llama, "--tp", 1, "--prompt", PROMPTS[0],
+                     "--prompt-file", tmp_path / "p.txt", "--max-new-tokens", 12,
+                     "--temperature", 0.8, "--top-k", 5, "--top-p", 0.9, "--seed", 1)
+    assert out.returncode == 0, out.stderr
+    texts = ranks(1).run(generate_hf_rank, str(llama), PROMPTS, None, 12, 0.8, 1, 5, 0.9)[0]
+    assert out.stdout == format_completions(texts)
+    assert out.stdout.count("\n--- ") == 3
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt", "x", "--top-k", "-2"], "--top-k -2 must be a whole number >= 0"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--prompt", "x", "--temperature", "inf"], "need --temperature inf >= 0"),
+    (["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected token ids like 1,2,3"),
+    (["--prompt", "x", "--prompt-ids", "1"], "give --prompt or --prompt-file"),
+])
+def test_cli_bad_values(llama, capsys, flags, message):
+    """One clear line and exit 2, before any rank starts."""
+    assert main(["generate", "--hf", str(llama), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorpar generate: ") and message in err and err.count("\n") == 1
