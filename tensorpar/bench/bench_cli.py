@@ -7,7 +7,10 @@
     tensorpar bench --dim 256 --n-layer 2 --profile   # smaller model, plus a profile
 
 Writes ``bench.md`` (the table), ``bench.json`` (every number) and ``bench.png`` into ``--out``
-(and ``profile.md`` with ``--profile``). Columns: see ``benchmarks/README.md``.
+(and ``profile.md`` with ``--profile``), each named in a ``wrote`` line; an earlier run's file
+that this run does not rewrite is removed. Columns: see ``benchmarks/README.md``. Exit status:
+0 when tensorpar's contenders and the reference ran (another library's contender that cannot
+run the configuration is a "skipped" row), 1 when one of them failed, 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -23,13 +26,27 @@ from tensorpar.bench.contenders import CONTENDERS, DEFAULT, parse_contenders
 from tensorpar.bench.runner import RunPlan, run_bench
 from tensorpar.bench.spec import BenchSpec
 
+DESCRIPTION = """\
+Time a training step of the same Llama-like model, from the same weights on the same batches,
+under each contender: tensorpar, PyTorch's DTensor tensor parallel, megatron-core and plain
+PyTorch. Prints a table (step time, tokens/s, memory and bytes sent per rank, loss against the
+dense fp32 model) and writes bench.md, bench.json and bench.png (and profile.md with --profile)
+into --out. A contender that cannot run the configuration (megatron-core splits heads only
+evenly) is listed as skipped, with its reason.
+
+examples:
+  tensorpar bench                                   # default model, every contender
+  tensorpar bench --contenders tensorpar,dtensor --repeats 7 --out runs/bench
+  tensorpar bench --dim 256 --n-layer 2 --profile   # smaller model, plus a profile
+"""
+
 _TYPES = {"int": int, "float": float}
 _PLAN_HELP = {
     "repeats": "rounds over all contenders (in an order shuffled each round)",
     "steps_per_repeat": "timed steps of each contender per round",
     "warmup": "untimed steps first (>= 2; the last one measures memory and collectives)",
     "tp": "tensor-parallel size of the TP contenders (ranks spawned)",
-    "profile": "also profile a few tensorpar steps per rank (profile.md)",
+    "profile": "also profile a few tensorpar steps per rank and write profile.md (default off)",
     "profile_steps": "steps under the profiler with --profile",
 }
 
@@ -37,7 +54,7 @@ _PLAN_HELP = {
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` to ``subparsers``; every BenchSpec and RunPlan field is a flag."""
     p = subparsers.add_parser("bench", help="time a training step: tensorpar vs DTensor TP vs "
-                              "megatron-core vs plain PyTorch", description=__doc__,
+                              "megatron-core vs plain PyTorch", description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and step")
     for f in dataclasses.fields(BenchSpec):
@@ -53,13 +70,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         else:
             g.add_argument(flag, type=int, default=f.default, dest=f.name,
                            help=f"{_PLAN_HELP[f.name]} (default {f.default})")
-    g.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    g.add_argument("--out", default="runs/bench",
+                   help="output directory, created if missing; the files of an earlier run "
+                   "there are replaced, other files are left alone (default runs/bench)")
     p.set_defaults(func=main)
     return p
 
 
+def _check_out(out: Path) -> None:
+    """Create ``--out`` now, before any rank starts: a bad --out loses no measurement."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; name a directory for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable")
+
+
 def main(args: argparse.Namespace) -> int:
-    from tensorpar.bench.outputs import table, write_results
+    from tensorpar.bench.outputs import remove_stale, table, write_results
 
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchSpec)})
     plan = RunPlan(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunPlan)})
@@ -67,17 +98,20 @@ def main(args: argparse.Namespace) -> int:
         names = parse_contenders(args.contenders)
         plan.check()
         spec.check(plan.tp)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)  # before the run: a bad --out loses nothing
-        if not os.access(out, os.W_OK):
-            raise ValueError(f"--out {out} is not writable")
-    except (ValueError, OSError) as e:
+        _check_out(Path(args.out))
+    except ValueError as e:
         print(f"tensorpar bench: {e}", file=sys.stderr)
         return 2
     results = run_bench(spec, names, plan, log=lambda s: print(s, file=sys.stderr, flush=True))
     command = getattr(args, "command_line", None) or "tensorpar " + shlex.join(sys.argv[1:])
     paths = write_results(results, args.out, command)
+    stale = remove_stale(args.out, paths.values())
     print(table(results))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    failed = [r["name"] for r in results["contenders"] if r["status"].startswith("failed")]
-    return 1 if failed else 0
+    if stale:
+        print("removed an earlier run's " + ", ".join(str(p) for p in stale))
+    if results["errors"]:
+        print("tensorpar bench: failed: " + ", ".join(e["name"] for e in results["errors"])
+              + " (tracebacks above)", file=sys.stderr)
+        return 1
+    return 0

@@ -16,6 +16,13 @@ Each contender is a ``setup(spec, state, group) -> step`` run on every rank of i
     dense-Nt           1      cores    a one-rank pool     DenseLlama, one thread per core
 
 Pools that are not running a contender wait on their task queue, so they take no CPU time.
+
+A contender of another library that cannot run a configuration is reported as "skipped: <why>"
+and the other rows stand: megatron-core says so before its own ranks are spawned
+(``megatron_cannot_run``), DTensor by raising ValueError in its setup, on every rank of the TP
+pool, before any collective. tensorpar's contenders and the dense ones are this
+project's own code: the command line checks their configuration before any rank starts, so
+their failing on the ranks is a bug, and fails the bench.
 """
 
 from __future__ import annotations
@@ -96,7 +103,9 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
     uneven = [f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in ("n_head", "n_kv_head")
               if getattr(spec, k) % n]
     if uneven:  # DTensor's colwise q/k/v need whole heads per rank (tensorpar shares KV heads)
-        raise ValueError(f"dtensor: {', '.join(uneven)} does not divide by --tp {n}")
+        raise ValueError(f"dtensor: {' and '.join(uneven)} "
+                         f"{'do' if len(uneven) > 1 else 'does'} not divide by --tp {n} (its "
+                         "column-parallel q/k/v need whole heads on each rank)")
     mesh = DeviceMesh.from_group(group, "cpu")
     model = DenseLlama(spec, state)
     residual = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
@@ -154,13 +163,36 @@ def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
                                  make_optimizer=make_optimizer)
 
 
-def megatron_missing() -> str | None:
-    """Why the megatron contender cannot run here, or None when it can."""
+def check_megatron_fits(cfg, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ValueError, naming the numbers, for a model megatron-core cannot split over ``tp``:
+    it splits heads, KV heads, the hidden width and the vocabulary evenly, without padding."""
+    if sequence_parallel:
+        raise ValueError("megatron-core without Apex or Transformer Engine has no sequence "
+                         "parallel norm (its WrappedTorchNorm asserts not sequence_parallel)")
+    if cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout}: the CPU run replaces megatron's CUDA RNG "
+                         "tracker with its no-op one, exact only without dropout")
+    if cfg.tie_embeddings:
+        raise ValueError("the megatron contender is built untied (lm_head separate from embed)")
+    for flag, size in (("--n-head", cfg.n_head), ("--n-kv-head", cfg.n_kv_head),
+                       ("--hidden-dim", cfg.hidden_dim), ("--vocab-size", cfg.vocab_size)):
+        if size % tp:
+            raise ValueError(f"megatron-core splits evenly, without padding: {flag} {size} does "
+                             f"not divide by --tp {tp}")
+
+
+def megatron_cannot_run(spec: BenchSpec, tp: int) -> str | None:
+    """Why the megatron contender cannot run ``spec`` at TP ``tp`` here, or None when it can:
+    checked before its ranks are spawned (and megatron imported), by the benchmark's parent."""
     if importlib.util.find_spec("megatron") is None or \
             importlib.util.find_spec("megatron.core") is None:
         return "not installed (megatron-core)"
     if importlib.util.find_spec("tensorpar.bench.megatron_core") is None:
         return "not installed (tensorpar/bench/megatron_core.py)"
+    try:
+        check_megatron_fits(spec.gpt_config(), tp)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -170,7 +202,11 @@ class Contender:
 
     world: "tp" (the TP size) or 1. threads: torch threads per rank (0: one per core).
     own_pool: it needs processes of its own (megatron-core keeps global parallel state).
-    missing: a function returning why it cannot run here (None: it can).
+    cannot_run: ``(spec, tp) -> why`` it cannot run that configuration here, None when it can;
+    asked before any rank is spawned (a contender without one says so on its ranks, by raising
+    ValueError in its setup).
+    ours: this project's code (tensorpar, the dense model): a failure is a bug and fails the
+    bench; another library's contender that fails is reported and skipped.
     """
 
     name: str
@@ -178,8 +214,9 @@ class Contender:
     world: str | int
     threads: int = 1
     own_pool: bool = False
-    missing: Callable[[], str | None] | None = None
+    cannot_run: Callable[[BenchSpec, int], str | None] | None = None
     about: str = ""
+    ours: bool = True
 
     def ranks(self, tp: int) -> int:
         return tp if self.world == "tp" else int(self.world)
@@ -204,12 +241,12 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="tensorpar GPT with the plain layers (fused=False)"),
     Contender("tensorpar-tp1", partial(setup_tensorpar), 1,
               about="tensorpar GPT at TP=1, one process"),
-    Contender("dtensor", partial(setup_dtensor), "tp",
+    Contender("dtensor", partial(setup_dtensor), "tp", ours=False,
               about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
-    Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp",
+    Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp", ours=False,
               about="PyTorch DTensor TP with SequenceParallel"),
-    Contender("megatron", setup_megatron, "tp", own_pool=True, missing=megatron_missing,
-              about="megatron-core GPT on gloo"),
+    Contender("megatron", setup_megatron, "tp", own_pool=True, cannot_run=megatron_cannot_run,
+              ours=False, about="megatron-core GPT on gloo"),
     Contender("dense-1t", setup_dense, 1, threads=1,
               about="plain PyTorch, one process, one thread"),
     Contender("dense-Nt", setup_dense, 1, threads=0,

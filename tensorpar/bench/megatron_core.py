@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from tensorpar.bench.contenders import check_megatron_fits
 from tensorpar.bench.spec import StepFn
 from tensorpar.bench.spec import make_optimizer as bench_adamw
 
@@ -89,24 +90,6 @@ def on_cpu() -> Iterator[None]:
             yield
     finally:
         torch.cuda.current_device = original
-
-
-def check_megatron_fits(cfg, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise ValueError, naming the numbers, for a model megatron-core cannot split over ``tp``:
-    it splits heads, KV heads, the hidden width and the vocabulary evenly, without padding."""
-    if sequence_parallel:
-        raise ValueError("megatron-core without Apex or Transformer Engine has no sequence "
-                         "parallel norm (its WrappedTorchNorm asserts not sequence_parallel)")
-    if cfg.dropout:
-        raise ValueError(f"--dropout {cfg.dropout}: the CPU run replaces megatron's CUDA RNG "
-                         "tracker with its no-op one, exact only without dropout")
-    if cfg.tie_embeddings:
-        raise ValueError("the megatron contender is built untied (lm_head separate from embed)")
-    for flag, size in (("--n-head", cfg.n_head), ("--n-kv-head", cfg.n_kv_head),
-                       ("--hidden-dim", cfg.hidden_dim), ("--vocab-size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"megatron-core splits evenly, without padding: {flag} {size} does "
-                             f"not divide by --tp {tp}")
 
 
 def megatron_shards(state: dict[str, torch.Tensor], cfg, tp_rank: int,

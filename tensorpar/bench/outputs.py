@@ -1,7 +1,8 @@
 """The benchmark's report: a markdown table, the JSON of every number, a PNG chart.
 
 Every file is written to a temporary name in the output directory and renamed into place, so a
-reader never sees half a file.
+reader never sees half a file. Of the files a run can write (``OUTPUTS``), the ones this run did
+not write are an earlier run's and are removed (``remove_stale``); other files are left alone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from tensorpar.runtime.output import write_atomically
 
 MiB = 2**20
+OUTPUTS = ("bench.md", "bench.json", "bench.png", "profile.md")  # every file a run can write
 
 
 def _text(path: Path, text: str) -> None:
@@ -154,3 +156,14 @@ def write_results(results: dict, out_dir: str | Path, command: str = "") -> dict
     _text(paths["json"], json.dumps(results | {"command": command}, indent=1) + "\n")
     chart(results, paths["png"])
     return paths
+
+
+def remove_stale(out_dir: str | Path, written) -> list[Path]:
+    """Remove the files of ``OUTPUTS`` in ``out_dir`` that are not among ``written`` (an earlier
+    run's, e.g. its profile.md when this run has no profile); return them."""
+    keep = {Path(p).name for p in written}
+    stale = [Path(out_dir) / name for name in OUTPUTS if name not in keep]
+    stale = [p for p in stale if p.is_file()]
+    for p in stale:
+        p.unlink()
+    return stale

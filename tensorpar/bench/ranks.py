@@ -8,6 +8,7 @@ That table lives only in the benchmark's own rank processes; no library code rea
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -77,6 +78,9 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
     time by category (see ``profiling.py``). The steps are extra ones, after the timed ones."""
     from tensorpar.bench.profiling import summarize
 
+    # libkineto logs "USDT: ... profiler_start / profiler_stop" to stderr at its levels up to 5
+    # (USDT); 6 is above them all. Read once, when this process first starts a profiler.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     step = _LIVE[run_id][name]
     batches = [batch(spec, s) for s in range(first, first + count)]
     _barrier()

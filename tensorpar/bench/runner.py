@@ -19,15 +19,23 @@ Step time: each rank times each step; a step's time is the slowest rank's. The r
 median over all timed steps, the interquartile range and min-max. Losses: every contender's
 per-step losses against the dense fp32 run's (``dense-1t``, or an untimed reference run of the
 same model when dense-1t is not among the contenders).
+
+Failures (``Contender.ours``): another library's contender that cannot run the configuration
+becomes a row "skipped: <why>", told by ``Contender.cannot_run`` before its ranks start or by a
+ValueError raised on every rank; one that fails otherwise, a row "failed: <last line>" (the
+tracebacks go into bench.json). The others' rows stand. A failure of tensorpar's contenders or
+of the reference is a bug: its tracebacks are printed and listed in ``errors`` (exit 1).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 from tensorpar.bench import ranks
 from tensorpar.bench.contenders import CONTENDERS, Contender
@@ -112,12 +120,16 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
     rows: dict[str, dict] = {}
     for name in names:
         c = CONTENDERS[name]
-        why = c.missing() if c.missing else None
+        why = c.cannot_run(spec, plan.tp) if c.cannot_run else None
         rows[name] = {"name": name, "about": c.about, "ranks_x_threads": c.label(plan.tp),
-                      "status": why or "ok"}
+                      "status": f"skipped: {why}" if why else "ok"}
+        if why:
+            log(f"{name} skipped: {why}")
     timed = [n for n in names if rows[n]["status"] == "ok"]
     measured = timed + ([REFERENCE] if REFERENCE not in timed else [])
     pools = Pools(pool_for)
+    errors: list[dict] = []  # failures of our own contenders and the reference: bugs
+    fail = partial(_fail, rows, errors, log)
     try:
         for name in measured:
             pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
@@ -125,7 +137,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
             try:
                 res = pool.run(ranks.setup, run_id, name, spec, plan.warmup)
             except RankError as e:
-                _fail(rows, name, e, log)
+                fail(name, e)
                 continue
             row = rows.setdefault(name, {"name": name, "status": "ok"})
             row.update(losses=res[0]["losses"], seconds=[], comm=[r["comm"] for r in res],
@@ -144,7 +156,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 try:
                     res = pool.run(ranks.steps, run_id, name, spec, first, plan.steps_per_repeat)
                 except RankError as e:
-                    _fail(rows, name, e, log)
+                    fail(name, e)
                     continue
                 row = rows[name]
                 row["losses"] += res[0]["losses"]
@@ -170,13 +182,36 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 pool.run(ranks.teardown, run_id)
     finally:
         pools.close()
-    return _summarize(spec, plan, names, rows, profile) | {"round_orders": orders}
+    return _summarize(spec, plan, names, rows, profile) | {"round_orders": orders,
+                                                            "errors": errors}
 
 
-def _fail(rows: dict, name: str, err: RankError, log) -> None:
-    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
-    rows.setdefault(name, {"name": name})["status"] = f"failed: {lines[-1] if lines else err}"
-    log(f"{name} failed:\n{err}")
+def failure_reason(err: RankError) -> tuple[str, bool]:
+    """(one line, refused) for a contender that failed on its ranks: refused when every rank
+    raised ValueError (the line is then its message), else the last line of the last failing
+    rank's traceback, after the pool's own reason (a rank that died or hung) if any."""
+    head, *tracebacks = re.split(r"^--- rank \d+ failed:$", str(err), flags=re.M)
+    last = [tb.strip().splitlines()[-1] for tb in tracebacks if tb.strip()]
+    if not head.strip() and last and all(ln.startswith("ValueError: ") for ln in last):
+        return last[0].removeprefix("ValueError: "), True
+    return "; ".join([*head.strip().splitlines()[:1], *last[-1:]]) or "unknown error", False
+
+
+def _fail(rows: dict, errors: list[dict], log, name: str, err: RankError) -> None:
+    """Record contender ``name``'s failure (see the module docstring)."""
+    reason, refused = failure_reason(err)
+    row = rows.setdefault(name, {"name": name})
+    if CONTENDERS[name].ours:  # the reference (dense-1t) too
+        row["status"] = f"failed: {reason}"
+        errors.append({"name": name, "error": str(err)})
+        log(f"{name} failed (a bug in tensorpar):\n{err}")
+    elif refused:
+        row["status"] = f"skipped: {reason}"
+        log(f"{name} skipped: {reason}")
+    else:
+        row.update(status=f"failed: {reason}", error=str(err))
+        log(f"{name} failed on its ranks, the other contenders stand: {reason} (its "
+            "tracebacks are in bench.json)")
 
 
 def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
