@@ -88,7 +88,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt-ids", help="--hf without a tokenizer: token ids, e.g. 1,2,3 "
                    "(default: none, use --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens to add per prompt (default 200)")
+                   help="tokens to add per prompt, at most: fewer where a sequence ends with the "
+                   "tokenizer's end-of-text (default 200)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0: sampling (default 0)")
     p.add_argument("--top-k", type=int, default=0,
@@ -119,8 +120,9 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors")
     p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
                    "step-* checkpoint directory (required)")
-    p.add_argument("--out", required=True, help="the .safetensors file to write: a new file in "
-                   "an existing directory (required)")
+    p.add_argument("--out", required=True, help="the file to write: a name ending in "
+                   ".safetensors, in an existing writable directory; an existing file is replaced "
+                   "atomically (required)")
 
 
 def _run(args) -> int:

@@ -16,13 +16,25 @@ def cli_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
 
 
-def tensorpar_cli(*args, timeout: float = 300):
-    """``python -m tensorpar ARGS`` as a user runs it; the CompletedProcess (text)."""
+def tensorpar_cli(*args, timeout: float = 300, cwd=None):
+    """``python -m tensorpar ARGS`` as a user runs it, in ``cwd`` (this checkout first on the
+    path); the CompletedProcess (text)."""
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=cli_env())
+    repo = str(Path(__file__).resolve().parents[1])
+    env = cli_env() | {"PYTHONPATH": os.pathsep.join(filter(None, [repo,
+                                                                   os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def leftovers(*dirs) -> list:
+    """Hidden or temporary files in ``dirs``: what an interrupted write would leave."""
+    return [p for d in dirs if d.is_dir() for p in d.iterdir()
+            if p.name.startswith(".") or ".tmp" in p.name]
 
 
 def read_metrics(run) -> list[dict]:

@@ -3,6 +3,7 @@
 kept), and ``--resume`` that keeps the stored learning-rate schedule and refuses what it cannot
 honestly do. Real processes and signals."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -10,6 +11,11 @@ import sys
 import time
 
 import pytest
+
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.gpt.start import resolve
+from tensorpar.gpt.train import TrainConfig, train_rank
+from tensorpar.runtime.stopping import StopRequest
 
 from tests_common import TINY_GPT, cli_env, read_metrics, tensorpar_cli
 
@@ -22,7 +28,7 @@ def uninterrupted(tmp_path_factory):
     out = tensorpar_cli("train", "--tp", 2, "--steps", STEPS, "--save-every", 20, "--out", run,
                         *TINY_GPT)
     assert out.returncode == 0, out.stderr
-    return read_metrics(run)
+    return read_metrics(run), run
 
 
 def _start(run, *flags):
@@ -58,10 +64,10 @@ def _quiet(err: str) -> None:
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted, signum):
-    """SIGTERM (or SIGUSR1) to the launcher: the step in flight finishes, a checkpoint of that
-    step is written, one line, exit 128 + signal; ``--resume`` then equals the whole run."""
+def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted):
+    """SIGTERM to the launcher: the step in flight finishes, a checkpoint of that step is
+    written, one line, exit 143; ``--resume`` then equals the whole run."""
+    signum = signal.SIGTERM
     rc, err, _ = _signal_after(_start(tmp_path), tmp_path, 25, [signum])
     assert rc == 128 + signum, err
     _quiet(err)
@@ -70,17 +76,15 @@ def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted, 
     name = signal.Signals(signum).name
     assert f"stopped by {name} after step {last}; saved {tmp_path}/step-{last:08d}" in err, err
     assert f"resume with: tensorpar train --resume --out {tmp_path}" in err
-    if signum != signal.SIGTERM:
-        return  # the same path as SIGTERM from here on
     out = tensorpar_cli("train", "--resume", "--out", tmp_path)
     assert out.returncode == 0, out.stderr
-    _same(read_metrics(tmp_path), uninterrupted)
+    _same(read_metrics(tmp_path), uninterrupted[0])
 
 
-def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
+def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path):
     """Ctrl-C reaches the launcher and its ranks (the terminal's process group): exit 130 within
-    seconds, one line naming the last step and checkpoint, no partial checkpoint; ``--resume``
-    then equals the whole run."""
+    seconds, one line naming the last step and checkpoint, no partial checkpoint (resuming from
+    a checkpoint after a kill: tests/gpt/test_train_cli.py)."""
     rc, err, took = _signal_after(_start(tmp_path), tmp_path, 45, [signal.SIGINT], group=True)
     assert rc == 130, err
     _quiet(err)
@@ -90,9 +94,6 @@ def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
            f"(step 40); steps 41-{last} are lost; resume with: tensorpar train --resume " \
            f"--out {tmp_path}" in err, err
     assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
-    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
-    assert out.returncode == 0, out.stderr
-    _same(read_metrics(tmp_path), uninterrupted)
 
 
 def test_second_signal_stops_at_once(tmp_path):
@@ -105,27 +106,53 @@ def test_second_signal_stops_at_once(tmp_path):
     assert took < 10
 
 
-def test_resume_keeps_the_schedule(tmp_path):
+def _usr1_on(rank_to_signal: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    with StopRequest() as stop:
+        before = stop.agreed()
+        if dist.get_rank() == rank_to_signal:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return before, stop.agreed()
+
+
+def test_ranks_agree_on_a_signal_one_of_them_got(ranks):
+    """SIGUSR1 reaching rank 2 alone: every rank's next check says SIGUSR1, none before."""
+    assert ranks(3).run(_usr1_on, 2) == [(0, signal.SIGUSR1)] * 3
+
+
+MODEL = {"n_layer": 1, "dim": 32, "n_head": 4, "n_kv_head": 1}
+TRAIN = {"tp": 1, "seq_len": 32, "batch_size": 4, "warmup_steps": 3, "seed": 2}
+
+
+def _resolve(model=None, **train):
+    """``resolve`` with flags given as the CLI gives them (None: not on the command line)."""
+    return resolve({f.name: None for f in dataclasses.fields(TrainConfig)} | train,
+                   {f.name: None for f in dataclasses.fields(GPTConfig)} | (model or {}))
+
+
+def _train(ranks, model=None, **train):
+    cfg, model_cfg, resume_from = _resolve(model, **train)
+    return ranks(1).run(train_rank, cfg, model_cfg, resume_from)[0]["rows"]
+
+
+def test_resume_keeps_the_schedule(ranks, tmp_path, capsys):
     """``--steps 8`` then ``--resume --steps 14`` equals one run of ``--steps 14
-    --lr-decay-steps 8``, and says it kept the schedule; a longer horizon asked for explicitly
+    --lr-decay-steps 8``, and says it kept the schedule; another horizon asked for explicitly
     gives the note that the run is no longer an exact continuation."""
-    first = tensorpar_cli("train", "--tp", 1, "--steps", 8, "--out", tmp_path / "a", *TINY_GPT)
-    assert first.returncode == 0, first.stderr
-    more = tensorpar_cli("train", "--resume", "--steps", 14, "--out", tmp_path / "a")
-    assert more.returncode == 0, more.stderr
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _train(ranks, MODEL, **TRAIN, steps=8, out=a)
+    resumed = _train(ranks, resume=True, steps=14, out=a)
     assert "keeping the run's learning-rate schedule (cosine decay to lr/10 at step 8" \
-        in more.stderr
-    whole = tensorpar_cli("train", "--tp", 1, "--steps", 14, "--lr-decay-steps", 8,
-                          "--out", tmp_path / "b", *TINY_GPT)
-    assert whole.returncode == 0, whole.stderr
-    _same(read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b"))
-    assert read_metrics(tmp_path / "b")[-1]["lr"] == pytest.approx(1e-4)  # lr/10 after step 8
-    again = tensorpar_cli("train", "--resume", "--steps", 16, "--lr-decay-steps", 16,
-                          "--out", tmp_path / "a")
-    assert again.returncode == 0 and "--lr-decay-steps differ" in again.stderr, again.stderr
+        in capsys.readouterr().err
+    whole = _train(ranks, MODEL, **TRAIN, steps=14, lr_decay_steps=8, out=b)
+    _same(resumed, whole)
+    assert whole[-1]["lr"] == pytest.approx(1e-4)  # lr/10 from step 8 on
+    cfg = _resolve(resume=True, steps=16, lr_decay_steps=16, out=a)[0]
+    assert cfg.lr_decay_steps == 16 and "--lr-decay-steps differ" in capsys.readouterr().err
 
 
-def test_resume_edge_cases(tmp_path):
+def test_resume_edge_cases(tmp_path, uninterrupted):
     """A folder that does not exist is an error; one without a checkpoint starts over with a
     note; a run already at --steps says so and starts no rank; a new run never overwrites an
     earlier run's metrics.jsonl."""
@@ -133,14 +160,13 @@ def test_resume_edge_cases(tmp_path):
     out = tensorpar_cli("train", "--resume", "--out", missing, *TINY_GPT)
     assert out.returncode == 2 and f"--resume: {missing} does not exist" in out.stderr
     assert not missing.exists()
-    done = tmp_path / "done"
-    assert tensorpar_cli("train", "--tp", 1, "--steps", 4, "--out", done, *TINY_GPT).returncode == 0
+    done = uninterrupted[1]
     t0 = time.monotonic()
-    out = tensorpar_cli("train", "--resume", "--steps", 3, "--out", done)
-    assert out.returncode == 0 and f"{done} is already at step 4 (--steps 3): nothing to train" \
-        in out.stderr, out.stderr
+    out = tensorpar_cli("train", "--resume", "--steps", 30, "--out", done)
+    assert out.returncode == 0 and f"{done} is already at step {STEPS} (--steps 30): nothing " \
+        "to train" in out.stderr, out.stderr
     assert "step 1/" not in out.stdout and time.monotonic() - t0 < 15
-    assert [r["step"] for r in read_metrics(done)] == [1, 2, 3, 4]
+    assert len(read_metrics(done)) == STEPS
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')

@@ -12,28 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-TINY = ["--n-layer", "1", "--dim", "32", "--n-head", "4", "--n-kv-head", "1", "--seq-len", "32",
-        "--batch-size", "4", "--warmup-steps", "3", "--seed", "2"]
-
-
-def _env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-
-
-def _tensorpar(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=_env())
-
-
-def _metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+from tests_common import TINY_GPT, cli_env, read_metrics
+from tests_common import tensorpar_cli as _tensorpar
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A TP=2 run of 20 steps (checkpoints every 5)."""
     run = tmp_path_factory.mktemp("tp2")
-    out = _tensorpar("train", "--tp", 2, "--steps", 20, "--save-every", 5, "--out", run, *TINY)
+    out = _tensorpar("train", "--tp", 2, "--steps", 20, "--save-every", 5, "--out", run, *TINY_GPT)
     assert out.returncode == 0, out.stdout + out.stderr
     return run, out.stdout
 
@@ -42,7 +29,7 @@ def test_train_outputs(trained):
     """metrics.jsonl has one row per step with loss and tokens/s; loss.png is a PNG; the summary
     names the loss, the per-rank share of the parameters and the bytes per collective."""
     run, stdout = trained
-    rows = _metrics(run)
+    rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all({"loss", "tokens_per_s", "lr", "grad_norm"} <= r.keys() for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
@@ -59,9 +46,9 @@ def test_train_outputs(trained):
 
 def test_tp1_equals_tp2_step_by_step(trained, tmp_path):
     run, _ = trained
-    out = _tensorpar("train", "--tp", 1, "--steps", 20, "--out", tmp_path, *TINY)
+    out = _tensorpar("train", "--tp", 1, "--steps", 20, "--out", tmp_path, *TINY_GPT)
     assert out.returncode == 0, out.stderr
-    for a, b in zip(_metrics(tmp_path), _metrics(run), strict=True):
+    for a, b in zip(read_metrics(tmp_path), read_metrics(run), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
@@ -69,9 +56,9 @@ def test_kill_then_resume(trained, tmp_path):
     """SIGKILL a TP=2 run after its step-5 checkpoint, then ``--resume`` at TP=4 with no other
     flag: the run finishes at step 20 and its metrics equal the uninterrupted run's."""
     cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", "20",
-           "--save-every", "5", "--out", str(tmp_path), *TINY]
+           "--save-every", "5", "--out", str(tmp_path), *TINY_GPT]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=_env(), start_new_session=True)
+                            env=cli_env(), start_new_session=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "step-00000005" / "manifest.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
@@ -81,15 +68,16 @@ def test_kill_then_resume(trained, tmp_path):
     out = _tensorpar("train", "--resume", "--tp", 4, "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming from" in out.stderr
-    for a, b in zip(_metrics(tmp_path), _metrics(trained[0]), strict=True):
+    for a, b in zip(read_metrics(tmp_path), read_metrics(trained[0]), strict=True):
         assert a["step"] == b["step"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_generate_same_text_at_any_tp(trained, temperature):
-    """Text from the TP=2 checkpoint is identical at TP=1, 2 and 4 (greedy and seeded sampling);
-    the prompt comes first on stdout."""
+def test_generate_same_text_at_any_tp(trained):
+    """Sampled text from the TP=2 checkpoint is identical at TP=1, 2 and 4 as the CLI prints it
+    (greedy, top-k, top-p and batches at every TP size: tests/gpt/test_generate.py); the prompt
+    comes first on stdout."""
+    temperature = "0.8"
     texts = []
     for tp in (1, 2, 4):
         out = _tensorpar("generate", "--ckpt", trained[0], "--tp", tp, "--prompt", "The ",
@@ -113,10 +101,10 @@ def test_export_dense(trained, tmp_path):
 def test_under_torchrun(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "tensorpar", "train", "--tp", "2",
-                          "--steps", "3", "--out", str(tmp_path), *TINY],
-                         capture_output=True, text=True, timeout=180, env=_env())
+                          "--steps", "3", "--out", str(tmp_path), *TINY_GPT],
+                         capture_output=True, text=True, timeout=180, env=cli_env())
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "step-00000003" / "rank01-of02.safetensors").is_file()
 
 
@@ -154,7 +142,7 @@ def test_bad_checkpoints_exit_2(trained, tmp_path):
 def test_short_data_and_bad_generate_flags(trained, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("only a few words")
-    out = _tensorpar("train", "--data", short, "--out", tmp_path / "run", *TINY)
+    out = _tensorpar("train", "--data", short, "--out", tmp_path / "run", *TINY_GPT)
     assert out.returncode == 2 and "fewer than --seq-len 32 + 1 tokens" in out.stderr
     for flags, message in ((["--tp", 0], "--tp 0 must be >= 1"),
                            (["--temperature", "nan"], "--temperature nan >= 0")):
@@ -179,8 +167,9 @@ def test_ranks_exit_with_the_launcher(tmp_path):
     """``kill PID`` of the tensorpar process alone (not its group): its ranks exit too, and stop
     writing to the run directory."""
     cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", "100000",
-           "--out", str(tmp_path), *TINY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+           "--out", str(tmp_path), *TINY_GPT]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=cli_env())
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").exists() or len(_children(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline

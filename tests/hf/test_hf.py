@@ -3,9 +3,6 @@ loss, greedy generation and one fine-tuning step equal the dense model's at TP=1
 Llama (also MQA: fewer KV heads than ranks), Qwen2 (GQA, biases, tied embeddings) and Qwen3.
 The models: ``conftest.py``."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from tensorpar.hf.styles import is_conv1d  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
 from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
+from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
 from tp_check import assert_close  # noqa: E402
 
 OPT_PLAN = {  # a plan written by hand: OPT declares none
@@ -146,12 +144,6 @@ def test_no_plan_is_a_clear_error():
         parallelize(model, {"0": "colwise"})
     with pytest.raises(ValueError, match="'layers.*.mlp' matches no module"):
         parallelize(model, {"layers.*.mlp": "mlp"})
-
-
-def _tensorpar(*args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_cli_verify_and_generate(hf_dirs):

@@ -3,10 +3,7 @@ itself alone; greedy and seeded sampling with top-k and top-p the same at TP=1 a
 sequence stops at the generation config's end-of-text ids; clear errors. The models:
 ``conftest.py`` (a tiny Llama with a character tokenizer, end-of-text ids 2 and 7: "!" and "&")."""
 
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +13,8 @@ pytest.importorskip("accelerate")
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 from tensorpar.hf.cli import generate_hf_rank  # noqa: E402
+
+from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
 
 PROMPTS = ["Hi ", "Once upon a", "x", "The cat sat"]
 EOS = "!&"  # ids 2 and 7 of the character tokenizer
@@ -61,12 +60,6 @@ def test_batch_equals_alone_and_tp_sizes_agree(ranks, llama):
             ended += bool(stops)
     assert ended  # this model says "!" early for one of the prompts
     assert ref["ids"][0].startswith("5 6 7 ") and len(ref["ids"][0].split()) <= 9
-
-
-def _tensorpar(*args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-    return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_cli_several_prompts(ranks, llama, tmp_path):
