@@ -81,10 +81,10 @@ def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted):
     _same(read_metrics(tmp_path), uninterrupted[0])
 
 
-def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path):
+def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
     """Ctrl-C reaches the launcher and its ranks (the terminal's process group): exit 130 within
-    seconds, one line naming the last step and checkpoint, no partial checkpoint (resuming from
-    a checkpoint after a kill: tests/gpt/test_train_cli.py)."""
+    seconds, one line naming the last step and checkpoint, no partial checkpoint; ``--resume``
+    then equals the whole run."""
     rc, err, took = _signal_after(_start(tmp_path), tmp_path, 45, [signal.SIGINT], group=True)
     assert rc == 130, err
     _quiet(err)
@@ -94,6 +94,42 @@ def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path):
            f"(step 40); steps 41-{last} are lost; resume with: tensorpar train --resume " \
            f"--out {tmp_path}" in err, err
     assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
+    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
+    assert out.returncode == 0, out.stderr
+    _same(read_metrics(tmp_path), uninterrupted[0])
+
+
+def _ranks_of(pid: int) -> int:
+    """How many live child processes ``pid`` has."""
+    n = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            n += int(fields[1]) == pid and fields[0] != "Z"
+    return n
+
+
+@pytest.mark.parametrize("command", ["generate", "verify"])
+def test_ctrl_c_in_other_commands(uninterrupted, command):
+    """Ctrl-C while the ranks of ``generate`` or ``verify`` work: exit 130, one line."""
+    args = {"generate": ["--ckpt", uninterrupted[1], "--prompt", "The", "--max-new-tokens",
+                         "100000"],
+            "verify": ["--seq-len", "2048", "--dim", "256", "--hidden-dim", "1024"]}[command]
+    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", command, "--tp", "2",
+                             *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(), start_new_session=True)
+    deadline = time.monotonic() + 60
+    while _ranks_of(proc.pid) < 3:  # the resource tracker and two ranks
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(3)  # the ranks import and meet
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip() == f"tensorpar {command}: interrupted (Ctrl-C)", err
 
 
 def test_second_signal_stops_at_once(tmp_path):
