@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests_common import char_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
@@ -189,18 +191,6 @@ def test_python_block(tmp_path, line, name, command, program):
     _writes_only_runs(tmp_path, {name})
 
 
-def _char_tokenizer():
-    """A character-level tokenizer for printable ASCII (ids 1-95): nothing downloaded."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-
-
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> str:
     """``path/to/model``: a tiny random Llama with a tokenizer (4 heads, 2 KV heads, width 64)."""
@@ -211,7 +201,7 @@ def hf_model(tmp_path_factory) -> str:
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=128)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    _char_tokenizer().save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return str(path)
 
 

@@ -43,3 +43,32 @@ def read_metrics(run) -> list[dict]:
     from pathlib import Path
 
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) child processes of ``pid``."""
+    import os
+
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def char_tokenizer():
+    """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95): nothing
+    downloaded."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")

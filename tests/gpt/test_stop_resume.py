@@ -17,7 +17,7 @@ from tensorpar.gpt.start import resolve
 from tensorpar.gpt.train import TrainConfig, train_rank
 from tensorpar.runtime.stopping import StopRequest
 
-from tests_common import TINY_GPT, cli_env, read_metrics, tensorpar_cli
+from tests_common import TINY_GPT, child_pids, cli_env, read_metrics, tensorpar_cli
 
 STEPS = 60
 
@@ -99,19 +99,6 @@ def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
     _same(read_metrics(tmp_path), uninterrupted[0])
 
 
-def _ranks_of(pid: int) -> int:
-    """How many live child processes ``pid`` has."""
-    n = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            n += int(fields[1]) == pid and fields[0] != "Z"
-    return n
-
-
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_ctrl_c_in_other_commands(uninterrupted, command):
     """Ctrl-C while the ranks of ``generate`` or ``verify`` work: exit 130, one line."""
@@ -122,7 +109,7 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
                              *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(), start_new_session=True)
     deadline = time.monotonic() + 60
-    while _ranks_of(proc.pid) < 3:  # the resource tracker and two ranks
+    while len(child_pids(proc.pid)) < 3:  # the resource tracker and two ranks
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     time.sleep(3)  # the ranks import and meet

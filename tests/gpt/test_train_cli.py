@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests_common import TINY_GPT, cli_env, read_metrics
+from tests_common import TINY_GPT, child_pids, cli_env, read_metrics
 from tests_common import tensorpar_cli as _tensorpar
 
 
@@ -150,19 +150,6 @@ def test_short_data_and_bad_generate_flags(trained, tmp_path):
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
-def _children(pid):
-    kids = []
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(stat))
-    return kids
-
-
 def test_ranks_exit_with_the_launcher(tmp_path):
     """``kill PID`` of the tensorpar process alone (not its group): its ranks exit too, and stop
     writing to the run directory."""
@@ -171,10 +158,10 @@ def test_ranks_exit_with_the_launcher(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=cli_env())
     deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists() or len(_children(proc.pid)) < 2:
+    while not (tmp_path / "metrics.jsonl").exists() or len(child_pids(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    ranks = _children(proc.pid)
+    ranks = child_pids(proc.pid)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20

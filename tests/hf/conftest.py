@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from tests_common import char_tokenizer
+
 SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
@@ -32,18 +34,6 @@ def tiny_configs():
         "opt": T.OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=80, num_hidden_layers=2,
                            num_attention_heads=4, word_embed_proj_dim=64, dropout=0.0),
     }
-
-
-def char_tokenizer():
-    """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95)."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 @pytest.fixture
