@@ -94,7 +94,8 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.plot([r["step"] for r in rows],  # a skipped step's loss (None) is a gap
+            [float("nan") if r["loss"] is None else r["loss"] for r in rows], lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title)
@@ -115,10 +116,15 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
-    if rows:
+    done = [r for r in rows if not r.get("skipped")]
+    if done:
         table.add_row("loss (first -> final step)",
-                      f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
-                      f"(steps {rows[0]['step']}-{rows[-1]['step']})")
+                      f"{done[0]['loss']:.4f} -> {done[-1]['loss']:.4f} "
+                      f"(steps {done[0]['step']}-{done[-1]['step']})")
+    if len(done) < len(rows):
+        table.add_row("skipped steps (non-finite)",
+                      ", ".join(str(r["step"]) for r in rows if r.get("skipped")))
+    if rows:
         steady = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
         table.add_row("tokens/s (median of steps)", f"{statistics.median(steady):,.0f}")
     dense = sizes[0]["dense"]

@@ -82,6 +82,10 @@ class TrainConfig:
         "help": "checkpoint every N steps (and always at the end)"})
     recompute: bool = dataclasses.field(default=False, metadata={
         "help": "recompute each block in backward instead of keeping its activations"})
+    skip_nonfinite: int = dataclasses.field(default=0, metadata={
+        "help": "skip up to N steps whose loss or gradient norm is NaN or inf (their gradients "
+                "are dropped; counted in metrics.jsonl and the summary); past N the run stops "
+                "before the optimizer applies one"})
     fused: bool = dataclasses.field(default=True, metadata={
         "help": "overlap each block's backward all-reduce with its weight gradients "
                 "(parallel/fused.py)"})
@@ -90,7 +94,7 @@ class TrainConfig:
         for flag in ("tp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
-        for flag in ("warmup_steps", "weight_decay", "grad_clip"):
+        for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
             if not getattr(self, flag) >= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
         if not self.lr > 0:
@@ -168,6 +172,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
         save_checkpoint(out, step, model, layout, opt, group, meta)
 
     stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
+    skipped = sum(1 for r in metrics.rows if r.get("skipped")) if metrics else 0
+    if tp_size(group) > 1:  # rank 0 read them from metrics.jsonl: every rank counts the same
+        skipped = _broadcast_int(skipped, group, device)
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
@@ -183,19 +190,28 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
                     loss = model(x, y)
                 loss.backward()
                 norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
-                opt.step()
+                # the same on every rank (the loss and the norm are reduced): all decide alike
+                loss_value, norm_value = loss.item(), norm.item()
+                finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+                if finite:
+                    opt.step()
+                elif skipped == cfg.skip_nonfinite:
+                    raise FloatingPointError(nonfinite_step(step + 1, loss_value, norm_value,
+                                                            model, group, cfg, out))
                 opt.zero_grad(set_to_none=True)
+            skipped += not finite
             if measure:
                 comm = {k: dict(getattr(counter, k)) for k in comm}
                 peak_memory = meter.peak_bytes
-            loss_value = loss.item()
             dt = time.perf_counter() - t0
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss is {loss_value} at step {step + 1}")
             if rank == 0:
-                metrics.write({"step": step + 1, "loss": loss_value,
-                               "lr": learning_rate(cfg, step), "grad_norm": norm.item(),
-                               "tokens_per_s": tokens / dt, "step_time_s": dt})
+                row = {"step": step + 1, "loss": loss_value if finite else None,
+                       "lr": learning_rate(cfg, step),
+                       "grad_norm": norm_value if finite else None,
+                       "tokens_per_s": tokens / dt, "step_time_s": dt}
+                if not finite:  # JSON has no NaN: the values are named instead
+                    row["skipped"] = f"non-finite: loss {loss_value}, gradient norm {norm_value}"
+                metrics.write(row)
                 progress.update(step + 1, loss_value, tokens / dt)
             signum = stop.agreed()  # the same on every rank: all stop after this step
             if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
@@ -234,3 +250,32 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
             progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                                    f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
     return result
+
+
+def _broadcast_int(value: int, group, device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    return int(t.item())
+
+
+def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, group,
+                   cfg: TrainConfig, out: Path) -> str:
+    """The one line that stops a run at a non-finite step, naming the first parameter (in the
+    model's order) whose gradient is not finite, on whichever rank holds it. Every rank calls
+    it (one all_gather_object, on this path only)."""
+    first = next(((i, name) for i, (name, p) in enumerate(model.named_parameters())
+                  if p.grad is not None and not bool(p.grad.isfinite().all())), None)
+    found = [first]
+    if tp_size(group) > 1:
+        found = [None] * tp_size(group)
+        dist.all_gather_object(found, first, group=group)
+    hits = sorted((f[0], r, f[1]) for r, f in enumerate(found) if f is not None)
+    where = f"first non-finite gradient: {hits[0][2]} (rank {hits[0][1]})" if hits else \
+        "every gradient is finite"
+    ckpt = find_checkpoint(out)
+    kept = f"the newest checkpoint, {ckpt}, holds the weights before it" if ckpt else \
+        "no checkpoint was written yet"
+    skip = f"after skipping {cfg.skip_nonfinite} such steps" if cfg.skip_nonfinite else \
+        "--skip-nonfinite N skips up to N such steps"
+    return (f"step {step}: loss {loss}, gradient norm {norm}; {where}; stopped before the "
+            f"optimizer applied it; {kept}; {skip}")

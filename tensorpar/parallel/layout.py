@@ -107,7 +107,9 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
 
     Each rank sums the squares of the gradient elements it owns; one all-reduce of that scalar
     gives the dense norm on every rank (replicated and shared parameters counted once).
-    Returns the norm before clipping, the same on every rank.
+    Returns the norm before clipping, the same on every rank. A norm that is not finite leaves
+    the gradients as they are (the caller decides: the trainer skips or stops), without a host
+    sync.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -120,7 +122,8 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0),
+                            torch.ones_like(norm))
         for _, g in grads:
             g.mul_(scale.to(g.dtype))
     return norm
