@@ -5,17 +5,27 @@ KV heads once, each rank's slice of every block of a fused q|k|v. Writes are ato
 into ``.step-N.tmp/``, rank 0 adds the manifest last and renames the directory into place. A kill
 during a save leaves the previous checkpoint as it was; the newest ``step-*`` directory with a
 manifest is the one loaded.
+
+The ranks agree three times (each an exchange of every rank's status, which takes the place of
+a barrier), so a rank that cannot go on never leaves the others waiting and every rank raises the
+same error: before writing (no tensor about to be written holds a NaN or an infinity, else a
+``ValueError`` naming it and its rank; rank 0 made the directory), after writing (every file was
+written, else the ``OSError`` naming the file: a full disk, ``ulimit -f``), and after rank 0
+renamed the directory into place. A failed save removes its ``.step-N.tmp/``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -33,9 +43,43 @@ from tensorpar.parallel.layout import Layout, owned_local
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 
-def _barrier(group):
-    if tp_size(group) > 1:
-        dist.barrier(group=group)
+def _agree(status, group) -> list:
+    """Every rank's ``status`` (None: fine), in rank order, on every rank: the ranks decide alike
+    whether to go on, so none is left waiting for a rank that gave up."""
+    if tp_size(group) == 1:
+        return [status]
+    statuses = [None] * tp_size(group)
+    dist.all_gather_object(statuses, status, group=group)
+    return statuses
+
+
+def _first_failure(statuses: list):
+    """The first rank's exception, raised on every rank alike (a copy: no traceback)."""
+    for status in statuses:
+        if status is not None:
+            raise status
+
+
+def _io_error(e: Exception, path: Path) -> Exception:
+    """What a write raised, as an OSError naming ``path`` when it is one: safetensors raises
+    SafetensorError ("I/O error: File too large (os error 27)"), no OSError. Others: as is."""
+    if isinstance(e, OSError):
+        return e if e.filename else OSError(e.errno, e.strerror or str(e), str(path))
+    if not (isinstance(e, SafetensorError) and "I/O error" in str(e)):
+        return e
+    found = re.search(r"os error (\d+)", str(e))
+    code = int(found[1]) if found else errno.EIO
+    error = OSError(code, os.strerror(code) if found else str(e), str(path))
+    error.__cause__ = e  # for --debug's traceback
+    return error
+
+
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The first tensor holding a NaN or an infinity, and which: (name, "nan" | "inf")."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key, "nan" if bool(torch.isnan(t).any()) else "inf"
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -72,10 +116,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     rank, n = tp_rank(group), tp_size(group)
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
-    if rank == 0:
-        remove_unfinished(run_dir)
-        tmp.mkdir(parents=True)
-    _barrier(group)
     tensors = {}
     for name, p in model.named_parameters():
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
@@ -84,31 +124,60 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
             mine = owned_local(layout, name, t, rank)
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
+    # 1. nothing non-finite is ever written, and rank 0 makes the directory: agreed on first
+    bad, status = _nonfinite(tensors), None
+    if bad is not None:
+        status = ValueError(f"refusing to save step {step}: {bad[0]} holds {bad[1]} (rank {rank})")
+    elif rank == 0:
+        try:
+            remove_unfinished(run_dir)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            status = _io_error(e, tmp)
+    statuses = _agree(status, group)
+    if rank == 0 and any(s is not None for s in statuses):
+        shutil.rmtree(tmp, ignore_errors=True)
+    _first_failure(statuses)
+    # 2. each rank writes its file; a failed write (a full disk, ``ulimit -f``) is agreed on too
     fname = f"rank{rank:02d}-of{n:02d}.safetensors"
-    save_file(tensors, tmp / fname, metadata={"format": FORMAT, "rank": str(rank)})
-    make_readable(tmp / fname)
-    _fsync(tmp / fname)
-    info = {"name": fname, "bytes": (tmp / fname).stat().st_size, "sha256": sha256_of(tmp / fname),
-            "keys": sorted(tensors)}
-    infos = [info]
-    if n > 1:
-        infos = [None] * n
-        dist.all_gather_object(infos, info, group=group)
+    try:
+        save_file(tensors, tmp / fname, metadata={"format": FORMAT, "rank": str(rank)})
+        make_readable(tmp / fname)
+        _fsync(tmp / fname)
+        status = {"name": fname, "bytes": (tmp / fname).stat().st_size,
+                  "sha256": sha256_of(tmp / fname), "keys": sorted(tensors)}
+    except Exception as e:  # noqa: BLE001 (a bug too: the other ranks must not wait for it)
+        status = _io_error(e, tmp / fname)
+    infos = _agree(status, group)
+    failed = [i for i in infos if isinstance(i, BaseException)]
+    if rank == 0 and failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _first_failure(failed)
+    # 3. rank 0 adds the manifest and renames the directory into place
+    status = None
     if rank == 0:
-        manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
-        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync(tmp)
-        old = run_dir / f".step-{step:08d}.old"
-        if final.exists():  # the same step saved again: swap (the .old still counts until
-            shutil.rmtree(old, ignore_errors=True)  # the new one is in place), drop the old
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync(run_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
-    _barrier(group)
+        try:
+            _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, keep, n)
+        except Exception as e:  # noqa: BLE001 (as above)
+            shutil.rmtree(tmp, ignore_errors=True)
+            status = _io_error(e, tmp / "manifest.json")
+    _first_failure(_agree(status, group))
     return final
+
+
+def _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, keep, n) -> None:
+    manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
+    _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+    _fsync(tmp)
+    old = run_dir / f".step-{step:08d}.old"
+    if final.exists():  # the same step saved again: swap (the .old still counts until
+        shutil.rmtree(old, ignore_errors=True)  # the new one is in place), drop the old
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(run_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _pieces(layout: Layout, name: str, n: int) -> list[dict]:

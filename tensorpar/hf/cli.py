@@ -8,7 +8,6 @@ like, the dense model::
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -146,11 +145,10 @@ def _check_dir(path: str) -> None:
 def _run(fn, n: int, *args, run=run_ranks):
     try:
         return run(fn, n, *args)
-    except RankError as e:  # a ValueError on the ranks (unsupported model, ...): one line
-        errors = re.findall(r"^(?:\w+\.)*(?:ValueError|CheckpointError): (.*)$", str(e), re.M)
-        if errors:
-            raise ValueError(errors[-1]) from None
-        raise
+    except RankError as e:  # the ranks refused the model (unsupported, ...): a bad request (2)
+        if e.expected and all(f.kind == "ValueError" for f in e.failures):
+            raise ValueError(e.failures[-1].message) from None
+        raise  # a full disk, a bug, ...: cli.main tells them apart
 
 
 def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int = 16,

@@ -6,7 +6,9 @@ any number of functions on every rank: ``pool.run(fn, *args)`` returns the list 
 values. The CLI runs one job through it; the tests keep one pool per world size for the session.
 
 Failure handling, so that nothing hangs:
-- a function that raises on a rank comes back as :class:`RankError` with that rank's traceback;
+- a function that raises on a rank comes back as :class:`RankError` with that rank's traceback
+  and what it was (``failures``: an expected error, said in one line, or a bug; see
+  ``failures.py``);
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
   ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
 - a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool;
@@ -28,15 +30,11 @@ import signal
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure
 from tensorpar.runtime.stopping import forwarding
-
-
-class RankError(RuntimeError):
-    """A function failed on one or more ranks; the message holds each failing rank's traceback."""
 
 
 def free_port() -> int:
@@ -72,6 +70,9 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
             parent: int):
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    # a write past ``ulimit -f`` then fails with OSError(EFBIG) instead of killing the rank
+    # (CPython ignores SIGXFSZ already; said here so that it stays so)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -84,16 +85,16 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
     torch.set_num_threads(threads)
     try:
         init_tensor_parallel(backend=backend)
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:
+        results.put((rank, False, RankFailure.of(rank, e)))
         return
     results.put((rank, True, "ready"))
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+        except BaseException as e:
+            results.put((rank, False, RankFailure.of(rank, e)))
     _shut_down()
 
 
@@ -185,9 +186,9 @@ class RankPool:
                     if dead
                     else f"ranks {sorted(set(range(self.nprocs)) - set(got))} did not finish"
                 )
-                raise RankError(_report(got, why))
+                raise _rank_error(got, why, died=bool(dead))
         if any(not ok for ok, _ in got.values()):
-            raise RankError(_report(got, None))
+            raise _rank_error(got, None)
         return [got[r][1] for r in range(self.nprocs)]
 
     def signal(self, signum: int) -> None:
@@ -221,13 +222,13 @@ class RankPool:
         self.close(force=exc_type is not None)  # interrupted (Ctrl-C): do not wait for the ranks
 
 
-def _report(got: dict[int, tuple[bool, Any]], why: str | None) -> str:
+def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = False):
+    """The pool's reason, if any, then each failing rank's traceback under a ``--- rank R
+    failed:`` line; the failures themselves ride along (see failures.py)."""
+    failures = [got[r][1] for r in sorted(got) if not got[r][0]]
     lines = [why] if why else []
-    for rank in sorted(got):
-        ok, value = got[rank]
-        if not ok:
-            lines.append(f"--- rank {rank} failed:\n{value.rstrip()}")
-    return "\n".join(lines)
+    lines += [f"--- rank {f.rank} failed:\n{f.traceback.rstrip()}" for f in failures]
+    return RankError("\n".join(lines), failures, why, died)
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
@@ -246,7 +247,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
     try:
         try:
             result = fn(*args, group=group)
-        except ValueError as e:  # this rank's own error: it says so itself (see cli.main)
+        except EXPECTED as e:  # this rank's own expected error: it says so itself (cli.main)
             e.rank = tp_rank(group)
             raise
         results = [None] * tp_size(group)

@@ -36,6 +36,8 @@ def test_failing_rank_is_reported_and_the_others_stopped():
         pool.run(_fail_on_rank_one_while_others_wait)
     assert time.monotonic() - start < 60
     assert "rank 1 failed" in str(err.value) and "boom on rank one" in str(err.value)
+    assert not err.value.expected  # a RuntimeError: a bug, told with its traceback
+    assert err.value.one_line() == "rank 1: boom on rank one (ranks [0, 2] did not finish)"
     assert all(not p.is_alive() for p in pool._procs)
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(_whoami)
@@ -78,6 +80,9 @@ def test_tp_size_must_divide_world():
         launch(_bad_tp, 4)
     message = str(err.value)
     assert message.count("ValueError: tp_size=3 must be >= 1 and divide the world size 4") == 4
+    assert err.value.expected  # a ValueError: said in one line for all four ranks
+    assert err.value.one_line() == ("ranks 0, 1, 2, 3: tp_size=3 must be >= 1 and divide the "
+                                    "world size 4")
 
 
 def _bad_tp():
