@@ -21,7 +21,10 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
+from tensorpar.runtime.failures import EXPECTED, RankError, describe
+from tensorpar.runtime.groups import TIMEOUT_ENV
 from tensorpar.runtime.stopping import Interrupted, raise_interrupted, signal_name
 from tensorpar.transformer.reference import BlockConfig
 
@@ -182,7 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     from tensorpar.plan import cli as plan_cli
 
     parser = argparse.ArgumentParser(
-        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.")
+        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.",
+        epilog="Errors a user can act on (a bad flag or checkpoint, a full disk, a non-finite "
+        "training step), on any rank, end with one line naming the rank and the cause; exit "
+        "status 2 for a request refused before any rank started, 1 otherwise. Anything else "
+        "is a bug and prints each failing rank's traceback.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the tracebacks of expected errors too (give it before the "
+                        "command: tensorpar --debug train ...; or set TENSORPAR_DEBUG=1) "
+                        "(default off)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="how long a collective waits for the other ranks before it fails "
+                        "(a rank that stopped answering), for every rank this command starts; "
+                        "give it before the command: tensorpar --timeout 60 train ... "
+                        "(default 600, torch's)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_generate(sub)
@@ -195,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("TENSORPAR_DEBUG", "0") not in ("", "0")
+    if args.timeout is not None:  # every rank started from here reads it (runtime/groups.py)
+        if not args.timeout > 0:
+            print(f"tensorpar: --timeout {args.timeout} must be > 0 (seconds)", file=sys.stderr)
+            return 2
+        os.environ[TIMEOUT_ENV] = str(args.timeout)
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
     speaks = os.environ.get("RANK", "0") == "0"
@@ -202,12 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
     try:
         return _run(args)
-    except ValueError as e:  # bad sizes, flags or checkpoints: say so plainly, no traceback
-        rank = getattr(e, "rank", None)
+    except RankError as e:  # spawned ranks failed: one line when expected, else the tracebacks
+        if debug or not e.expected:
+            traceback.print_exc()
+        print(f"tensorpar {args.command}: {e.one_line()}", file=sys.stderr)
+        return 1
+    except EXPECTED as e:  # bad sizes, flags or checkpoints (2), or, raised on a rank under
+        rank = getattr(e, "rank", None)  # torchrun (which says so itself), any expected error (1)
+        if debug:
+            traceback.print_exc()
         if speaks or rank is not None:
             where = "" if rank is None else f"rank {rank}: "
-            print(f"tensorpar {args.command}: {where}{e}", file=sys.stderr)
-        return 2
+            print(f"tensorpar {args.command}: {where}{describe(e)}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) and rank is None else 1
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143): every rank is stopped
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if speaks:

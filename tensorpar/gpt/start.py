@@ -50,10 +50,9 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
             resume_from, saved_model = str(ckpt), manifest["config"]
             scheme = manifest.get("rng", {}).get("scheme")
             if scheme != RNG_SCHEME:
-                print(f"tensorpar train: note: {ckpt} was written with random streams seeded by "
-                      f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
-                      "other batches and dropout masks than the original would have",
-                      file=sys.stderr)
+                _say(f"note: {ckpt} was written with random streams seeded by "
+                     f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
+                     "other batches and dropout masks than the original would have")
             saved_train = {k: v for k, v in manifest["train"].items()
                            if k not in ("resume", "out")}
             # runs saved before --lr-decay-steps existed decayed over their --steps
@@ -75,17 +74,16 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
                            "lr_decay_steps")
                if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
     if changed:
-        print(f"tensorpar train: note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
-              "differ from the checkpoint's; the resumed run is not an exact continuation",
-              file=sys.stderr)
+        _say(f"note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
+             "differ from the checkpoint's; the resumed run is not an exact continuation")
     cfg = TrainConfig(**(saved_train | explicit))
     if cfg.lr_decay_steps is None:  # a new run: decay over its --steps, stored in its manifest
         cfg.lr_decay_steps = cfg.steps
     elif ("steps" in explicit and explicit["steps"] != saved_train.get("steps")
           and "lr_decay_steps" not in explicit):
-        print(f"tensorpar train: note: keeping the run's learning-rate schedule (cosine decay to "
-              f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
-              "change it", file=sys.stderr)
+        _say(f"note: keeping the run's learning-rate schedule (cosine decay to "
+             f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
+             "change it")
     model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
                                              if v is not None}))
     cfg.check()

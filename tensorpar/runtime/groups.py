@@ -36,10 +36,14 @@ def pick_backend(local_world_size: int) -> str:
     return "gloo"
 
 
+# the collective timeout in seconds, inherited by every rank (``tensorpar --timeout``)
+TIMEOUT_ENV = "TENSORPAR_TIMEOUT"
+
+
 def init_tensor_parallel(
     tp_size: int | None = None,
     backend: str | None = None,
-    timeout: timedelta = timedelta(minutes=10),
+    timeout: timedelta | None = None,
 ) -> ProcessGroup:
     """Start torch.distributed from the launcher's environment and return the TP group.
 
@@ -50,7 +54,12 @@ def init_tensor_parallel(
     tp_size: ranks per tensor-parallel group (default: the whole world). Groups are made of
         consecutive ranks, so with one node's GPUs per group TP stays inside the node.
     backend: "nccl" or "gloo"; by default NCCL when each local rank has a GPU, else gloo.
+    timeout: how long a collective may wait for the other ranks before it raises (a rank that
+        stopped answering); default ``TENSORPAR_TIMEOUT`` seconds from the environment (what
+        ``tensorpar --timeout`` sets for every rank it starts), else torch's 10 minutes.
     """
+    if timeout is None:
+        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 600)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
