@@ -45,20 +45,26 @@ def read_metrics(run) -> list[dict]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
-def child_pids(pid: int) -> list[int]:
-    """The live (not zombie) child processes of ``pid``."""
+def live_processes() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, session id, command line) of every live (not zombie) process."""
     import os
 
-    kids = []
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                cmdline = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
+            if fields[0] != "Z":
+                found.append((int(entry), int(fields[1]), int(fields[3]), cmdline))
+    return found
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    return [p for p, parent, _, _ in live_processes() if parent == pid]
 
 
 def char_tokenizer():

@@ -20,7 +20,7 @@ from tensorpar.gpt.train import TrainConfig, make_optimizer
 from tensorpar.parallel.layout import Layout
 from tensorpar.runtime.groups import tp_rank
 
-from tests_common import TINY_GPT, cli_env, leftovers
+from tests_common import TINY_GPT, cli_env, leftovers, live_processes
 from tests_common import tensorpar_cli as _tensorpar
 
 TINY = {"vocab_size": 50, "n_layer": 1, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
@@ -133,15 +133,5 @@ def test_file_too_large_under_torchrun(saved, tmp_path):
 
 
 def _session_left(sid: int) -> list[str]:
-    """The command lines of the live (not zombie) processes of session ``sid``."""
-    left = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                cmdline = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                left.append(cmdline)
-    return left
+    """The command lines of the live processes of session ``sid``."""
+    return [cmd for _, _, session, cmd in live_processes() if session == sid]
