@@ -41,6 +41,7 @@ from tensorpar.checkpoint.format import (
 )
 from tensorpar.parallel.layout import Layout, owned_local
 from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.runtime.output import write_atomically
 
 
 def _agree(status, group) -> list:
@@ -91,13 +92,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_synced(text: str):
+    """A writer for ``write_atomically``: ``text``, flushed to disk before the rename."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return write
 
 
 def remove_unfinished(run_dir: str | Path) -> None:
@@ -167,7 +169,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
 
 def _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, keep, n) -> None:
     manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
-    _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
+    write_atomically(tmp / "manifest.json", _write_synced(json.dumps(manifest, indent=1)))
     _fsync(tmp)
     old = run_dir / f".step-{step:08d}.old"
     if final.exists():  # the same step saved again: swap (the .old still counts until
