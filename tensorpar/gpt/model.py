@@ -113,9 +113,10 @@ class Block(nn.Module):
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
-    def forward(self, x, rope, cache=None, attn_mask=None):
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None):
+        """x: (B, T, D), or under SP this rank's (B, T_r, D) shard of the ``seq_len`` tokens."""
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len))
+        return x + self.drop(self.mlp(self.mlp_norm(x), seq_len))
 
 
 class GPT(nn.Module):
@@ -210,7 +211,7 @@ class GPT(nn.Module):
         causal attention)."""
         B, T = ids_BT.shape
         start = cache.length if cache is not None else 0
-        x = self.embed(ids_BT)  # (B, T, D); under SP (B, T/n, D)
+        x = self.embed(ids_BT)  # (B, T, D); under SP this rank's tensor_split shard (B, T_r, D)
         attn_mask = None
         if attention_mask_BS is None:
             rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
@@ -225,17 +226,17 @@ class GPT(nn.Module):
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute:
-                x = checkpoint(block, x, rope, None, attn_mask, use_reentrant=False,
+                x = checkpoint(block, x, rope, None, attn_mask, T, use_reentrant=False,
                                context_fn=self.rng.checkpoint_contexts)
             else:
-                x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask)
+                x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T)
         x = self.norm(x)
         # tied: the embedding's vocab rows are exactly a column-parallel head's shard
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         column = fused_column if self.fused else column_linears
         (logits_BTV_local,) = column(x, [head], sequence_parallel=self.sequence_parallel,
                                      group=self.group,
-                                     keep_gathered_input=self.keep_gathered_input)
+                                     keep_gathered_input=self.keep_gathered_input, seq_len=T)
         if targets_BT is None:
             return logits_BTV_local
         return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group)

@@ -101,9 +101,9 @@ class TrainConfig:
             raise ValueError(f"--lr {self.lr} must be > 0")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            raise ValueError(f"--seq-len {self.seq_len} does not divide by --tp {self.tp}, "
-                             "which --sequence-parallel needs")
+        if self.sequence_parallel and self.seq_len < self.tp:
+            raise ValueError(f"--seq-len {self.seq_len} is shorter than --tp {self.tp}: "
+                             "--sequence-parallel needs at least one token per rank")
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup
 from tensorpar.hf.dropout import install_region_streams
 from tensorpar.hf.plans import check_split, plan_for, tied_heads
 from tensorpar.hf.styles import Converter, ModuleSource
-from tensorpar.parallel.mappings import _all_reduce
+from tensorpar.parallel.collectives import all_reduce
 from tensorpar.parallel.sharding import REPLICATED
 from tensorpar.runtime.groups import tp_rank, tp_size
 
@@ -114,7 +114,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
             p.tp_shard = REPLICATED
     if conv.n > 1:
         for name in conv.grad_sum:
-            model.get_parameter(name).register_hook(partial(_all_reduce, group=group))
+            model.get_parameter(name).register_hook(partial(all_reduce, group=group))
     # dropout between f and g draws from a per-rank stream (hf/dropout.py)
     install_region_streams(model, regions, tp_rank(group))
     return model

@@ -1,7 +1,8 @@
 """The tensor-parallel core, after Megatron-LM (Shoeybi et al. 2019) and sequence parallelism
 (Korthikanti et al. 2022).
 
-- ``mappings``: the conjugate collectives f / g and the sequence pairs, one autograd Function each
+- ``mappings``: the conjugate collectives f / g and the sequence pairs, one autograd Function each;
+  ``collectives``: the plain out-of-place collectives under them (uneven shards padded, trimmed)
 - ``linear``: column- and row-parallel linear layers; ``embedding``: vocab-parallel embedding
 - ``cross_entropy``: the vocab-parallel loss (logits never gathered)
 - ``norm``, ``dropout``: LayerNorm/RMSNorm and dropout on sequence shards, the RNG streams

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.mappings import _all_gather
+from tensorpar.parallel.collectives import all_gather
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.groups import tp_rank, tp_size
 
@@ -43,7 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = torch.stack(columns, dim=-1).reshape(-1)
         stats = torch.cat([stats, stats.new_tensor([float(v_local)])])
         if n > 1:
-            gathered = _all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
+            gathered = all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
         else:
             gathered = stats.view(1, -1)
         sizes = gathered[:, -1].round().long().tolist()

@@ -42,7 +42,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.mappings import _gather_sequence, _reduce_scatter_single
+from tensorpar.parallel.collectives import (
+    SEQ_DIM,
+    all_gather,
+    reduce_scatter_single,
+    sequence_sizes,
+    stacked_shards,
+    trim_shard,
+)
+from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.groups import tp_size
 
 
@@ -60,11 +68,11 @@ class _FusedColumn(torch.autograd.Function):
     reduce-scatter) of the input gradient, overlapped with the weight-gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, x, group, sequence_parallel, keep_gathered, has_bias, *weights_and_biases):
+    def forward(ctx, x, group, sizes, keep_gathered, has_bias, *weights_and_biases):
         weights, biases = _split_params(has_bias, weights_and_biases)
         n = tp_size(group)
-        sp = sequence_parallel and n > 1
-        x_full = _gather_sequence(x, group) if sp else x  # (B, T/n, D) -> (B, T, D)
+        sp = sizes is not None  # the sequence shard sizes, under SP with n > 1
+        x_full = all_gather(x, SEQ_DIM, sizes, group) if sp else x  # (B, T_r, D) -> (B, T, D)
         ctx.x_dtype = x.dtype
         cast = _autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
         x_full = cast(x_full)
@@ -72,26 +80,30 @@ class _FusedColumn(torch.autograd.Function):
         ctx.regather = sp and not keep_gathered
         # the shard, cast like x_full: gathering the cast shard gives the cast x_full exactly
         ctx.save_for_backward(cast(x) if ctx.regather else x_full, *weights)
-        ctx.group, ctx.sp, ctx.n, ctx.has_bias = group, sp, n, has_bias
+        ctx.group, ctx.sizes, ctx.n, ctx.has_bias = group, sizes, n, has_bias
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
     def backward(ctx, *dys):
         x_saved, *weights = ctx.saved_tensors
-        regathered = _gather_sequence(x_saved, ctx.group, async_op=True) if ctx.regather \
-            else None  # started first: it travels while dx is computed
+        sizes = ctx.sizes
+        regathered = all_gather(x_saved, SEQ_DIM, sizes, ctx.group, async_op=True) \
+            if ctx.regather else None  # started first: it travels while dx is computed
         (B, T), D = dys[0].shape[:2], weights[0].shape[1]
         work = None
-        if ctx.sp:
-            # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input needs:
-            # rank r's sequence rows first, so no copy is made to reorder it
-            dx_parts = _input_grad([dy.reshape(B, ctx.n, T // ctx.n, -1).transpose(0, 1)
-                                    for dy in dys], weights, ctx.x_dtype)  # (n, B, T/n, D)
+        if sizes is not None:
+            if T % ctx.n == 0:
+                # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input
+                # needs: rank r's sequence rows first, so no copy is made to reorder it
+                dx_parts = _input_grad([dy.reshape(B, ctx.n, T // ctx.n, -1).transpose(0, 1)
+                                        for dy in dys], weights, ctx.x_dtype)  # (n, B, T/n, D)
+            else:  # uneven shards: each padded to the largest (one copy of dx)
+                dx_parts = stacked_shards(_input_grad(dys, weights, ctx.x_dtype), SEQ_DIM, ctx.n)
             x_full = regathered() if regathered else x_saved  # waits for the all-gather
             regathered = None  # frees the unordered buffer it held
-            dx = dx_parts.new_empty((B, T // ctx.n, D))
-            work = _reduce_scatter_single(dx, dx_parts.flatten(0, 1), group=ctx.group,
-                                          async_op=True)
+            dx = dx_parts.new_empty((B, sizes[0], D))
+            work = reduce_scatter_single(dx, dx_parts.flatten(0, 1), group=ctx.group,
+                                         async_op=True)
         else:
             dx, x_full = _input_grad(dys, weights, ctx.x_dtype), x_saved  # (B, T, D)
             if ctx.n > 1:
@@ -99,6 +111,8 @@ class _FusedColumn(torch.autograd.Function):
         dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)  # while the collective is in flight
         if work is not None:
             work.wait()
+        if sizes is not None:
+            dx = trim_shard(dx, SEQ_DIM, T, ctx.group)
         return (dx, None, None, None, None, *dws, *dbs)
 
 
@@ -107,25 +121,25 @@ class _RegatheringColumn(torch.autograd.Function):
     backward: the all-gather of the shard again, overlapped with the input-gradient matmul."""
 
     @staticmethod
-    def forward(ctx, x_full, x_shard, group, has_bias, *weights_and_biases):
+    def forward(ctx, x_full, x_shard, group, sizes, has_bias, *weights_and_biases):
         weights, biases = _split_params(has_bias, weights_and_biases)
         ctx.x_dtype = x_full.dtype
         cast = _autocast_cast(x_full.device.type)  # as in _FusedColumn: autocast's linear
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
         ctx.save_for_backward(cast(x_shard), *weights)
-        ctx.group, ctx.has_bias = group, has_bias
+        ctx.group, ctx.sizes, ctx.has_bias = group, sizes, has_bias
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
     def backward(ctx, *dys):
         x_shard, *weights = ctx.saved_tensors
-        wait = _gather_sequence(x_shard, ctx.group, async_op=True)
+        wait = all_gather(x_shard, SEQ_DIM, ctx.sizes, ctx.group, async_op=True)
         dx = _input_grad(dys, weights, ctx.x_dtype)  # (B, T, D): the gather's backward
         x_full = wait()  # reduce-scatters it, after this op
         del wait  # frees the unordered buffer it held
         dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)
-        return (dx, None, None, None, *dws, *dbs)
+        return (dx, None, None, None, None, *dws, *dbs)
 
 
 def _autocast_cast(device: str):
@@ -172,11 +186,13 @@ def _flat_params(weights, biases, n_weights: int):
 def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
                  biases: list[torch.Tensor | None] | None = None, *,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
+                 keep_gathered_input: bool = False,
+                 seq_len: int | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(enter_tp_region(x), w_i, b_i) for i)`` as one autograd op whose backward
     overlaps its collectives with the matmuls.
 
-    x: (B, T, D) replicated, or (B, T/n, D) under sequence parallelism.
+    x: (B, T, D) replicated, or (B, T_r, D) under sequence parallelism (rank r's
+    ``tensor_split`` shard of T; ``seq_len``: T, see ``mappings.gather_from_sequence``).
     weights: column shards (out_i, D) of this rank; biases: their (out_i,) shards, None entries
     for weights without one (or None: no biases). Returns one (B, T, out_i) tensor per weight.
     keep_gathered_input: under SP, keep the gathered (B, T, D) input for backward instead of the
@@ -188,8 +204,10 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
         has_bias, tensors = _flat_params(weights, biases, len(weights))
     except ValueError as e:
         raise ValueError(f"fused_column: {e}") from None
-    return _FusedColumn.apply(x, group, sequence_parallel, keep_gathered_input, has_bias,
-                              *tensors)
+    sizes = None
+    if sequence_parallel and tp_size(group) > 1:
+        sizes = sequence_sizes(x, group, seq_len, "fused_column")
+    return _FusedColumn.apply(x, group, sizes, keep_gathered_input, has_bias, *tensors)
 
 
 def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: list[torch.Tensor],
@@ -197,12 +215,13 @@ def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: lis
                        group: ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x_full, w_i, b_i) for i)`` keeping only ``x_shard`` for backward.
 
-    x_full: (B, T, D), the all-gather of every rank's ``x_shard`` (B, T/n, D) (the output of
+    x_full: (B, T, D), the all-gather of every rank's ``x_shard`` (B, T_r, D) (the output of
     ``gather_from_sequence(x_shard)``, whose backward reduce-scatters the input gradient).
     Backward gathers the shard again while it computes the input gradient (see above).
     """
     has_bias, tensors = _flat_params(weights, biases, len(weights))
-    return _RegatheringColumn.apply(x_full, x_shard.detach(), group, has_bias, *tensors)
+    sizes = shard_sizes(x_full.shape[SEQ_DIM], tp_size(group))
+    return _RegatheringColumn.apply(x_full, x_shard.detach(), group, sizes, has_bias, *tensors)
 
 
 class _FusedRow(torch.autograd.Function):

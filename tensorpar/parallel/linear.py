@@ -9,7 +9,7 @@ Column parallel: W is split along its output features (weight dim 0, with the bi
     The input is replicated (f = copy_to_tp: identity forward, all-reduce backward) or, under
     sequence parallelism, all-gathered along the sequence. The output stays sharded on its last
     dim, or is all-gathered when ``gather_output=True``. Under SP the layer keeps only this rank's
-    (B, T/n, in) shard of X for backward and all-gathers it again there, while dX = dY_i W_i
+    (B, T_r, in) shard of X for backward and all-gathers it again there, while dX = dY_i W_i
     computes (``column_linears``; Korthikanti et al. 2022, as Megatron).
 
 Row parallel: W is split along its input features (weight dim 1)::
@@ -49,10 +49,13 @@ from tensorpar.runtime.groups import tp_rank, tp_size
 def column_linears(x: torch.Tensor, weights: list[torch.Tensor],
                    biases: list[torch.Tensor | None] | None = None, *,
                    sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                   keep_gathered_input: bool = False) -> tuple[torch.Tensor, ...]:
+                   keep_gathered_input: bool = False,
+                   seq_len: int | None = None) -> tuple[torch.Tensor, ...]:
     """The plain column side of a block: Y_i = enter_tp_region(X) W_i^T + b_i for each weight.
 
-    x: (B, T, D), or (B, T/n, D) under SP, entering the TP region once for all the weights.
+    x: (B, T, D), or under SP (B, T_r, D), rank r's ``tensor_split`` shard of the T tokens,
+    entering the TP region once for all the weights. seq_len: T, under SP; without it the ranks
+    exchange their shard sizes first (``mappings.gather_from_sequence``).
     Under SP (n > 1) the matmuls keep only ``x``, this rank's shard, for backward and all-gather
     it again there, overlapped with the input-gradient matmul (``fused.regathering_column``);
     ``keep_gathered_input`` keeps the gathered (B, T, D) instead (one all-gather fewer in
@@ -60,8 +63,9 @@ def column_linears(x: torch.Tensor, weights: list[torch.Tensor],
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     if sequence_parallel and tp_size(group) > 1 and not keep_gathered_input:
-        return regathering_column(gather_from_sequence(x, group), x, weights, biases, group)
-    x_tp = enter_tp_region(x, sequence_parallel, group)
+        return regathering_column(gather_from_sequence(x, group, seq_len), x, weights, biases,
+                                  group)
+    x_tp = enter_tp_region(x, sequence_parallel, group, seq_len)
     return tuple(F.linear(x_tp, w, b) for w, b in zip(weights, biases, strict=True))
 
 
@@ -183,11 +187,14 @@ class ColumnParallelLinear(_ParallelLinear):
         """
         return F.linear(x_tp, self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """x: (B, T, in), or under SP rank r's (B, T_r, in) ``tensor_split`` shard of T tokens,
+        where ``seq_len`` is T (without it the ranks exchange their shard sizes first: one
+        all-gather of an int64 per rank)."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear")
         (y,) = column_linears(x, [self.weight], [self.bias], group=self.group,
                               sequence_parallel=self.sequence_parallel,
-                              keep_gathered_input=self.keep_gathered_input)
+                              keep_gathered_input=self.keep_gathered_input, seq_len=seq_len)
         if self.gather_output:
             y = gather_from_tp(y, self.group, full_size=self.out_features)
         return y

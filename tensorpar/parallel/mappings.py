@@ -14,99 +14,30 @@ returns its input unchanged. Collectives run on fresh tensors, never on one auto
 
 (``sum_grads_in_backward``, for parameters several ranks hold, lives in ``grad_sync.py``.)
 
-Last-dim shards may be uneven (``torch.tensor_split`` sizes): the gather pads every shard to the
-largest, gathers, and trims. Sequence shards must be even: a rank holding T/n rows cannot know T
-without another collective, so a sequence length that does not divide by the TP size is refused
-(with a ``ValueError`` raised on every rank, before any communication).
+Shards may be uneven, last-dim and sequence alike (``torch.tensor_split`` sizes: T = 8 over 3
+ranks is 3, 3, 2 tokens); ``collectives.py`` pads and trims. A rank holding a sequence shard
+cannot know the others' sizes: ``gather_from_sequence`` (and the column layers over it) take the
+full length ``seq_len=T`` where the caller knows it (the GPT passes it) and otherwise exchange
+the sizes first, one small all-gather more.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tensorpar.parallel.collectives import (
+    SEQ_DIM,
+    all_gather,
+    all_reduce,
+    check_sequence_length,
+    exchange_sizes,
+    reduce_scatter,
+    sequence_sizes,
+    split,
+)
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.groups import tp_rank, tp_size
-
-SEQ_DIM = 1  # activations are (B, T, D)
-
-# torch 2.13 renamed the single-tensor collectives; older releases have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# -- plain collectives (no autograd), out of place -------------------------------------------------
-
-
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _all_gather(
-    x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup | None
-) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; rank r holds ``sizes[r]`` rows of it."""
-    dim = dim % x.dim()
-    longest = max(sizes)
-    if x.shape[dim] < longest:  # uneven shards: pad to the largest so one all-gather carries all
-        pad_shape = list(x.shape)
-        pad_shape[dim] = longest - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim)
-    x = x.contiguous()
-    # gloo takes only the concatenated layout (n * rows, ...); view it as (n, *x.shape)
-    gathered = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
-    _all_gather_single(gathered, x, group=group)
-    even = all(s == longest for s in sizes)
-    if even and dim == 0:
-        return gathered  # the concatenated layout is already the answer
-    stacked = gathered.view(len(sizes), *x.shape)
-    if even:
-        return torch.cat(stacked.unbind(0), dim)
-    return torch.cat([stacked[r].narrow(dim, 0, s) for r, s in enumerate(sizes)], dim)
-
-
-def _split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-    return torch.tensor_split(x, tp_size(group), dim)[tp_rank(group)].contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Sum ``x`` over the ranks, then keep this rank's even shard of ``dim``."""
-    n = tp_size(group)
-    stacked = torch.stack(x.chunk(n, dim))  # (n, ..., T/n, ...): one contiguous input
-    out = x.new_empty(stacked.shape[1:])
-    _reduce_scatter_single(out, stacked.flatten(0, 1), group=group)
-    return out
-
-
-def _gather_sequence(x: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
-    """All-gather of even sequence shards: (B, T/n, D) -> (B, T, D), into a fresh buffer.
-
-    async_op: only start it and return ``wait``, which waits and returns the (B, T, D)."""
-    n, x = tp_size(group), x.contiguous()
-    gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo's layout: (n·B, T/n, D)
-    work = _all_gather_single(gathered, x, group=group, async_op=True)
-
-    def wait() -> torch.Tensor:
-        work.wait()
-        if x.shape[0] == 1:  # (n, T/n, D) is already (1, T, D) in memory
-            return gathered.view(1, -1, *x.shape[2:])
-        return torch.cat(gathered.view(n, *x.shape).unbind(0), SEQ_DIM)
-
-    return wait if async_op else wait()
-
-
-def _check_sequence(x: torch.Tensor, n: int, what: str) -> None:
-    if x.dim() < 3:
-        raise ValueError(f"{what}: expected activations (B, T, D), got shape {tuple(x.shape)}")
-    if x.shape[SEQ_DIM] % n != 0:
-        raise ValueError(
-            f"{what}: sequence length {x.shape[SEQ_DIM]} does not divide by the TP size {n}; "
-            "sequence parallelism needs T % tp_size == 0"
-        )
-
 
 # -- the conjugate pairs ---------------------------------------------------------------------------
 
@@ -121,7 +52,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -129,7 +60,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -142,7 +73,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes):
         ctx.sizes, ctx.rank = sizes, tp_rank(group)
-        return _all_gather(x, -1, sizes, group)
+        return all_gather(x, -1, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -156,24 +87,24 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.sizes = group, shard_sizes(x.shape[-1], tp_size(group))
-        return _split(x, -1, group)
+        return split(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.sizes, ctx.group), None
+        return all_gather(grad, -1, ctx.sizes, ctx.group), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     """forward: all-gather along the sequence dim, backward: reduce-scatter along it."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, sizes):
         ctx.group = group
-        return _gather_sequence(x, group)
+        return all_gather(x, SEQ_DIM, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+        return reduce_scatter(grad, SEQ_DIM, ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -181,12 +112,12 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
+        ctx.group, ctx.sizes = group, shard_sizes(x.shape[SEQ_DIM], tp_size(group))
+        return reduce_scatter(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return all_gather(grad, SEQ_DIM, ctx.sizes, ctx.group), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -194,12 +125,12 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQ_DIM, group)
+        ctx.group, ctx.sizes = group, shard_sizes(x.shape[SEQ_DIM], tp_size(group))
+        return split(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return all_gather(grad, SEQ_DIM, ctx.sizes, ctx.group), None
 
 
 # -- public wrappers -------------------------------------------------------------------------------
@@ -229,8 +160,7 @@ def gather_from_tp(
     if n == 1:
         return x
     if full_size is None:
-        mine = torch.tensor([x.shape[-1]], device=x.device)
-        sizes = _all_gather(mine, 0, [1] * n, group).tolist()
+        sizes = exchange_sizes(x.shape[-1], group, x.device)
     else:
         sizes = shard_sizes(full_size, n)
         if x.shape[-1] != sizes[tp_rank(group)]:
@@ -251,43 +181,53 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.T
     return _ScatterToTP.apply(x, group)
 
 
-def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """(B, T/n, D) -> (B, T, D): all-gather forward, reduce-scatter backward.
+def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None = None,
+                         seq_len: int | None = None) -> torch.Tensor:
+    """(B, T_r, D) -> (B, T, D): all-gather forward, reduce-scatter backward.
 
-    Every rank must hold the same T/n tokens, as the SP embedding, ``scatter_to_sequence`` and
-    ``reduce_scatter_to_sequence`` produce; checking that would cost a collective per layer.
+    Rank r holds its ``tensor_split`` shard of the T tokens, as the SP embedding,
+    ``scatter_to_sequence`` and ``reduce_scatter_to_sequence`` produce.
+    seq_len: T. Without it the ranks exchange their shard sizes first (one all-gather of an
+        int64 per rank); with it nothing more is sent, and a rank whose shard is not its
+        ``tensor_split`` size of T raises.
     """
-    n = tp_size(group)
-    if n == 1:
+    if tp_size(group) == 1:
         return x
+    sizes = sequence_sizes(x, group, seq_len, "gather_from_sequence")
+    return _GatherFromSequence.apply(x, group, sizes)
+
+
+def _check_full_sequence(x: torch.Tensor, n: int, what: str) -> None:
     if x.dim() < 3:
-        raise ValueError(f"gather_from_sequence: expected (B, T/n, D), got shape {tuple(x.shape)}")
-    return _GatherFromSequence.apply(x, group)
+        raise ValueError(f"{what}: expected activations (B, T, D), got shape {tuple(x.shape)}")
+    check_sequence_length(x.shape[SEQ_DIM], n, what)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """(B, T, D) partial sums -> (B, T/n, D) sum: reduce-scatter forward, all-gather back."""
+    """(B, T, D) partial sums -> (B, T_r, D) sum: reduce-scatter forward, all-gather back."""
     n = tp_size(group)
     if n == 1:
         return x
-    _check_sequence(x, n, "reduce_scatter_to_sequence")
+    _check_full_sequence(x, n, "reduce_scatter_to_sequence")
     return _ReduceScatterToSequence.apply(x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """(B, T, D) replicated -> (B, T/n, D) shard: split forward, all-gather backward."""
+    """(B, T, D) replicated -> (B, T_r, D) shard: split forward, all-gather backward."""
     n = tp_size(group)
     if n == 1:
         return x
-    _check_sequence(x, n, "scatter_to_sequence")
+    _check_full_sequence(x, n, "scatter_to_sequence")
     return _ScatterToSequence.apply(x, group)
 
 
-def enter_tp_region(
-    x: torch.Tensor, sequence_parallel: bool, group: ProcessGroup | None
-) -> torch.Tensor:
-    """The input side of a column-parallel block: f, or the sequence all-gather under SP."""
-    return gather_from_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+def enter_tp_region(x: torch.Tensor, sequence_parallel: bool, group: ProcessGroup | None,
+                    seq_len: int | None = None) -> torch.Tensor:
+    """The input side of a column-parallel block: f, or the sequence all-gather under SP
+    (``seq_len``: the full length, see ``gather_from_sequence``)."""
+    if sequence_parallel:
+        return gather_from_sequence(x, group, seq_len)
+    return copy_to_tp(x, group)
 
 
 def exit_tp_region(

@@ -54,8 +54,9 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
         raise ValueError(f"dtype {dtype!r}: expected fp32 or bf16")
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute {recompute!r}: tensorpar's GPT has none or full")
-    if sequence_parallel and seq % tp:
-        raise ValueError(f"--seq {seq} does not divide by --tp {tp} (sequence parallelism)")
+    if sequence_parallel and seq < tp:
+        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
+                         "least one token per rank")
     N, D, L, t = batch * seq, spec.dim, spec.n_layer, tp
     rows: list[dict] = []
 
@@ -67,8 +68,9 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
                      "ring_bytes": calls * round(payload * ring_share(kind, t))})
 
     out_b = 2 if dtype == "bf16" else 4  # the row layers' output under autocast
-    act = N * D
     sp = sequence_parallel
+    # under SP uneven shards travel padded to the largest, ceil(seq / t) tokens each
+    act = batch * (t * -(-seq // t) if sp else seq) * D
 
     def exit_region(source: str, phase: str, calls: int, dtype_bytes: int) -> None:
         add(source, phase, "reduce_scatter" if sp else "all_reduce", calls, act * dtype_bytes)
@@ -117,7 +119,7 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
     add("grad norm", "step", "all_reduce", 1, 4)
     total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
              for k in ("calls", "bytes", "ring_bytes")}
-    minimum = 4 * L * act * out_b if dtype == "fp32" else 2 * L * act * (out_b + 4)
+    minimum = 4 * L * N * D * out_b if dtype == "fp32" else 2 * L * N * D * (out_b + 4)
     return {"counts": {k: v for k, v in total["calls"].items() if v},
             "bytes": {k: v for k, v in total["bytes"].items() if v},
             "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},

@@ -38,7 +38,7 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 
 from __future__ import annotations
 
-from tensorpar.parallel.sharding import shard_range
+from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.plan.zoo import ModelSpec
 from tensorpar.transformer.attention import head_layout
 
@@ -142,7 +142,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
     denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
     dropout: the residual branches drop (a bool mask each is kept). keep_gathered_input: under SP
-    the column ops keep their gathered (B, T, D) input instead of their (B, T/n, D) shard.
+    the column ops keep their gathered (B, T, D) input instead of their (B, T_r, D) shard.
 
     "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
     bf16 weight copies each moment includes (what Megatron-style bf16 weights replace).
@@ -156,7 +156,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     s, p = rank_shapes(spec, tp, rank), rank_params(spec, tp, rank)
     D, L, B, T = spec.dim, spec.n_layer, batch, seq
     N = B * T
-    Ns = N // tp if sequence_parallel and tp > 1 else N
+    Ns = B * shard_sizes(T, tp)[rank] if sequence_parallel and tp > 1 else N  # its SP shard
     weights, grads = 4 * p["total"], 4 * p["total"]
     states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
     regather = sequence_parallel and tp > 1 and not keep_gathered_input
@@ -253,8 +253,9 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     head_layout(spec.n_head, spec.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
-    if sequence_parallel and seq % tp:
-        raise ValueError(f"--seq {seq} does not divide by --tp {tp} (sequence parallelism)")
+    if sequence_parallel and seq < tp:
+        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
+                         "least one token per rank")
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,

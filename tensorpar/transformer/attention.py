@@ -158,12 +158,14 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerKVCache | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, dim), or (B, T/n, dim) under SP. rope: rotary (cos, sin) tables for the T
-        positions (see ``rotary_table``). cache: this layer's KV cache when decoding; the new
-        positions follow the cached ones. attn_mask: (B, 1, T, S) bool over the S = cached + T
-        keys, True where a query may read a key; it replaces the causal rule (a padded batch:
-        ``padded_causal_mask``)."""
+                attn_mask: torch.Tensor | None = None,
+                seq_len: int | None = None) -> torch.Tensor:
+        """x: (B, T, dim), or under SP rank r's (B, T_r, dim) ``tensor_split`` shard of the T
+        tokens, ``seq_len`` being T (without it the ranks exchange their sizes first). rope:
+        rotary (cos, sin) tables for the T positions (see ``rotary_table``). cache: this
+        layer's KV cache when decoding; the new positions follow the cached ones. attn_mask:
+        (B, 1, T, S) bool over the S = cached + T keys, True where a query may read a key; it
+        replaces the causal rule (a padded batch: ``padded_causal_mask``)."""
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
@@ -171,7 +173,7 @@ class ParallelSelfAttention(nn.Module):
         column = fused_column if self.fused else column_linears  # f, then the Q, K, V matmuls
         q, k, v = column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
                          sequence_parallel=self.sequence_parallel, group=self.group,
-                         keep_gathered_input=self.keep_gathered_input)
+                         keep_gathered_input=self.keep_gathered_input, seq_len=seq_len)
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)

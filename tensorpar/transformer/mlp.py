@@ -97,7 +97,9 @@ class ParallelMLP(nn.Module):
                                                 fused=fused)
         return mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """x: (B, T, dim), or under SP rank r's (B, T_r, dim) ``tensor_split`` shard of the T
+        tokens, ``seq_len`` being T (without it the ranks exchange their sizes first)."""
         if x.shape[-1] != self.up.in_features:
             raise ValueError(f"ParallelMLP: input last dim {x.shape[-1]}, expected "
                              f"{self.up.in_features}")
@@ -105,6 +107,6 @@ class ParallelMLP(nn.Module):
         column = fused_column if self.fused else column_linears  # the block's only f
         hs = column(x, [m.weight for m in linears], [m.bias for m in linears],
                     sequence_parallel=self.sequence_parallel, group=self.group,
-                    keep_gathered_input=self.keep_gathered_input)
+                    keep_gathered_input=self.keep_gathered_input, seq_len=seq_len)
         h = self.act(hs[0]) if self.gate is None else self.act(hs[0]) * hs[1]
         return self.down(h)

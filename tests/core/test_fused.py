@@ -74,7 +74,7 @@ def test_fused_column_one_rank():
 def _sp_column_body(batch, keep):
     """fused_column and column_linears on a sequence shard against the dense matmuls."""
     torch.manual_seed(0)
-    T, D, outs = 12, 10, (14, 5)  # 14 and 5 split unevenly over 3 and 4 ranks
+    T, D, outs = 13, 10, (14, 5)  # 13 (tokens), 14 and 5 split unevenly over 2, 3 or 4 ranks
     x = torch.randn(batch, T, D)
     ws = [torch.randn(o, D) for o in outs]
     bias = torch.randn(outs[1])
@@ -93,7 +93,8 @@ def _sp_column_body(batch, keep):
         kept.clear()
         with CollectiveCounter() as fwd, torch.autograd.graph.saved_tensors_hooks(
                 pack, lambda t: t):
-            ys = op(xs, my_ws, [None, my_b], sequence_parallel=True, keep_gathered_input=keep)
+            ys = op(xs, my_ws, [None, my_b], sequence_parallel=True, keep_gathered_input=keep,
+                    seq_len=T)
         with CollectiveCounter() as bwd:
             torch.autograd.backward(ys, [shard(g, -1) for g in grads])
         assert (x.numel() in kept) == (keep or tp_size() == 1), (name, kept)  # x_full kept?

@@ -10,7 +10,7 @@ from tensorpar.runtime.groups import tp_size
 from tests_common import WORLD_SIZES
 from tp_check import compare_module, counts_ok, shard
 
-B, T, IN, OUT = 2, 12, 10, 14  # 10 and 14 split unevenly over 3 and 4 ranks
+B, T, IN, OUT = 2, 13, 10, 14  # 10, 14 and (under SP) 13 split unevenly over 2, 3 or 4 ranks
 
 
 def _column_body(bias, gather_output, sequence_parallel, keep_gathered_input=False):
@@ -34,11 +34,12 @@ def test_column_parallel(ranks, n, bias, gather_output, sp, keep):
     """Y_i = X W_i^T + b_i on every rank equals the dense output's shard (or the whole output when
     gathered); f costs one all-reduce in backward, or an all-gather/reduce-scatter pair under SP.
     Under SP the layer keeps its input shard and all-gathers it again in backward (one more
-    all-gather), unless ``keep_gathered_input`` keeps the gathered input."""
+    all-gather), unless ``keep_gathered_input`` keeps the gathered input. Called without
+    ``seq_len``, the SP layer first exchanges the ranks' shard sizes (one small all-gather)."""
     results = ranks(n).run(_column_body, bias, gather_output, sp, keep)
     if n == 1:
         return counts_ok(results, {}, {})
-    fwd = {"all_gather": 1 + gather_output} if sp else ({"all_gather": 1} if gather_output else {})
+    fwd = {"all_gather": 2 + gather_output} if sp else ({"all_gather": 1} if gather_output else {})
     bwd = ({"reduce_scatter": 1} | ({} if keep else {"all_gather": 1})) if sp else \
         {"all_reduce": 1}
     counts_ok(results, fwd, bwd)

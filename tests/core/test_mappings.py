@@ -1,5 +1,7 @@
 """The conjugate collective pairs: forward, backward and collective count at every world size."""
 
+import re
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from tensorpar.runtime.groups import tp_rank, tp_size
 from tests_common import WORLD_SIZES
 from tp_check import assert_close, shard
 
-B, T, D = 2, 12, 10  # D = 10 splits unevenly over 3 and 4 ranks
+B, D = 2, 10  # D = 10 splits unevenly over 3 and 4 ranks
+SEQ_LENS = [12, 13]  # 13 tokens split unevenly over 2, 3 and 4 ranks (7 + 6; 5 + 4 + 4; 4 + 3 ...)
 
 
 def _run(op, x, grad_out):
@@ -24,7 +27,7 @@ def _run(op, x, grad_out):
     return y, x.grad, {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
 
 
-def _pairs_body():
+def _pairs_body(T):
     """Each pair against what it must compute; runs on every rank."""
     n, r = tp_size(), tp_rank()
     torch.manual_seed(0)  # the same draws on every rank
@@ -55,10 +58,12 @@ def _pairs_body():
     assert_close("scatter fwd", y, shard(full, -1))
     assert_close("scatter bwd", gx, grad)
 
-    # sequence gather: all-gather forward, reduce-scatter backward
-    y, gx, counts["seq_gather"] = _run(tp.gather_from_sequence, shard(full, 1), grads_all[r])
-    assert_close("seq gather fwd", y, full)
-    assert_close("seq gather bwd", gx, shard(grads_all.sum(0), 1))
+    # sequence gather: all-gather forward, reduce-scatter backward; told T, or exchanging sizes
+    for name, seq_len in (("seq_gather", T), ("seq_gather_exchanged", None)):
+        y, gx, counts[name] = _run(lambda x, s=seq_len: tp.gather_from_sequence(x, seq_len=s),
+                                   shard(full, 1), grads_all[r])
+        assert_close("seq gather fwd", y, full)
+        assert_close("seq gather bwd", gx, shard(grads_all.sum(0), 1))
 
     # sequence reduce-scatter: reduce-scatter forward, all-gather backward
     y, gx, counts["seq_rs"] = _run(tp.reduce_scatter_to_sequence, per_rank, shard(grad, 1))
@@ -78,16 +83,19 @@ EXPECTED = {
     "gather": ({"all_gather": 1}, {}),
     "scatter": ({}, {"all_gather": 1}),
     "seq_gather": ({"all_gather": 1}, {"reduce_scatter": 1}),
+    "seq_gather_exchanged": ({"all_gather": 2}, {"reduce_scatter": 1}),  # + the sizes
     "seq_rs": ({"reduce_scatter": 1}, {"all_gather": 1}),
     "seq_scatter": ({}, {"all_gather": 1}),
 }
 
 
+@pytest.mark.parametrize("T", SEQ_LENS)
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_conjugate_pairs(ranks, n):
+def test_conjugate_pairs(ranks, n, T):
     """Every pair computes its collective in forward and the conjugate in backward, out of place,
-    with exactly one collective where one is due (none at world size 1)."""
-    for counts in ranks(n).run(_pairs_body):
+    with exactly one collective where one is due (none at world size 1), on even and uneven
+    (``tensor_split``) shards of the last dim and of the sequence alike."""
+    for counts in ranks(n).run(_pairs_body, T):
         for name, (fwd, bwd) in EXPECTED.items():
             want = ({}, {}) if n == 1 else (fwd, bwd)
             assert (counts[name]["forward"], counts[name]["backward"]) == want, name
@@ -134,23 +142,32 @@ def test_gather_without_full_size_takes_any_shard_sizes(ranks, n):
         assert counts == {"forward": {"all_gather": 2}, "backward": {}}
 
 
-def _sequence_not_divisible_body(seq_len):
-    x = torch.randn(2, seq_len, 4)
+def _sequence_refused_body():
+    n, r = tp_size(), tp_rank()
+    short = torch.randn(2, n - 1, 4)  # fewer tokens than ranks
     for op in (tp.reduce_scatter_to_sequence, tp.scatter_to_sequence):
-        with pytest.raises(ValueError, match=f"sequence length {seq_len} does not divide by the "
-                                             f"TP size {tp_size()}"):
-            op(x)
+        with pytest.raises(ValueError, match=f"sequence length {n - 1} is shorter than the TP "
+                                             f"size {n}"):
+            op(short)
+    # shards that are not tensor_split's: refused on every rank once the sizes are exchanged
+    held = [1 + (k == n - 1) for k in range(n)]  # the last rank holds the larger one
+    with pytest.raises(ValueError, match=re.escape(f"the ranks hold {held} tokens")):
+        tp.gather_from_sequence(torch.randn(2, held[r], 4))
+    # told a length whose split gives every rank one token more than it holds
+    with pytest.raises(ValueError, match=f"rank {r} holds 2 tokens, but a split of "
+                                         f"seq_len={3 * n} over {n} ranks gives it 3"):
+        tp.gather_from_sequence(torch.randn(2, 2, 4), seq_len=3 * n)
     with pytest.raises(ValueError, match="holds 3 of the last dim"):
         tp.gather_from_tp(torch.randn(2, 3), full_size=4 * tp_size() + 1)
     return True
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_sequence_length_must_divide(ranks, n):
-    """A sequence that cannot be split evenly is refused on every rank before any collective
-    (the pool stays healthy: every rank returned)."""
-    assert ranks(n).run(_sequence_not_divisible_body, n * 3 + 1) == [True] * n
-    assert ranks(n).run(_pairs_body)  # the group still works afterwards
+def test_sequence_shards_refused(ranks, n):
+    """Fewer tokens than ranks, or shards that are not ``tensor_split``'s, are refused on every
+    rank with the numbers, never a gloo abort (the pool stays healthy: every rank returned)."""
+    assert ranks(n).run(_sequence_refused_body) == [True] * n
+    assert ranks(n).run(_pairs_body, 13)  # the group still works afterwards
 
 
 def test_identity_without_process_group():

@@ -17,12 +17,12 @@ from tp_check import assert_close, assert_grads, solo_group
 TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
 
 
-def _gpt_body(tied, sp, n_kv_head):
+def _gpt_body(tied, sp, n_kv_head, T):
     cfg = GPTConfig(**(TINY | {"tie_embeddings": tied, "n_kv_head": n_kv_head}))
     dense = GPT(cfg, solo_group(), seed=3)
     model = GPT(cfg, None, sequence_parallel=sp, seed=3)  # built TP-agnostic: same weights
     torch.manual_seed(0)
-    ids, targets = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+    ids, targets = torch.randint(0, 50, (2, T)), torch.randint(0, 50, (2, T))
     loss_ref = dense(ids, targets)
     loss_ref.backward()
     with CollectiveCounter() as fwd:
@@ -40,16 +40,15 @@ def _gpt_body(tied, sp, n_kv_head):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("tied,sp,n_kv_head", [(True, False, 2), (False, False, 1),
-                                               (True, True, 2), (False, True, 4)])
-def test_gpt_matches_one_device(ranks, n, tied, sp, n_kv_head):
+@pytest.mark.parametrize("tied,sp,n_kv_head,T", [(True, False, 2, 12), (False, False, 1, 13),
+                                                 (True, True, 2, 12), (False, True, 4, 13)])
+def test_gpt_matches_one_device(ranks, n, tied, sp, n_kv_head, T):
     """Same seed, any TP size: the same model. Loss, logits and every gradient shard equal the
     one-device GPT's; the collectives are the prescribed ones: per block one all-reduce each way
     for attention and one for the MLP (SP: all-gather + reduce-scatter), the embedding's
-    all-reduce, the loss's all-gather + all-reduce, and the LM head's f in backward."""
-    if sp and 12 % n:
-        pytest.skip("SP needs T % tp == 0")
-    results = ranks(n).run(_gpt_body, tied, sp, n_kv_head)
+    all-reduce, the loss's all-gather + all-reduce, and the LM head's f in backward. T = 13
+    splits the sequence unevenly over 2, 3 and 4 ranks: the counts stay the same."""
+    results = ranks(n).run(_gpt_body, tied, sp, n_kv_head, T)
     if n == 1:
         assert all(r["forward"] == {} and r["backward"] == {} for r in results)
         return

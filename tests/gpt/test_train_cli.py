@@ -110,7 +110,7 @@ def test_under_torchrun(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["train", "--tp", 3, "--n-head", 2, "--dim", 32], "num_heads=2 cannot be split over 3"),
-    (["train", "--tp", 2, "--sequence-parallel", "--seq-len", 33], "--seq-len 33 does not divide"),
+    (["train", "--tp", 4, "--sequence-parallel", "--seq-len", 3], "--seq-len 3 is shorter than"),
     (["train", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
     (["generate", "--ckpt", "/nonexistent", "--prompt", "x"], "no checkpoint in /nonexistent"),
     (["train", "--vocab-size", 100], "--vocab-size 100: the byte tokenizer needs 256"),
