@@ -16,8 +16,8 @@ MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 24
 
 
-def _train(out, tp, sp=False, resume_from=None, dropout=0.0, steps=STEPS, seq_len=32):
-    cfg = TrainConfig(tp=tp, sequence_parallel=sp, steps=steps, batch_size=4, seq_len=seq_len,
+def _train(out, tp, sp=False, resume_from=None, dropout=0.0, steps=STEPS):
+    cfg = TrainConfig(tp=tp, sequence_parallel=sp, steps=steps, batch_size=4, seq_len=32,
                       warmup_steps=4, out=out, save_every=8, seed=1)
     result = train_rank(cfg, GPTConfig(**MODEL, dropout=dropout), resume_from)
     return result.get("rows")
@@ -41,22 +41,14 @@ def reference(ranks, tmp_path_factory):
     return out, _curve(ranks, 1, str(out), 1)
 
 
-@pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (3, True)])
 def test_loss_curve_equal_across_tp(ranks, tmp_path, reference, n, sp):
     """24 AdamW steps (fp32): loss and global gradient norm at every step agree with TP=1 to a
-    relative 1e-4, and the loss falls."""
+    relative 1e-4, and the loss falls. At TP=3 with SP the 32 tokens split unevenly (11, 11,
+    10)."""
     rows = _curve(ranks, n, str(tmp_path), n, sp)
     _assert_same_curve(rows, reference[1], 1e-4, f"TP={n} sp={sp}")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.4
-
-
-@pytest.mark.parametrize("n,seq_len", [(2, 63), (3, 8)])
-def test_uneven_sequence_parallel_curve(ranks, tmp_path, n, seq_len):
-    """Sequence parallelism with a length the TP size does not divide (shards of 32 + 31 tokens;
-    3 + 3 + 2): 8 steps agree with TP=1 to a relative 1e-4, as even lengths do."""
-    ref = _curve(ranks, 1, str(tmp_path / "tp1"), 1, steps=8, seq_len=seq_len)
-    rows = _curve(ranks, n, str(tmp_path / "sp"), n, True, steps=8, seq_len=seq_len)
-    _assert_same_curve(rows, ref, 1e-4, f"TP={n} sp=True seq_len={seq_len}")
 
 
 def _interrupt(src, dst):
