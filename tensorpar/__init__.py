@@ -34,7 +34,9 @@ from tensorpar.parallel.mappings import (
 )
 from tensorpar.parallel.norm import LayerNorm, RMSNorm
 from tensorpar.parallel.sharding import ShardSpec
+from tensorpar.runtime.checking import naming_layers
 from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.failures import CollectiveMismatch
 from tensorpar.runtime.groups import init_tensor_parallel, tp_rank, tp_size
 from tensorpar.runtime.launch import RankError, RankPool, launch
 from tensorpar.transformer.attention import ParallelSelfAttention
@@ -43,11 +45,11 @@ from tensorpar.transformer.mlp import ParallelMLP
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveCounter", "ColumnParallelLinear", "LayerNorm", "ParallelDropout", "ParallelMLP",
-    "ParallelSelfAttention", "RMSNorm", "RankError", "RankPool", "RowParallelLinear", "ShardSpec",
-    "TensorParallelRNG", "VocabParallelEmbedding", "copy_to_tp", "gather_from_sequence",
-    "from_pretrained", "gather_from_tp", "init_tensor_parallel", "launch", "parallelize",
-    "reduce_from_tp",
-    "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp", "sum_grads_in_backward",
-    "tp_rank", "tp_size", "vocab_parallel_cross_entropy",
+    "CollectiveCounter", "CollectiveMismatch", "ColumnParallelLinear", "LayerNorm",
+    "ParallelDropout", "ParallelMLP", "ParallelSelfAttention", "RankError", "RankPool", "RMSNorm",
+    "RowParallelLinear", "ShardSpec", "TensorParallelRNG", "VocabParallelEmbedding", "copy_to_tp",
+    "from_pretrained", "gather_from_sequence", "gather_from_tp", "init_tensor_parallel", "launch",
+    "naming_layers", "parallelize", "reduce_from_tp", "reduce_scatter_to_sequence",
+    "scatter_to_sequence", "scatter_to_tp", "sum_grads_in_backward", "tp_rank", "tp_size",
+    "vocab_parallel_cross_entropy",
 ]

@@ -23,6 +23,7 @@ import sys
 import threading
 import traceback
 
+from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.failures import EXPECTED, RankError, describe
 from tensorpar.runtime.groups import TIMEOUT_ENV
 from tensorpar.runtime.stopping import Interrupted, raise_interrupted, signal_name
@@ -187,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.",
         epilog="Errors a user can act on (a bad flag or checkpoint, a full disk, a non-finite "
-        "training step), on any rank, end with one line naming the rank and the cause; exit "
+        "training step, ranks that fed a collective different shapes under "
+        "--check-collectives), on any rank, end with one line naming the rank and the cause; exit "
         "status 2 for a request refused before any rank started, 1 otherwise. Anything else "
         "is a bug and prints each failing rank's traceback.")
     parser.add_argument("--debug", action="store_true",
@@ -199,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a rank that stopped answering), for every rank this command starts; "
                         "give it before the command: tensorpar --timeout 60 train ... "
                         "(default 600, torch's)")
+    parser.add_argument("--check-collectives", action=argparse.BooleanOptionalAction,
+                        help="before each collective, compare its op, shapes and dtypes across "
+                        "the ranks, so that ranks that feed a layer different shapes fail with "
+                        "one line naming the layer and each rank's shape instead of gloo "
+                        "aborting every process; slower: a barrier and a small all-gather per "
+                        "collective (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL); for every rank this "
+                        "command starts; give it before the command: tensorpar "
+                        "--check-collectives train ... (default on for verify, off otherwise; or "
+                        "set TENSORPAR_CHECK_COLLECTIVES=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_generate(sub)
@@ -217,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tensorpar: --timeout {args.timeout} must be > 0 (seconds)", file=sys.stderr)
             return 2
         os.environ[TIMEOUT_ENV] = str(args.timeout)
+    # as --timeout: every rank reads it when it creates its process group (runtime/checking.py)
+    if args.check_collectives is not None:
+        os.environ[CHECK_ENV] = "1" if args.check_collectives else "0"
+    elif args.command == "verify":  # a check of the layers checks their collectives too
+        os.environ.setdefault(CHECK_ENV, "1")
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
     speaks = os.environ.get("RANK", "0") == "0"

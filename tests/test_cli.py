@@ -38,8 +38,8 @@ def test_verify_under_torchrun():
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "4", "--num-heads", "2", "--num-kv-heads", "1", "--dim", "16"],
      "num_heads=2 cannot be split over 4 ranks"),
-    (["--tp", "4", "--sequence-parallel", "--seq-len", "10"],
-     "--seq-len 10 does not divide by --tp 4"),
+    (["--tp", "4", "--sequence-parallel", "--seq-len", "3"],
+     "--seq-len 3 is shorter than --tp 4"),
 ])
 def test_verify_bad_sizes(flags, message):
     """Impossible sizes: one clear line and exit code 2, no traceback, no ranks started."""
@@ -89,3 +89,13 @@ def test_every_flag_has_plain_help_with_its_default(command):
     for text in texts:
         for markup in ("``", "::", ":class:", ":func:", ":mod:"):
             assert markup not in text, f"{command}: {markup} in {text!r}"
+
+
+def test_top_level_flags_have_plain_help_with_their_default():
+    """--debug, --timeout, --check-collectives: given before the command, said so, with the
+    default."""
+    from tensorpar.cli import build_parser
+
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest not in ("help", "command"):
+            assert "before the command" in action.help and "default" in action.help, action.dest

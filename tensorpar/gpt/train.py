@@ -23,7 +23,7 @@ import dataclasses
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from tensorpar.gpt.optim import adamw, implementation
 from tensorpar.gpt.report import Metrics, ProgressLine, plot_loss, summary
 from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
+from tensorpar.runtime.checking import collectives_checked, naming_layers
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.stopping import StopRequest, signal_name
@@ -131,17 +132,19 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
     A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in
     flight (the first, if it came during setup) with a checkpoint (``runtime/stopping.py``)."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    with StopRequest(group, device_for(group)) as stop:
-        return _train(cfg, model_cfg, resume_from, group, stop)
+    with StopRequest(group, device_for(group)) as stop, ExitStack() as scope:
+        return _train(cfg, model_cfg, resume_from, group, stop, scope)
 
 
 def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, group,
-           stop: StopRequest) -> dict:
+           stop: StopRequest, scope: ExitStack) -> dict:
     rank, device = tp_rank(group), device_for(group)
     text, label = load_text(cfg.data)
     batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
     model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device,
                 fused=cfg.fused, recompute=cfg.recompute)
+    if collectives_checked(group):  # a mismatch then names the layer (runtime/checking.py)
+        scope.enter_context(naming_layers(model))
     layout = Layout.gather(model, group)
     opt = make_optimizer(model, cfg)
     start = 0

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tensorpar.runtime.checking import checks_wanted, collectives_checked, turn_on_checks
+
 
 def tp_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group``; 1 when torch.distributed is not initialized."""
@@ -44,6 +46,7 @@ def init_tensor_parallel(
     tp_size: int | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    check_collectives: bool | None = None,
 ) -> ProcessGroup:
     """Start torch.distributed from the launcher's environment and return the TP group.
 
@@ -57,6 +60,11 @@ def init_tensor_parallel(
     timeout: how long a collective may wait for the other ranks before it raises (a rank that
         stopped answering); default ``TENSORPAR_TIMEOUT`` seconds from the environment (what
         ``tensorpar --timeout`` sets for every rank it starts), else torch's 10 minutes.
+    check_collectives: compare every collective's op, shapes and dtypes across ranks before it
+        runs, so that ranks that disagree raise on every rank instead of aborting (see
+        ``checking.py``; slower); default ``TENSORPAR_CHECK_COLLECTIVES`` from the environment
+        (what ``tensorpar --check-collectives`` sets), else off. It takes effect only when this
+        call creates the process group: True with a group already created unchecked is refused.
     """
     if timeout is None:
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 600)))
@@ -68,6 +76,8 @@ def init_tensor_parallel(
     if tp < 1 or world % tp != 0:
         raise ValueError(f"tp_size={tp} must be >= 1 and divide the world size {world}")
     if not dist.is_initialized():
+        if checks_wanted(check_collectives):
+            turn_on_checks()
         backend = backend or pick_backend(local_world)
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
@@ -81,6 +91,10 @@ def init_tensor_parallel(
                 )
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    elif check_collectives and not collectives_checked():
+        raise ValueError("check_collectives=True, but the process group was created before "
+                         "without the check: pass it to the first init_tensor_parallel (or "
+                         "RankPool), or set TENSORPAR_CHECK_COLLECTIVES=1 before it")
     world = dist.get_world_size()
     if tp == world:
         return dist.group.WORLD

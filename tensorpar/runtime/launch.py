@@ -11,7 +11,10 @@ Failure handling, so that nothing hangs:
   ``failures.py``);
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
   ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
-- a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool;
+- a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool; the
+  error names the rank and the signal; an abort (gloo's answer to ranks that fed a collective
+  different shapes; its message is on the rank's stderr, which is the launcher's) comes with the
+  hint to turn the check mode on (``checking.py``), which makes that an error on every rank;
 - ranks exit when the process that started them dies (``kill PID``), so none is left behind.
 
 Signals: the ranks ignore Ctrl-C (SIGINT); the launcher takes it (``KeyboardInterrupt``) and
@@ -33,8 +36,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure
-from tensorpar.runtime.stopping import forwarding
+from tensorpar.runtime.checking import CHECK_HINT, checks_wanted
+from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_mismatch
+from tensorpar.runtime.stopping import forwarding, signal_name
 
 
 def free_port() -> int:
@@ -67,7 +71,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
-            parent: int):
+            parent: int, check_collectives: bool | None):
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     # a write past ``ulimit -f`` then fails with OSError(EFBIG) instead of killing the rank
@@ -84,7 +88,7 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
 
     torch.set_num_threads(threads)
     try:
-        init_tensor_parallel(backend=backend)
+        init_tensor_parallel(backend=backend, check_collectives=check_collectives)
     except BaseException as e:
         results.put((rank, False, RankFailure.of(rank, e)))
         return
@@ -117,6 +121,8 @@ class RankPool:
     threads: torch threads per rank; default: the machine's cores divided among the ranks.
     timeout_s: longest one ``run`` may take before the pool is stopped (None: no limit).
     grace_s: how long to wait for the other ranks once one has failed.
+    check_collectives: compare each collective across ranks first (``checking.py``); default
+        ``TENSORPAR_CHECK_COLLECTIVES`` from the environment.
     """
 
     def __init__(
@@ -126,10 +132,13 @@ class RankPool:
         threads: int | None = None,
         timeout_s: float | None = 600.0,
         grace_s: float = 10.0,
+        check_collectives: bool | None = None,
     ):
         if nprocs < 1:
             raise ValueError(f"nprocs={nprocs} must be >= 1")
         self.nprocs, self.timeout_s, self.grace_s = nprocs, timeout_s, grace_s
+        self.checked = (checks_wanted(check_collectives)
+                        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -139,7 +148,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, nprocs, port, backend, threads, self._tasks[r], self._results,
-                      os.getpid()),
+                      os.getpid(), check_collectives),
                 daemon=True,
             )
             for r in range(nprocs)
@@ -181,12 +190,14 @@ class RankPool:
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
             if dead or time.monotonic() > deadline:
                 self.close(force=True)
+                codes = [self._procs[r].exitcode for r in dead]
                 why = (
-                    f"rank(s) {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})"
+                    f"rank(s) {dead} died (exit codes {codes}){_how(codes)}"
                     if dead
                     else f"ranks {sorted(set(range(self.nprocs)) - set(got))} did not finish"
                 )
-                raise _rank_error(got, why, died=bool(dead))
+                aborted = -signal.SIGABRT in codes and not self.checked
+                raise _rank_error(got, why, died=bool(dead), hint=CHECK_HINT if aborted else None)
         if any(not ok for ok, _ in got.values()):
             raise _rank_error(got, None)
         return [got[r][1] for r in range(self.nprocs)]
@@ -222,13 +233,24 @@ class RankPool:
         self.close(force=exc_type is not None)  # interrupted (Ctrl-C): do not wait for the ranks
 
 
-def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = False):
+def _how(codes: list[int | None]) -> str:
+    """``: SIGKILL`` for exit codes [-9]; an abort says where its message is."""
+    names = sorted({signal_name(-c) for c in codes if c is not None and c < 0})
+    if not names:
+        return ""
+    aborted = " (an abort; its message, gloo's or NCCL's, is above)"
+    return ": " + ", ".join(names) + aborted * (-signal.SIGABRT in codes)
+
+
+def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = False,
+                hint: str | None = None):
     """The pool's reason, if any, then each failing rank's traceback under a ``--- rank R
     failed:`` line; the failures themselves ride along (see failures.py)."""
     failures = [got[r][1] for r in sorted(got) if not got[r][0]]
     lines = [why] if why else []
     lines += [f"--- rank {f.rank} failed:\n{f.traceback.rstrip()}" for f in failures]
-    return RankError("\n".join(lines), failures, why, died)
+    lines += [hint] if hint else []
+    return RankError("\n".join(lines), failures, why, died, hint)
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
@@ -250,6 +272,11 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
         except EXPECTED as e:  # this rank's own expected error: it says so itself (cli.main)
             e.rank = tp_rank(group)
             raise
+        except RuntimeError as e:  # torch's check found ranks that disagree: as expected
+            if (mismatch := collective_mismatch(e)) is None:
+                raise
+            mismatch.rank = tp_rank(group)
+            raise mismatch from e
         results = [None] * tp_size(group)
         dist.all_gather_object(results, result, group=group)
         return results if tp_rank(group) == 0 else None
@@ -258,10 +285,13 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
-           forward_signals: tuple[int, ...] = (), **kwargs: Any) -> list[Any]:
+           forward_signals: tuple[int, ...] = (), check_collectives: bool | None = None,
+           **kwargs: Any) -> list[Any]:
     """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results.
 
     timeout_s: the longest the job may run (None: no limit, as for a training run).
-    forward_signals: signals passed on to the ranks once (the ranks handle them), see above."""
-    with RankPool(nprocs, timeout_s=timeout_s) as pool, forwarding(pool, forward_signals):
+    forward_signals: signals passed on to the ranks once (the ranks handle them), see above.
+    check_collectives: see :class:`RankPool`."""
+    with (RankPool(nprocs, timeout_s=timeout_s, check_collectives=check_collectives) as pool,
+          forwarding(pool, forward_signals)):
         return pool.run(fn, *args, **kwargs)

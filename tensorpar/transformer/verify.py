@@ -23,6 +23,7 @@ from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tensorpar.parallel.linear import ColumnParallelLinear
 from tensorpar.parallel.norm import LayerNorm, RMSNorm
 from tensorpar.parallel.sharding import ShardSpec
+from tensorpar.runtime.checking import naming_layers
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.launch import run_ranks
@@ -113,11 +114,12 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
     loss.backward()
 
     tp = ParallelBlock(dense, sequence_parallel, group)
-    with CollectiveCounter() as fwd:
-        logits_local = tp(ids)
-        loss_tp = vocab_parallel_cross_entropy(logits_local, targets, group=group)
-    with CollectiveCounter() as bwd:
-        loss_tp.backward()
+    with naming_layers(tp):  # under the check mode a mismatch names the layer
+        with CollectiveCounter() as fwd:
+            logits_local = tp(ids)
+            loss_tp = vocab_parallel_cross_entropy(logits_local, targets, group=group)
+        with CollectiveCounter() as bwd:
+            loss_tp.backward()
 
     errors = {
         "logits": max_rel_error(logits_local, logits[..., tp.head.shard_start:tp.head.shard_stop]),

@@ -1,0 +1,221 @@
+"""Ranks that feed a collective different shapes: with the check mode, an error on every rank in
+one line naming the layer, the collective and each rank's shape; without it, gloo aborts a rank
+and the launcher names it, how it died, and the flag that would have named the layer.
+
+The mismatches are ones no change to the layers makes right: different batch sizes on different
+ranks (the sequence shards of the SP test have equal lengths)."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tensorpar import cli
+from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.runtime.checking import CHECK_ENV, CHECK_HINT, collectives_checked, naming_layers
+from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.failures import (
+    CollectiveMismatch,
+    RankError,
+    RankFailure,
+    collective_mismatch,
+    rank_list,
+)
+from tensorpar.runtime.groups import tp_rank
+from tensorpar.runtime.launch import launch
+
+
+def _torch_says(rank: int, shape: str, other: int, other_shape: str) -> str:
+    """What torch 2.13's ProcessGroupWrapper raises on ``rank`` (TensorOptions shortened)."""
+    def call(r, s):
+        return (f"Rank {r} is running collective: CollectiveFingerPrint(SequenceNumber=0, "
+                f"OpType=ALLREDUCE, TensorShape=[{s}], TensorDtypes=Float, TensorDeviceTypes="
+                "TensorOptions(dtype=float (default), device=cpu))")
+    return (f"Detected mismatch between collectives on ranks. {call(rank, shape)}, but "
+            f"{call(other, other_shape)}.Collectives differ in the following aspects:   Tensor "
+            f"Tensor shapes: {shape.replace(',', '')}vs {other_shape.replace(',', '')}")
+
+
+@pytest.fixture
+def unset(monkeypatch):
+    """No TENSORPAR_CHECK_COLLECTIVES now, and none after the test whatever cli.main sets (a
+    delenv of an absent variable alone is not undone)."""
+    monkeypatch.setenv(CHECK_ENV, "")
+    monkeypatch.delenv(CHECK_ENV)
+
+
+@pytest.fixture
+def checked(ranks):
+    """The session's four gloo ranks, which check their collectives (conftest.py)."""
+    pool = ranks(4)
+    assert pool.checked
+    return pool
+
+
+class _MLP(nn.Module):
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.up = ColumnParallelLinear(16, 32, sequence_parallel=sequence_parallel)
+        self.down = RowParallelLinear(32, 16, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+class _Model(nn.Module):
+    """One block, so that the layers have the dotted names of a real model."""
+
+    def __init__(self, sequence_parallel: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({"mlp": _MLP(sequence_parallel)})])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block["mlp"](x)
+        return x
+
+
+def _batch(rank_zero: int = 3, others: int = 2, tokens: int = 8) -> torch.Tensor:
+    """(B, T, 16): B = 3 on rank 0, 2 on the others."""
+    return torch.randn(rank_zero if tp_rank() == 0 else others, tokens, 16, requires_grad=True)
+
+
+def _forward_mismatch():
+    model = _Model()
+    with naming_layers(model):
+        model(_batch())
+
+
+def _backward_mismatch():
+    """A column layer alone: no collective in forward; backward all-reduces the input grad."""
+    model = ColumnParallelLinear(16, 32)
+    with naming_layers(model):
+        model(_batch()).sum().backward()
+
+
+def _sequence_mismatch():
+    """Sequence shards of 2 tokens everywhere; the batch differs."""
+    model = _Model(sequence_parallel=True)
+    with naming_layers(model):
+        model(_batch(tokens=2))
+
+
+def _counts():
+    """One forward and backward of the MLP in the checked group: the counter sees only ours."""
+    model = _MLP(sequence_parallel=False)
+    x = _batch(2, 2)
+    with CollectiveCounter() as fwd:
+        y = model(x)
+    with CollectiveCounter() as bwd:
+        y.sum().backward()
+    return collectives_checked(), dict(fwd.counts), dict(bwd.counts)
+
+
+def test_forward_mismatch_names_layer_op_and_shapes(checked):
+    """A RowParallelLinear fed a batch of 3 on rank 0 and 2 on ranks 1-3: every rank raises, an
+    expected error, said in one line; the pool still works afterwards."""
+    with pytest.raises(RankError) as err:
+        checked.run(_forward_mismatch)
+    e = err.value
+    assert [f.kind for f in e.failures] == ["CollectiveMismatch"] * 4 and e.expected
+    assert e.one_line() == ("collective mismatch in blocks.0.mlp.down (forward): rank 0 "
+                            "all_reduce [3, 8, 16] float32; ranks 1-3 all_reduce [2, 8, 16] "
+                            "float32")
+    assert all(c[0] for c in checked.run(_counts))
+
+
+def test_backward_mismatch(checked):
+    """In backward the place is the autograd function that issued the collective."""
+    with pytest.raises(RankError) as err:
+        checked.run(_backward_mismatch)
+    assert err.value.expected and len(err.value.failures) == 4
+    assert re.fullmatch(r"collective mismatch in backward \(\w+\.backward\): rank 0 all_reduce "
+                        r"\[3, 8, 16\] float32; ranks 1-3 all_reduce \[2, 8, 16\] float32",
+                        err.value.one_line()), err.value.one_line()
+
+
+def test_sequence_parallel_mismatch(checked):
+    """ColumnParallelLinear(sequence_parallel=True): its all-gather of the sequence shards is
+    refused on every rank, naming the layer."""
+    with pytest.raises(RankError) as err:
+        checked.run(_sequence_mismatch)
+    line = err.value.one_line()
+    assert err.value.expected and len(err.value.failures) == 4
+    m = re.fullmatch(r"collective mismatch in blocks\.0\.mlp\.up \(forward\): rank 0 all_gather "
+                     r"\[([\d, ]+)\] float32; ranks 1-3 all_gather \[([\d, ]+)\] float32", line)
+    assert m, line
+    assert "3" in m[1].split(", ") and "3" not in m[2].split(", "), line
+
+
+def test_counts_unchanged_by_the_check(checked):
+    """torch's fingerprint exchange runs on its own side group, below the dispatcher: the
+    CollectiveCounter sees the layers' collectives only (Megatron's: one all-reduce each way)."""
+    for on, fwd, bwd in checked.run(_counts):
+        assert on and fwd == {"all_reduce": 1} and bwd == {"all_reduce": 1}
+
+
+def _unchecked_mismatch():
+    torch.distributed.all_reduce(_batch())
+
+
+def _cli_runs(body, check_collectives=None):
+    def run(args):
+        launch(body, 2, timeout_s=60, check_collectives=check_collectives)
+        return 0
+    return run
+
+
+@pytest.mark.parametrize("flag", [[], ["--check-collectives"]])
+def test_cli(monkeypatch, capsys, unset, flag):
+    """``tensorpar train`` whose ranks feed all_reduce different shapes, exit 1 in under 30 s.
+    Without the flag gloo aborts a rank: the line names it, SIGABRT, and the flag to use. With
+    it (read by every spawned rank from the environment): the mismatch in one line."""
+    monkeypatch.setattr(cli, "_run", _cli_runs(_unchecked_mismatch))
+    previous = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    try:
+        assert cli.main([*flag, "train"]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert time.monotonic() - start < 30
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    if flag:
+        assert last == ("tensorpar train: collective mismatch: rank 0 all_reduce [3, 8, 16] "
+                        "float32; rank 1 all_reduce [2, 8, 16] float32")
+    else:
+        assert re.match(r"tensorpar train: rank\(s\) \[[01, ]+\] died \(exit codes \[[-6, ]+\]\): "
+                        r"SIGABRT \(an abort", last), last
+        assert last.endswith(f"; {CHECK_HINT}") and "--check-collectives" in last
+
+
+def test_check_is_on_for_verify_by_default(monkeypatch, unset):
+    """``tensorpar verify`` checks its collectives unless told not to; other commands do not."""
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(os.environ.get(CHECK_ENV)) or 0)
+    for argv, want in ((["verify"], "1"), (["--no-check-collectives", "verify"], "0"),
+                       (["export", "--ckpt", "c", "--out", "o"], None)):
+        os.environ.pop(CHECK_ENV, None)
+        cli.main(argv)
+        assert seen.pop() == want, argv
+
+
+def test_torch_message_read():
+    """torch's message read; four ranks' failures merged into one line: each rank's own call
+    (torch names one other rank only, the first that differs)."""
+    m = collective_mismatch(RuntimeError(_torch_says(1, "2, 8, 16", 0, "3, 8, 16")))
+    assert isinstance(m, CollectiveMismatch) and m.where is None
+    assert m.seen == {1: "all_reduce [2, 8, 16] float32", 0: "all_reduce [3, 8, 16] float32"}
+    assert collective_mismatch(RuntimeError("Connection reset by peer")) is None
+    said = [_torch_says(0, "3, 8, 16", 1, "2, 8, 16")]
+    said += [_torch_says(r, "2, 8, 16", 0, "3, 8, 16") for r in (1, 2, 3)]
+    failures = [RankFailure.of(r, collective_mismatch(RuntimeError(s), "mlp.down (forward)"))
+                for r, s in enumerate(said)]
+    assert RankError("", failures).one_line() == (
+        "collective mismatch in mlp.down (forward): rank 0 all_reduce [3, 8, 16] float32; "
+        "ranks 1-3 all_reduce [2, 8, 16] float32")
+    assert [rank_list(r) for r in ([0], [1, 2, 3], [0, 2, 3, 5])] == [
+        "rank 0", "ranks 1-3", "ranks 0, 2-3, 5"]
