@@ -38,7 +38,12 @@ class CollectiveMismatch(RuntimeError):
         return type(self), (self.seen, self.where)
 
 
-EXPECTED = (ValueError, OSError, FloatingPointError, CollectiveMismatch)
+class PeerLost(RuntimeError):
+    """Under torchrun: this rank's collective failed because another rank died or stopped
+    answering (torchrun's own report names that rank and how it ended)."""
+
+
+EXPECTED = (ValueError, OSError, FloatingPointError, CollectiveMismatch, PeerLost)
 
 # what gloo and NCCL say when the rank at the other end stopped answering or died (the last
 # one: torch's check mode, when a rank never reaches the collective)
@@ -100,6 +105,22 @@ def mismatch_line(where: str | None, seen: dict[int, str]) -> str:
 def lost_peer(f: RankFailure) -> bool:
     """``f`` is a collective that failed because another rank stopped answering or died."""
     return f.type.startswith(("RuntimeError", "Dist")) and any(s in f.message for s in _LOST_PEER)
+
+
+def peer_lost(e: BaseException, hint: str | None = None) -> PeerLost | None:
+    """``e`` as a :class:`PeerLost` when it is a collective that failed for want of another rank
+    (gloo's or NCCL's message, shortened), with ``hint`` last; None otherwise."""
+    if not isinstance(e, RuntimeError) or not any(s in str(e) for s in _LOST_PEER):
+        return None
+    line = f"lost another rank ({_short(str(e))}); torchrun's report names it"
+    return PeerLost(f"{line}; {hint}" if hint else line)
+
+
+def collective_failure(e: BaseException,
+                       hint: str | None = None) -> CollectiveMismatch | PeerLost | None:
+    """``e`` as the expected error it stands for when a collective failed: ranks that disagree
+    (:func:`collective_mismatch`) or a rank lost (:func:`peer_lost`, with ``hint``); else None."""
+    return collective_mismatch(e) or peer_lost(e, hint)
 
 
 def _short(message: str) -> str:

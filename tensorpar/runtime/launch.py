@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorpar.runtime.checking import CHECK_HINT, checks_wanted
-from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_mismatch
+from tensorpar.runtime.checking import CHECK_HINT, checks_wanted, collectives_checked
+from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_failure
 from tensorpar.runtime.stopping import forwarding, signal_name
 
 
@@ -272,11 +272,12 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
         except EXPECTED as e:  # this rank's own expected error: it says so itself (cli.main)
             e.rank = tp_rank(group)
             raise
-        except RuntimeError as e:  # torch's check found ranks that disagree: as expected
-            if (mismatch := collective_mismatch(e)) is None:
+        except RuntimeError as e:  # ranks that disagree (the check), or a rank lost: expected
+            hint = None if collectives_checked(group) else CHECK_HINT
+            if (said := collective_failure(e, hint)) is None:
                 raise
-            mismatch.rank = tp_rank(group)
-            raise mismatch from e
+            said.rank = tp_rank(group)
+            raise said from e
         results = [None] * tp_size(group)
         dist.all_gather_object(results, result, group=group)
         return results if tp_rank(group) == 0 else None
