@@ -6,27 +6,45 @@ that had to be stopped (a rank stuck or dead) is replaced by a fresh one for the
 
 The pools check every collective across ranks (``runtime/checking.py``): a test whose ranks feed
 a collective different shapes fails with one line naming them instead of gloo aborting the pool.
-It costs little here (tests/core: 136 s without, 141 s with; the time goes to Python, not to
-the collectives), and the collective counts are the same (the check runs below the dispatcher).
+The collective counts are the same (the check runs below the dispatcher that counts them). The
+check costs about 3 ms per collective: a quarter to a third more time for tests that run many
+steps (tests/core/test_blocks.py + test_properties.py: 35 s without, 42 s with;
+tests/gpt/test_model.py + test_train.py + tests/core/test_properties_blocks.py: 67 s, 89 s), and
+the suite is near its 15-minute limit. So the layer tests (tests/core) run checked, and the
+end-to-end tests above them (GPT training, planner, HF, bench), built from those layers, run
+unchecked pools of their own.
 """
+
+import os
 
 import pytest
 
+from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.launch import RankPool
 
 from tests_common import WORLD_SIZES  # noqa: F401
 
 
 @pytest.fixture(scope="session")
-def ranks():
-    pools: dict[int, RankPool] = {}
+def _pools():
+    pools: dict[tuple[int, bool], RankPool] = {}
 
-    def get(n: int) -> RankPool:
-        if n not in pools or pools[n]._closed:
-            pools[n] = RankPool(n, backend="gloo", threads=1, timeout_s=240, grace_s=5,
-                                check_collectives=True)
-        return pools[n]
+    def get(n: int, checked: bool) -> RankPool:
+        if (n, checked) not in pools or pools[n, checked]._closed:
+            pools[n, checked] = RankPool(n, backend="gloo", threads=1, timeout_s=240, grace_s=5,
+                                         check_collectives=checked)
+        return pools[n, checked]
 
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks(_pools, request):
+    """``ranks(n)``: the session's pool of n ranks; checking its collectives for the layer tests
+    (tests/core; TENSORPAR_CHECK_COLLECTIVES=1 for every test, =0 for none)."""
+    checked = os.environ.get(CHECK_ENV, "core")
+    if checked == "core":
+        checked = request.node.path.parent.name == "core"
+    return lambda n: _pools(n, checked not in (False, "0"))

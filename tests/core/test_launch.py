@@ -64,16 +64,6 @@ def test_init_single_process_without_launcher():
     assert out.stdout.split() == ["1", "gloo"]
 
 
-def _subgroups():
-    group = init_tensor_parallel(tp_size=2)  # already initialized: only makes the TP groups
-    return tp_rank(group), tp_size(group)
-
-
-def test_tp_groups_of_consecutive_ranks():
-    """With 4 ranks and tp_size=2 the TP groups are {0, 1} and {2, 3}."""
-    assert launch(_subgroups, 4) == [(0, 2), (1, 2), (0, 2), (1, 2)]
-
-
 def test_tp_size_must_divide_world():
     """The ValueError is raised on every rank (so none waits for the others)."""
     with pytest.raises(RankError) as err:
@@ -98,10 +88,11 @@ def _verify_on_subgroup():
     result = verify_rank(cfg, True, seed=0, group=group)
     assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
     assert result["counts"] == expected_collectives(cfg, 2, True)
-    return tp_rank(group)
+    return tp_rank(group), tp_size(group)
 
 
 def test_layers_on_tp_subgroups():
-    """World of 4 split into two TP groups of 2: every layer uses only its group (group=...),
-    and both groups reproduce the dense model with the TP=2 collective counts."""
-    assert launch(_verify_on_subgroup, 4) == [0, 1, 0, 1]
+    """World of 4 split into TP groups of consecutive ranks, {0, 1} and {2, 3}: every layer uses
+    only its group (group=...), and both groups reproduce the dense model with the TP=2
+    collective counts."""
+    assert launch(_verify_on_subgroup, 4) == [(0, 2), (1, 2), (0, 2), (1, 2)]

@@ -13,7 +13,7 @@ from tests_common import WORLD_SIZES
 from tp_check import assert_close, shard
 
 B, D = 2, 10  # D = 10 splits unevenly over 3 and 4 ranks
-SEQ_LENS = [12, 13]  # 13 tokens split unevenly over 2, 3 and 4 ranks (7 + 6; 5 + 4 + 4; 4 + 3 ...)
+T = 13  # tokens: uneven sequence shards over 2, 3 and 4 ranks (7 + 6; 5 + 4 + 4; 4 + 3 + 3 + 3)
 
 
 def _run(op, x, grad_out):
@@ -89,12 +89,12 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("T", SEQ_LENS)
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_conjugate_pairs(ranks, n, T):
+def test_conjugate_pairs(ranks, n):
     """Every pair computes its collective in forward and the conjugate in backward, out of place,
-    with exactly one collective where one is due (none at world size 1), on even and uneven
-    (``tensor_split``) shards of the last dim and of the sequence alike."""
+    with exactly one collective where one is due (none at world size 1), on uneven
+    (``tensor_split``) shards of the last dim and of the sequence alike (even ones: every SP test
+    of the layers and the GPT)."""
     for counts in ranks(n).run(_pairs_body, T):
         for name, (fwd, bwd) in EXPECTED.items():
             want = ({}, {}) if n == 1 else (fwd, bwd)

@@ -60,7 +60,7 @@ def _mlp_body(c):
     return compare(dense, mlp, torch.randn(c["b"], c["t"], c["d"]), seq(c["sp"]), seq(c["sp"]))
 
 
-@settings(max_examples=60, **PROPERTY)
+@settings(max_examples=45, **PROPERTY)
 @given(c=mlp_cases())
 def test_parallel_mlp(ranks, c):
     """Hidden units split (unevenly), gated or not, any activation, fused or plain, SP or not:
@@ -101,7 +101,7 @@ def _attention_body(c):
     return compare(WithRope(dense, rope), WithRope(attn, rope), x, seq(c["sp"]), seq(c["sp"]))
 
 
-@settings(max_examples=100, **PROPERTY)
+@settings(max_examples=70, **PROPERTY)
 @given(c=attention_cases())
 def test_parallel_attention(ranks, c):
     """Query heads split (unevenly), KV heads split or shared between ranks (GQA, MQA), biases,

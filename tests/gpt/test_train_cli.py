@@ -74,17 +74,17 @@ def test_kill_then_resume(trained, tmp_path):
 
 
 def test_generate_same_text_at_any_tp(trained):
-    """Sampled text from the TP=2 checkpoint is identical at TP=1, 2 and 4 as the CLI prints it
-    (greedy, top-k, top-p and batches at every TP size: tests/gpt/test_generate.py); the prompt
+    """Sampled text from the TP=2 checkpoint is identical at TP=1 and 2 as the CLI prints it
+    (greedy, top-k, top-p and batches at TP=1 to 4: tests/gpt/test_generate.py); the prompt
     comes first on stdout."""
     temperature = "0.8"
     texts = []
-    for tp in (1, 2, 4):
+    for tp in (1, 2):
         out = _tensorpar("generate", "--ckpt", trained[0], "--tp", tp, "--prompt", "The ",
                          "--max-new-tokens", 24, "--temperature", temperature, "--seed", 3)
         assert out.returncode == 0, out.stderr
         texts.append(out.stdout)
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1]
     assert texts[0].startswith("The ") and len(texts[0].encode()) > 4 + 12
 
 
