@@ -44,7 +44,6 @@ def _pools():
 def ranks(_pools, request):
     """``ranks(n)``: the session's pool of n ranks; checking its collectives for the layer tests
     (tests/core; TENSORPAR_CHECK_COLLECTIVES=1 for every test, =0 for none)."""
-    checked = os.environ.get(CHECK_ENV, "core")
-    if checked == "core":
-        checked = request.node.path.parent.name == "core"
-    return lambda n: _pools(n, checked not in (False, "0"))
+    mode = os.environ.get(CHECK_ENV, "core")
+    checked = request.node.path.parent.name == "core" if mode == "core" else mode != "0"
+    return lambda n: _pools(n, checked)

@@ -16,19 +16,24 @@ def cli_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
 
 
-def tensorpar_cli(*args, timeout: float = 300, cwd=None):
-    """``python -m tensorpar ARGS`` as a user runs it, in ``cwd`` (this checkout first on the
-    path); the CompletedProcess (text)."""
+def checkout_env() -> dict:
+    """``cli_env()`` with this checkout first on the path (for a child Python process)."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     repo = str(Path(__file__).resolve().parents[1])
-    env = cli_env() | {"PYTHONPATH": os.pathsep.join(filter(None, [repo,
-                                                                   os.environ.get("PYTHONPATH")]))}
+    return cli_env() | {"PYTHONPATH": os.pathsep.join(filter(None, [repo,
+                                                                     os.environ.get("PYTHONPATH")]))}
+
+
+def tensorpar_cli(*args, timeout: float = 300, cwd=None):
+    """``python -m tensorpar ARGS`` as a user runs it, in ``cwd`` (this checkout first on the
+    path); the CompletedProcess (text)."""
+    import subprocess
+    import sys
+
     return subprocess.run([sys.executable, "-m", "tensorpar", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=checkout_env())
 
 
 def leftovers(*dirs) -> list:

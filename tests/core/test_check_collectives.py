@@ -8,6 +8,8 @@ ranks (the sequence shards of the SP test have equal lengths)."""
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,6 +29,8 @@ from tensorpar.runtime.failures import (
 )
 from tensorpar.runtime.groups import tp_rank
 from tensorpar.runtime.launch import launch
+
+from tests_common import checkout_env
 
 
 def _torch_says(rank: int, shape: str, other: int, other_shape: str) -> str:
@@ -245,14 +249,9 @@ def test_lost_rank_under_torchrun(tmp_path):
     """Under torchrun (the launcher is torchrun, whose report names the dead rank and its exit), a
     rank whose collective fails for want of the other says so in one line, with the hint, as an
     expected error (``PeerLost``), not a traceback; everything is gone well within 30 s."""
-    import subprocess
-    import sys
-
     script = tmp_path / "lost.py"
     script.write_text(LOST_UNDER_TORCHRUN)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHELASTIC", "MASTER_", CHECK_ENV))} | {"PYTHONPATH": repo}
+    env = {k: v for k, v in checkout_env().items() if k != CHECK_ENV}
     start = time.monotonic()
     # a slow monitor: torchrun's SIGTERM to rank 0 must not overtake gloo's error (with the
     # default 0.1 s it seldom does: the error comes as soon as the dead rank's socket closes)
