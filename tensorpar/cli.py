@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from tensorpar.runtime.checking import CHECK_ENV
@@ -180,6 +181,10 @@ def _run(args) -> int:
     return 2
 
 
+# under torchrun, how long a rank that leaves an error to rank 0 waits before it exits
+SILENT_RANK_DELAY_S = 5.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tensorpar`` parser with every subcommand."""
     from tensorpar.bench import bench_cli
@@ -252,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if speaks or rank is not None:
             where = "" if rank is None else f"rank {rank}: "
             print(f"tensorpar {args.command}: {where}{describe(e)}", file=sys.stderr)
+        else:  # a silent rank that exits first makes torchrun stop rank 0 before it speaks:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # wait; torchrun's SIGTERM ends it
+            time.sleep(SILENT_RANK_DELAY_S)
         return 2 if isinstance(e, ValueError) and rank is None else 1
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143): every rank is stopped
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
