@@ -224,10 +224,11 @@ class GPT(nn.Module):
             rope = rotary_table_at(self.cfg.head_dim, pos_BT, self.cfg.rope_theta)
             attn_mask = padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        # without dropout nothing random is replayed (and torch.compile takes no context_fn)
+        replay = {"context_fn": self.rng.checkpoint_contexts} if self.cfg.dropout > 0 else {}
         for i, block in enumerate(self.blocks):
             if recompute:
-                x = checkpoint(block, x, rope, None, attn_mask, T, use_reentrant=False,
-                               context_fn=self.rng.checkpoint_contexts)
+                x = checkpoint(block, x, rope, None, attn_mask, T, use_reentrant=False, **replay)
             else:
                 x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T)
         x = self.norm(x)
@@ -239,4 +240,5 @@ class GPT(nn.Module):
                                      keep_gathered_input=self.keep_gathered_input, seq_len=T)
         if targets_BT is None:
             return logits_BTV_local
-        return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group)
+        return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group,
+                                            vocab_size=self.cfg.vocab_size)

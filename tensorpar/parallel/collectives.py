@@ -6,6 +6,11 @@ reduce-scatter pads each rank's slice of its input the same way. So an uneven sp
 bytes of the even split of the padded size (T = 63 over 2 ranks moves 2 x 32 rows), never a
 second collective.
 
+Under ``torch.compile`` the same functions issue torch's functional collectives
+(``torch.distributed._functional_collectives``), which dynamo traces into the graph: no graph
+break, and the compiler may move their waits to overlap them with compute. ``start_*`` return a
+``wait`` in both modes: the c10d work handle's wait in eager, the functional result when compiled.
+
 Sequence shards carry no record of the full length T: rank r holding ``T_r`` rows cannot tell
 the other ranks' sizes. The callers either know T (``shard_sizes(T, n)``; the GPT does) or ask
 the ranks for their sizes with ``exchange_sizes``, one all-gather of an int64 per rank.
@@ -17,9 +22,11 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.runtime.asserts import is_compiling
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 SEQ_DIM = 1  # activations are (B, T, D)
@@ -29,11 +36,49 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _pg(group: ProcessGroup | None) -> ProcessGroup:
+    """The group itself, the world for None (the functional collectives take no None)."""
+    return dist.group.WORLD if group is None else group
+
+
 def all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over the ranks, in a fresh tensor."""
+    if is_compiling():
+        return funcol.all_reduce(x.contiguous(), "sum", _pg(group))
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
+
+
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None):
+    """Start summing ``x`` over the ranks, in place (``x``: a fresh tensor that nothing else
+    references); returns ``wait``, which returns the sum."""
+    if is_compiling():
+        out = funcol.all_reduce(x, "sum", _pg(group))
+        return lambda: out
+    work = dist.all_reduce(x, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return x
+
+    return wait
+
+
+def start_reduce_scatter(out: torch.Tensor, rows: torch.Tensor, group: ProcessGroup | None):
+    """Start the reduce-scatter of ``rows`` (n * k, ...) into ``out`` (k, ...): rank r receives
+    the sum of rows [r k, (r + 1) k). Returns ``wait``, which returns the result (``out`` in
+    eager; a new tensor when compiled)."""
+    if is_compiling():
+        result = funcol.reduce_scatter_tensor(rows, "sum", 0, _pg(group))
+        return lambda: result
+    work = reduce_scatter_single(out, rows, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return wait
 
 
 def pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -55,8 +100,11 @@ def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup 
     longest = max(sizes)
     x = pad_to(x, dim, longest).contiguous()
     # gloo takes only the concatenated layout (n * rows, ...); viewed as (n, *x.shape)
-    gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    work = all_gather_single(gathered, x, group=group, async_op=async_op)
+    if is_compiling():
+        gathered, work = funcol.all_gather_tensor(x, 0, _pg(group)), None
+    else:
+        gathered = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        work = all_gather_single(gathered, x, group=group, async_op=async_op)
 
     def wait() -> torch.Tensor:
         if work is not None:
@@ -96,8 +144,7 @@ def trim_shard(out: torch.Tensor, dim: int, full: int, group: ProcessGroup | Non
 def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Sum ``x`` over the ranks, then keep this rank's ``tensor_split`` shard of ``dim``."""
     stacked = stacked_shards(x, dim, tp_size(group))
-    out = x.new_empty(stacked.shape[1:])
-    reduce_scatter_single(out, stacked.flatten(0, 1), group=group)
+    out = start_reduce_scatter(x.new_empty(stacked.shape[1:]), stacked.flatten(0, 1), group)()
     return trim_shard(out, dim, x.shape[dim], group)
 
 

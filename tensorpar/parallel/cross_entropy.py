@@ -21,12 +21,12 @@ logits' dtype, as Megatron does. With one rank this is ``F.cross_entropy`` on fl
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.collectives import all_gather
+from tensorpar.parallel.collectives import all_gather, start_all_reduce
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.runtime.asserts import assert_in_range, checks_on_host
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 
@@ -34,36 +34,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """forward: all-gather of token statistics + all-reduce of target logits, backward: local."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, smoothing):
+    def forward(ctx, logits, target, group, ignore_index, smoothing, vocab):
         n, rank = tp_size(group), tp_rank(group)
         z = logits.float()
-        v_local = z.shape[-1]
         lse_local = torch.logsumexp(z, dim=-1)
         columns = [lse_local, z.sum(-1)] if smoothing > 0 else [lse_local]
         stats = torch.stack(columns, dim=-1).reshape(-1)
-        stats = torch.cat([stats, stats.new_tensor([float(v_local)])])
-        if n > 1:
-            gathered = all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
-        else:
-            gathered = stats.view(1, -1)
-        sizes = gathered[:, -1].round().long().tolist()
-        per_rank = gathered[:, :-1].view(n, *lse_local.shape, len(columns))
-        vocab = sum(sizes)
-        start = sum(sizes[:rank])
-        if sizes != shard_sizes(vocab, n):  # the same sizes on every rank: all raise together
-            raise ValueError(f"vocab_parallel_cross_entropy: the ranks hold {sizes} logits each, "
-                             f"not the tensor_split shards {shard_sizes(vocab, n)} of {vocab}")
+        if vocab is None:  # the shard sizes travel with the statistics, read back on the host
+            stats = torch.cat([stats, stats.new_tensor([float(z.shape[-1])])])
+        gathered = all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
+        if vocab is None:
+            sizes = gathered[:, -1].round().long().tolist()
+            gathered = gathered[:, :-1]
+            vocab = sum(sizes)
+            if sizes != shard_sizes(vocab, n):  # the same sizes on every rank: all raise
+                raise ValueError(f"vocab_parallel_cross_entropy: the ranks hold {sizes} logits "
+                                 f"each, not the tensor_split shards {shard_sizes(vocab, n)} of "
+                                 f"{vocab}")
+            _check_targets_on_host(target, ignore_index, vocab, sizes)
+        else:  # known (and checked) by the caller: no host sync, nothing to break a graph
+            sizes = shard_sizes(vocab, n)
+        per_rank = gathered.view(n, *lse_local.shape, len(columns))
+        start, v_local = sum(sizes[:rank]), sizes[rank]
         valid = target != ignore_index
-        if valid.any() and int(target[valid].max()) >= vocab:
-            raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[valid].max())} "
-                             f"is outside the vocabulary of {vocab} (sum of the shards {sizes})")
         lse = torch.logsumexp(per_rank[..., 0], dim=0)
         local_t = target - start
         mine = valid & (local_t >= 0) & (local_t < v_local)
         picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)  # not picked * mine: a -inf logit times 0 is NaN
         if n > 1:
-            dist.all_reduce(picked, group=group)
+            picked = start_all_reduce(picked, group)()  # in place (eager)
         loss = lse - picked
         if smoothing > 0:
             loss = (1 - smoothing) * loss + smoothing * (lse - per_rank[..., 1].sum(0) / vocab)
@@ -85,7 +85,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                           mine.unsqueeze(-1).to(grad.dtype) * -(1 - e))
         # where, not a product: with every token ignored, "mean" divides by 0 and grad_loss is inf
         grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
-        return grad.to(logits.dtype), None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -95,6 +95,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` over logits split on their last (vocabulary) dim across the group.
 
@@ -102,6 +103,11 @@ def vocab_parallel_cross_entropy(
         (e.g. a ``ColumnParallelLinear`` LM head's output).
     target: (...) class indices in [0, V), or ``ignore_index``.
     reduction: "mean" (over non-ignored tokens, as torch), "sum" or "none".
+    vocab_size: V, when the caller knows it (the GPT does): each rank's slice is then checked
+        against its ``tensor_split`` size here, and nothing is read back from the devices (no
+        host sync on a GPU, no graph break under ``torch.compile``; targets are checked on the
+        host for CPU tensors, else by a device-side assert). None: the ranks send their slice
+        sizes along with the statistics and check them, and the targets, on the host.
     Loss and gradient equal ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ...)``.
     """
     if target.shape != logits_local.shape[:-1]:
@@ -113,14 +119,24 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
-    bad = (target < 0) & (target != ignore_index)
-    if bad.any():
-        raise ValueError(f"vocab_parallel_cross_entropy: negative target {int(target[bad][0])} "
-                         f"(ignore_index is {ignore_index})")
-    if tp_size(group) == 1:  # the whole vocabulary is here: torch's own fused kernel
-        return _one_rank(logits_local, target, ignore_index, label_smoothing, reduction)
+    n, v_local = tp_size(group), logits_local.shape[-1]
+    vocab = v_local if n == 1 else vocab_size
+    if vocab_size is not None and v_local != shard_sizes(vocab_size, n)[tp_rank(group)]:
+        raise ValueError(f"vocab_parallel_cross_entropy: rank {tp_rank(group)} holds {v_local} "
+                         f"logits, not its tensor_split shard of vocab_size={vocab_size} over "
+                         f"{n} ranks {shard_sizes(vocab_size, n)}")
+    if vocab is not None and not checks_on_host(target):
+        assert_in_range(target, vocab, "vocab_parallel_cross_entropy: target", ignore_index)
+    else:  # the vocabulary is checked in the collective's forward when it is not known yet
+        sizes = [v_local] if n == 1 else vocab_size and shard_sizes(vocab_size, n)
+        _check_targets_on_host(target, ignore_index, vocab, sizes)
+    if n == 1:  # the whole vocabulary is here: torch's own fused kernel
+        loss = F.cross_entropy(logits_local.float().flatten(0, -2), target.long().flatten(),
+                               ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               reduction=reduction)
+        return loss.view(target.shape) if reduction == "none" else loss
     loss = _VocabParallelCrossEntropy.apply(logits_local, target.long(), group, ignore_index,
-                                            float(label_smoothing))
+                                            float(label_smoothing), vocab_size)
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -128,15 +144,16 @@ def vocab_parallel_cross_entropy(
     return loss.sum() / (target != ignore_index).sum()
 
 
-def _one_rank(logits, target, ignore_index, smoothing, reduction) -> torch.Tensor:
-    """World size 1: ``F.cross_entropy`` on float32 logits, with the same error for a target
-    outside the vocabulary as the parallel path."""
-    vocab = logits.shape[-1]
+def _check_targets_on_host(target, ignore_index, vocab, sizes) -> None:
+    """No negative target other than ``ignore_index``; with ``vocab`` known, none >= vocab
+    (sizes: the shards' sizes, for the message; None when not known yet)."""
+    bad = (target < 0) & (target != ignore_index)
+    if bad.any():
+        raise ValueError(f"vocab_parallel_cross_entropy: negative target {int(target[bad][0])} "
+                         f"(ignore_index is {ignore_index})")
+    if vocab is None:
+        return
     outside = (target >= vocab) & (target != ignore_index)
     if outside.any():
         raise ValueError(f"vocab_parallel_cross_entropy: target {int(target[outside].max())} "
-                         f"is outside the vocabulary of {vocab} (sum of the shards [{vocab}])")
-    loss = F.cross_entropy(logits.float().flatten(0, -2), target.long().flatten(),
-                           ignore_index=ignore_index, label_smoothing=smoothing,
-                           reduction=reduction)
-    return loss.view(target.shape) if reduction == "none" else loss
+                         f"is outside the vocabulary of {vocab} (sum of the shards {sizes})")

@@ -7,7 +7,9 @@
     Y = g(sum_i Y_i)                 one all-reduce (a reduce-scatter to sequence shards under SP)
 
 Every id lives on exactly one rank, so the sum is the dense lookup. Ids are checked against the
-vocabulary on every rank before any communication.
+vocabulary on every rank before any communication: on the host for CPU tensors in eager mode, by a
+device-side assert on GPUs and in compiled graphs (no host sync, no graph break:
+``runtime/asserts.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.mappings import exit_tp_region
 from tensorpar.parallel.sharding import shard_range, sharded_parameter
+from tensorpar.runtime.asserts import assert_in_range, checks_on_host
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 
@@ -79,11 +82,13 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding: ids must be int32/int64, got {ids.dtype}")
-        if ids.numel():
+        if ids.numel() and checks_on_host(ids):
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
                 raise ValueError(f"VocabParallelEmbedding: ids range over [{low}, {high}], "
                                  f"outside the vocabulary [0, {self.num_embeddings})")
+        elif ids.numel():  # a GPU, or compiling: no host sync, no graph break (runtime/asserts)
+            assert_in_range(ids, self.num_embeddings, "VocabParallelEmbedding: ids")
         if tp_size(self.group) == 1:
             y = F.embedding(ids, self.weight, self.padding_idx)
         else:

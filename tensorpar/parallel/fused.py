@@ -38,16 +38,16 @@ without the copy that ``reduce_from_tp`` makes of a tensor it did not create.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.collectives import (
     SEQ_DIM,
     all_gather,
-    reduce_scatter_single,
     sequence_sizes,
     stacked_shards,
+    start_all_reduce,
+    start_reduce_scatter,
     trim_shard,
 )
 from tensorpar.parallel.sharding import shard_sizes
@@ -90,7 +90,7 @@ class _FusedColumn(torch.autograd.Function):
         regathered = all_gather(x_saved, SEQ_DIM, sizes, ctx.group, async_op=True) \
             if ctx.regather else None  # started first: it travels while dx is computed
         (B, T), D = dys[0].shape[:2], weights[0].shape[1]
-        work = None
+        wait = None
         if sizes is not None:
             if T % ctx.n == 0:
                 # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input
@@ -101,16 +101,15 @@ class _FusedColumn(torch.autograd.Function):
                 dx_parts = stacked_shards(_input_grad(dys, weights, ctx.x_dtype), SEQ_DIM, ctx.n)
             x_full = regathered() if regathered else x_saved  # waits for the all-gather
             regathered = None  # frees the unordered buffer it held
-            dx = dx_parts.new_empty((B, sizes[0], D))
-            work = reduce_scatter_single(dx, dx_parts.flatten(0, 1), group=ctx.group,
-                                         async_op=True)
+            wait = start_reduce_scatter(dx_parts.new_empty((B, sizes[0], D)),
+                                        dx_parts.flatten(0, 1), ctx.group)
         else:
             dx, x_full = _input_grad(dys, weights, ctx.x_dtype), x_saved  # (B, T, D)
             if ctx.n > 1:
-                work = dist.all_reduce(dx, group=ctx.group, async_op=True)
+                wait = start_all_reduce(dx, ctx.group)
         dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)  # while the collective is in flight
-        if work is not None:
-            work.wait()
+        if wait is not None:
+            dx = wait()
         if sizes is not None:
             dx = trim_shard(dx, SEQ_DIM, T, ctx.group)
         return (dx, None, None, None, None, *dws, *dbs)
@@ -234,7 +233,7 @@ class _FusedRow(torch.autograd.Function):
         x, weight = cast(x), cast(weight)
         y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
         if tp_size(group) > 1:
-            dist.all_reduce(y, group=group)
+            y = start_all_reduce(y, group)()  # in place (eager)
         ctx.save_for_backward(x, weight)
         return y
 

@@ -1,0 +1,83 @@
+"""The GPT under ``torch.compile``: one graph, no breaks (forward and the autograd Functions'
+backwards, collectives included), and the same loss and gradients as the one-device eager model.
+
+Most checks use the ``aot_eager`` backend (dynamo's graph capture and AOT autograd's backward,
+without code generation: seconds instead of tens of seconds); one runs inductor, the default of
+``torch.compile``, through the functional collectives' lowering at TP=2 with uneven SP shards.
+"""
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.parallel.embedding import VocabParallelEmbedding
+
+from tp_check import assert_close, assert_grads, solo_group
+
+TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
+
+
+def _batch(T=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50, (2, T), generator=g), torch.randint(0, 50, (2, T), generator=g)
+
+
+def _breaks_body(modes):
+    """(graphs, breaks, reasons) of the forward and loss, per (sp, fused, recompute)."""
+    out = {}
+    ids, targets = _batch()
+    for sp, fused, recompute in modes:
+        dynamo.reset()
+        model = GPT(GPTConfig(**TINY), sequence_parallel=sp, fused=fused, recompute=recompute)
+        ex = dynamo.explain(model)(ids, targets)
+        out[sp, fused, recompute] = (ex.graph_count, ex.graph_break_count,
+                                     [str(b.reason)[:200] for b in ex.break_reasons])
+    return out
+
+
+@pytest.mark.parametrize("n,modes", [
+    (1, [(False, True, False)]),
+    (2, [(True, True, False), (False, False, True)]),  # fused SP; plain with recomputation
+])
+def test_one_graph_no_breaks(ranks, n, modes):
+    """dynamo traces the whole model in one graph: the embedding's id check is a device-side
+    assert, the cross-entropy's vocabulary split is static (``vocab_size``), and the
+    collectives (in forward and in the autograd Functions' backwards, which dynamo traces
+    too) are functional ones."""
+    for mode, (graphs, breaks, reasons) in ranks(n).run(_breaks_body, modes)[0].items():
+        assert (graphs, breaks) == (1, 0), (mode, reasons)
+
+
+def _compiled_body(backend, sp, steps):
+    dense = GPT(GPTConfig(**TINY), solo_group(), seed=3)
+    model = GPT(GPTConfig(**TINY), None, sequence_parallel=sp, seed=3)
+    compiled = torch.compile(model, backend=backend)
+    for step in range(steps):  # a second step runs the compiled graphs again, gradients summed
+        ids, targets = _batch(seed=step)
+        loss_ref, loss = dense(ids, targets), compiled(ids, targets)
+        assert_close(f"loss at step {step}", loss, loss_ref)
+        loss_ref.backward()
+        loss.backward()
+    assert_grads(dense, model)
+    return True
+
+
+@pytest.mark.parametrize("n,sp", [(1, False), (2, False), (2, True)])
+def test_compiled_equals_one_device(ranks, n, sp):
+    assert all(ranks(n).run(_compiled_body, "aot_eager", sp, 2))
+
+
+def test_inductor_at_tp2_with_uneven_sp(ranks):
+    """inductor's code, functional collectives lowered, T=13 split 7 + 6 over two ranks."""
+    assert all(ranks(2).run(_compiled_body, "inductor", True, 1))
+
+
+def test_bad_ids_under_compile_are_a_device_side_assert():
+    """No host read of the ids when compiled: an id outside the vocabulary fails the graph's
+    assert with the vocabulary in its message (eager on the CPU raises ValueError with the
+    numbers: tests/core/test_vocab.py)."""
+    emb = torch.compile(VocabParallelEmbedding(50, 8), backend="aot_eager")
+    assert emb(torch.tensor([[0, 49]])).shape == (1, 2, 8)
+    with pytest.raises(RuntimeError, match=r"ids: a value is outside \[0, 50\)"):
+        emb(torch.tensor([[0, 50]]))
