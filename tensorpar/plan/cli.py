@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from tensorpar.gpt.spec import load_spec
+from tensorpar.plan.activations import DEVICES
 from tensorpar.plan.comm import mlp_split_comparison, predicted_comm
 from tensorpar.plan.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory, smallest_fitting
 from tensorpar.plan.report import fmt, print_tables, unit_for, write_png
@@ -99,6 +100,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
                    "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
                    "for-loop (torch's default on cpu) two of the largest (default fused)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where the step runs: cuda counts what torch's CUDA kernels keep for "
+                   "backward (RMSNorm's fused kernel keeps no normalized copy; the attention "
+                   "output is read by the output projection as it is), cpu what its CPU "
+                   "kernels keep (default cpu)")
     p.add_argument("--device-memory", default="80GB",
                    help="memory per device, with its unit: 80GB, 24GiB, 512MB (default 80GB)")
     p.add_argument("--reserve", type=float, default=0.10,
@@ -161,7 +167,7 @@ def build(args) -> dict:
             try:
                 rows.append(plan_memory(spec, tp, args.batch, args.seq, dtype,
                                         args.sequence_parallel, args.recompute, device,
-                                        args.reserve, args.optimizer))
+                                        args.reserve, args.optimizer, device=args.device))
             except ValueError as e:
                 raise ValueError(f"--tp {tp} for {spec.name}: {e}") from None
     verdicts = {}
@@ -181,9 +187,9 @@ def build(args) -> dict:
            "adamw": args.optimizer}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
-                       args.recompute, optimizer=args.optimizer)
+                       args.recompute, optimizer=args.optimizer, device=args.device)
     bf16 = plan_memory(spec, tp0, args.batch, args.seq, "bf16", args.sequence_parallel,
-                       args.recompute, optimizer=args.optimizer)
+                       args.recompute, optimizer=args.optimizer, device=args.device)
     out["savings_16bit"] = {
         "tp": tp0, "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
         "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],

@@ -23,14 +23,23 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
       full            2·s·b·h per layer (s·b·h·2/t under SP): only each layer's input
 
 - ``tensorpar``: the tensors tensorpar's GPT really keeps for backward, counted tensor by tensor
-  (``_block_saved``): SwiGLU keeps gate and up pre-activations, silu(gate) and the product (4
-  hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v, the output and
-  a logsumexp per query, never the s x s scores (so selective recomputation saves nothing); no
-  dropout masks at dropout 0; RMSNorm keeps x·rstd and rstd; the loss keeps the vocab-parallel
-  logits (b·s·V/t) and a few per-token statistics. The step's peak adds what is alive only for a
-  moment: the loss backward's gradient of the logits (one b·s·V/t fp32 buffer; two with one rank,
-  where the loss is ``F.cross_entropy``), or a block's backward, or the optimizer step. It is
-  checked against ``MemoryMeter`` around real steps within 10%.
+  (``activations.block_terms``): SwiGLU keeps gate and up pre-activations, silu(gate) and the
+  product (4 hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v,
+  the output and a logsumexp per query, never the s x s scores (so selective recomputation saves
+  nothing); no dropout masks at dropout 0; under autocast each block casts the rotary tables to
+  bf16; the loss keeps the vocab-parallel logits (b·s·V/t) and a few per-token statistics. Two
+  kernels keep different tensors on CPU and CUDA (``device``): RMSNorm keeps x·rstd and rstd on CPU,
+  where ``F.rms_norm`` is composed of ops, and only rstd besides its input on CUDA (torch's
+  fused kernel); CUDA's memory-efficient attention (fp32's) returns a view of a (b, s, a, h/a)
+  output, which the output projection reads as it is (after the CPU kernel, CUDA's flash and
+  cuDNN's, bf16's on an H100, the projection's input is a copy).
+  ``benchmarks/saved_activations.py`` prints a block's terms next to the tensors a real forward
+  saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of
+  the logits (one b·s·V/t fp32 buffer; two with one rank, where the loss is
+  ``F.cross_entropy``), or a block's backward, or the optimizer step. It is checked against
+  ``MemoryMeter`` around real steps: within 10% on CPU (``tests/plan``), within 1% on an H100
+  (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and
+  recomputed; issue 15).
 
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
 fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
@@ -39,6 +48,7 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 from __future__ import annotations
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
+from tensorpar.plan.activations import block_copies, block_saved
 from tensorpar.plan.zoo import ModelSpec
 from tensorpar.transformer.attention import head_layout
 
@@ -83,42 +93,6 @@ def rank_params(spec: ModelSpec, tp: int, rank: int = 0) -> dict:
             "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors, "block": block}
 
 
-def _block_copies(spec: ModelSpec, s: dict) -> int:
-    """The bf16 copies of one block's matmul weights that autocast makes and backward keeps."""
-    D, hd, hl, kvl, H = spec.dim, spec.head_dim, s["heads"], s["kv_heads"], s["hidden"]
-    return ((hl + 2 * kvl) * hd * D + hl * hd * D + (3 if spec.gated_mlp else 2) * H * D) * 2
-
-
-def _block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
-                 autocast: bool, dropout: bool = False, regather: bool = False) -> int:
-    """Bytes one block keeps for backward on one rank. N tokens (B·T), Ns under SP (N/t).
-    regather: under SP the column ops keep their input shard (all-gathered again in backward)."""
-    D, hd = spec.dim, spec.head_dim
-    hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
-    resid = 2 * Ns * D * 4  # the residual stream after attention and after the MLP (fp32)
-    if spec.norm == "rms":  # F.rms_norm on CPU: x·rstd (fp32) and rstd
-        norms = 2 * (Ns * D * 4 + Ns * 4)
-    else:  # layer_norm: mean and rstd
-        norms = 2 * (2 * Ns * 4)
-    # the column layers' input: the normed (SP: gathered) activations, in autocast's dtype; the
-    # unfused path under autocast casts it once per projection
-    n_cols_attn, n_cols_mlp = (1, 1) if fused or not autocast else (3, 2 if spec.gated_mlp else 1)
-    columns = (n_cols_attn + n_cols_mlp) * N * D * act
-    if regather:  # one shard per column op, cast once to the matmul dtype
-        columns = 2 * Ns * D * act
-    q = N * hl * hd * act
-    if s["kv_identity"]:  # k and v read directly: the rotated k and the projection's v
-        kv = 2 * N * kvl * hd * act
-    else:  # index_select makes one K and V per query head
-        kv = 2 * N * hl * hd * act
-    attn = 2 * q + kv + q + B * hl * (N // B) * 4  # rotated q, k, v, output, o_proj input, lse
-    mlp = (4 if spec.gated_mlp else 2) * N * H * act
-    # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
-    weights = _block_copies(spec, s) if autocast else 0
-    masks = 2 * Ns * D if dropout else 0  # the two residual branches' bool masks, 1 B each
-    return resid + norms + columns + attn + mlp + weights + masks
-
-
 def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
     """Bytes AdamW's step allocates on top of its states, for fp32 parameters of ``total``
     elements, the largest of ``largest``: fused steps in place; foreach makes one temporary per
@@ -132,7 +106,8 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
                      sequence_parallel: bool = False, dtype: str = "fp32",
                      recompute: str = "none", fused: bool = True, rank: int = 0,
                      optimizer: str = "fused", dropout: bool = False,
-                     keep_gathered_input: bool = False) -> dict:
+                     keep_gathered_input: bool = False, device: str = "cpu",
+                     attention: str | None = None) -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
@@ -143,7 +118,13 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
     dropout: the residual branches drop (a bool mask each is kept). keep_gathered_input: under SP
     the column ops keep their gathered (B, T, D) input instead of their (B, T_r, D) shard.
-
+    device: where the step runs, "cpu" or "cuda" (``activations.DEVICES``): on CUDA, F.rms_norm
+    is torch's fused kernel (it keeps its input and rstd, not x·rstd), and attention runs CUDA's
+    kernels. attention: the SDPA kernel (``activations.ATTENTION``); None: what torch picks on
+    ``device`` (CPU: its flash kernel; CUDA: cuDNN under bf16 autocast, as torch 2.11 does on an
+    H100, whose output the o_proj input copies; memory-efficient in fp32, whose output it views).
+    "flash" (bf16 where cuDNN is not picked) keeps what cuDNN keeps; "efficient" under bf16 one
+    copy less.
     "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
     bf16 weight copies each moment includes (what Megatron-style bf16 weights replace).
     """
@@ -160,23 +141,30 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     weights, grads = 4 * p["total"], 4 * p["total"]
     states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
     regather = sequence_parallel and tp > 1 and not keep_gathered_input
-    block = _block_saved(spec, s, N, Ns, B, act, fused, autocast, dropout, regather)
-    block_copies = _block_copies(spec, s) if autocast else 0
+    block = block_saved(spec, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
+                         attention)
+    weight_copies = block_copies(spec, s) if autocast else 0
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
-    final_norm = (Ns * D * 4 + Ns * 4 if spec.norm == "rms" else 2 * Ns * 4) + \
-        (Ns if regather else N) * D * act  # the head's input
+    if spec.norm == "layer":
+        final_norm = 2 * Ns * 4
+    else:  # rstd; on CPU also x·rstd (see block_terms)
+        final_norm = Ns * 4 if device == "cuda" else Ns * D * 4 + Ns * 4
+    final_norm += (Ns if regather else N) * D * act  # the head's input
     head_copy = s["vocab"] * D * 2 if autocast else 0
     if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
         logits = N * s["vocab"] * 4
     else:  # the vocab-parallel loss keeps this rank's logits
         logits = N * s["vocab"] * act
     loss = N * 14 + 12  # lse, local targets, two masks
-    rope = 4 * T * spec.head_dim
+    # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
+    # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
+    # ("rotary tables" in block_terms)
+    rope = 0 if autocast and recompute != "full" else 4 * T * spec.head_dim
     tail = final_norm + head_copy + logits + loss
     if recompute == "full":  # each block keeps only its input (the checkpoint's)
         blocks, copies = L * Ns * D * 4, head_copy
     else:
-        blocks, copies = L * block, L * block_copies + head_copy
+        blocks, copies = L * block, L * weight_copies + head_copy
     activations = embed + blocks + tail + rope
     # the loss backward: the vocab-parallel loss builds its gradient in one fp32 buffer, in
     # place; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
@@ -201,7 +189,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
         block_input = embed_output = Ns * D * 4
         swiglu_product, second_width_grad = N * s["hidden"] * act, N * D * 4
         top += block - block_input - swiglu_product - second_width_grad - embed_output
-        in_copies["block backward"] += block_copies
+        in_copies["block backward"] += weight_copies
     # that is the last block's backward (L blocks' activations, no block gradient yet); at the
     # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
     kept = Ns * D * 4 if recompute == "full" else block
@@ -209,7 +197,7 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     if first > top:
         top = first
         if recompute != "full":
-            in_copies["block backward"] -= (L - 1) * block_copies
+            in_copies["block backward"] -= (L - 1) * weight_copies
     peaks["block backward"] = top
     optimizer_peak = grads + adamw_temporaries(optimizer, p["total"], p["largest"])
     peaks["optimizer step"] = optimizer_peak
@@ -238,10 +226,11 @@ def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
 def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
                 device_memory: float | None = None, reserve: float = 0.10,
-                optimizer: str = "fused", dropout: bool = False) -> dict:
+                optimizer: str = "fused", dropout: bool = False, device: str = "cpu") -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
-    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). Weights,
+    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). device:
+    "cpu" or "cuda", the kernels whose saved tensors differ (``tensorpar_memory``). Weights,
     gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
     what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
     Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
@@ -259,7 +248,7 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     rec = "full" if recompute == "full" else "none"
     mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,
-                           optimizer=optimizer, dropout=dropout)
+                           optimizer=optimizer, dropout=dropout, device=device)
     params = rank_params(spec, tp)
     p = params["total"]
     weights, grads, states = mem["weights"], mem["grads"], mem["optimizer"]
@@ -281,7 +270,7 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     # the largest moment of the step (loss backward, a block's backward, the optimizer step)
     total = weights + states + moment
     row = {"model": spec.name, "tp": tp, "dtype": dtype, "sequence_parallel": sequence_parallel,
-           "recompute": recompute, "batch": batch, "seq": seq,
+           "recompute": recompute, "batch": batch, "seq": seq, "device": device,
            "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": states,
            "activations": activations, "peak_bytes": moment, "peak_at": peak_at,
            "activations_paper": paper_activations(spec, tp, batch, seq, sequence_parallel,
