@@ -26,7 +26,7 @@ import traceback
 
 from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.failures import EXPECTED, RankError, describe
-from tensorpar.runtime.groups import TIMEOUT_ENV
+from tensorpar.runtime.groups import DEVICE_ENV, TIMEOUT_ENV, check_device, wanted_device
 from tensorpar.runtime.stopping import Interrupted, raise_interrupted, signal_name
 from tensorpar.transformer.reference import BlockConfig
 
@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "command starts; give it before the command: tensorpar "
                         "--check-collectives train ... (default on for verify, off otherwise; or "
                         "set TENSORPAR_CHECK_COLLECTIVES=1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], dest="rank_device",
+                        help="where every rank this command starts computes: cpu, or cuda, a "
+                        "test mode that puts every rank on a GPU over gloo (with one GPU, all "
+                        "ranks on it: the CUDA code path at TP > 1 on one GPU; NCCL is faster "
+                        "where there is a GPU per rank); give it before the command: tensorpar "
+                        "--device cuda train ... (default: the GPUs with NCCL when each rank has "
+                        "one, else the CPU; or set TENSORPAR_DEVICE)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_generate(sub)
@@ -238,12 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[CHECK_ENV] = "1" if args.check_collectives else "0"
     elif args.command == "verify":  # a check of the layers checks their collectives too
         os.environ.setdefault(CHECK_ENV, "1")
+    if args.rank_device is not None:  # as --timeout (runtime/groups.py)
+        os.environ[DEVICE_ENV] = args.rank_device
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
     speaks = os.environ.get("RANK", "0") == "0"
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
     try:
+        check_device(wanted_device())  # --device cuda without a GPU: one line, no rank started
         return _run(args)
     except RankError as e:  # spawned ranks failed: one line when expected, else the tracebacks
         if debug or not e.expected:

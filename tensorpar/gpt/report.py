@@ -113,7 +113,10 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     tp, sp = cfg.tp, cfg.sequence_parallel
     spec = gpt_spec(model_cfg)
     recompute = "full" if cfg.recompute else "none"
-    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}", show_header=False)
+    how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
+        + (", TF32" if getattr(cfg, "tf32", False) else "")
+    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{how}",
+                  show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     done = [r for r in rows if not r.get("skipped")]

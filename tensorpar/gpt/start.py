@@ -24,7 +24,9 @@ from tensorpar.checkpoint.save import remove_unfinished
 from tensorpar.gpt.data import ByteTokenizer, load_text
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.report import Metrics
+from tensorpar.gpt.speedups import check_compile_device, tf32_note
 from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_rank
+from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.launch import run_ranks
 from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, signal_name
 
@@ -71,7 +73,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         raise ValueError(f"{out} holds the metrics.jsonl of an earlier run (no checkpoint): "
                          "pass --resume to start that run over, or choose another --out")
     changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype", "warmup_steps",
-                           "lr_decay_steps")
+                           "lr_decay_steps", "tf32")
                if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
     if changed:
         _say(f"note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
@@ -98,6 +100,11 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
     if resume_from is not None:
         CheckpointReader(resume_from).verify()  # a corrupted file too
+    if cfg.compile:
+        check_compile_device(cfg.tp, wanted_device())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp))
+    if note := tf32_note(cfg.tf32, cfg.dtype, rank_device_type(local_world)):
+        _say(f"note: {note}")
     return cfg, model_cfg, resume_from
 
 

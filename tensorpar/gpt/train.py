@@ -5,6 +5,7 @@ Local ranks, spawned by the command itself (gloo on CPU, NCCL when there is a GP
     tensorpar train --tp 2 --steps 300 --out runs/gpt
     tensorpar train --tp 2 --steps 600 --out runs/gpt --resume     # continue to step 600
     tensorpar train --tp 4 --sequence-parallel --dtype bf16 ...     # 4 GPUs, bf16 autocast
+    tensorpar --device cuda train --tp 4 ...    # a test mode: 4 ranks on one GPU, over gloo
 
 Under torchrun (one process per rank; multi-node through torchrun's rendezvous)::
 
@@ -37,6 +38,7 @@ from tensorpar.gpt.data import ByteTokenizer, TokenBatches, load_text
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.optim import adamw, implementation
 from tensorpar.gpt.report import Metrics, ProgressLine, plot_loss, summary
+from tensorpar.gpt.speedups import check_compile_backend, loss_function, tf32_matmuls
 from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.checking import collectives_checked, naming_layers
@@ -90,6 +92,16 @@ class TrainConfig:
     fused: bool = dataclasses.field(default=True, metadata={
         "help": "overlap each block's backward all-reduce with its weight gradients "
                 "(parallel/fused.py)"})
+    compile: bool = dataclasses.field(default=False, metadata={
+        "help": "run the forward and the loss under torch.compile (the backward through AOT "
+                "autograd); the first step compiles; checkpoints stay the same (gpt/speedups.py)"})
+    compile_backend: str = dataclasses.field(default="inductor", metadata={
+        "help": "torch.compile's backend for --compile: inductor, or aot_eager (traces, "
+                "generates no code: quick to compile)"})
+    tf32: bool = dataclasses.field(default=False, metadata={
+        "help": "let fp32 matmuls on a GPU use TF32 tensor cores: several times faster, but "
+                "TF32 keeps a 10-bit mantissa, about 1e-3 relative error per product instead of "
+                "fp32's 1e-7; only --dtype fp32 on CUDA (on the CPU: no effect, with a note)"})
 
     def check(self) -> None:
         for flag in ("tp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
@@ -105,6 +117,8 @@ class TrainConfig:
         if self.sequence_parallel and self.seq_len < self.tp:
             raise ValueError(f"--seq-len {self.seq_len} is shorter than --tp {self.tp}: "
                              "--sequence-parallel needs at least one token per rank")
+        if self.compile:
+            check_compile_backend(self.compile_backend)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -145,6 +159,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
                 fused=cfg.fused, recompute=cfg.recompute)
     if collectives_checked(group):  # a mismatch then names the layer (runtime/checking.py)
         scope.enter_context(naming_layers(model))
+    scope.enter_context(tf32_matmuls(cfg.tf32, device))  # restored after: a pool's ranks go on
+    forward = loss_function(model, cfg.compile, cfg.compile_backend)  # saves use model itself
     layout = Layout.gather(model, group)
     opt = make_optimizer(model, cfg)
     start = 0
@@ -190,7 +206,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
                 else (None, None)
             with counter or nullcontext(), meter or nullcontext():
                 with autocast:
-                    loss = model(x, y)
+                    loss = forward(x, y)
                 loss.backward()
                 norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
                 # the same on every rank (the loss and the norm are reduced): all decide alike

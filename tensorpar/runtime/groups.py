@@ -3,6 +3,13 @@
 ``init_tensor_parallel()`` reads the environment that torchrun (or ``tensorpar.launch``) sets,
 once, at the entry point, and returns the tensor-parallel group. Layers never look a group up:
 they take ``group=`` (None meaning the whole world) and ask it for size and rank here.
+
+Where ranks compute: the GPU over NCCL when every local rank has one, else the CPU over gloo.
+``TENSORPAR_DEVICE`` in the ranks' environment overrides it (``tensorpar --device``, or
+``RankPool(n, device=...)``; spawned ranks and torchrun's inherit it): ``cpu`` keeps every rank
+on the CPU, ``cuda`` puts every rank on a GPU over gloo, whose collectives take CUDA tensors.
+That is a test mode: it runs the CUDA code path at TP > 1 on one GPU (rank r on
+``cuda:(LOCAL_RANK % device_count)``; NCCL refuses two ranks on one GPU), much slower than NCCL.
 """
 
 from __future__ import annotations
@@ -31,11 +38,39 @@ def tp_rank(group: ProcessGroup | None = None) -> int:
     return dist.get_rank(group)
 
 
+# "cpu" or "cuda": where every rank computes, inherited by the ranks (``tensorpar --device``)
+DEVICE_ENV = "TENSORPAR_DEVICE"
+
+
+def wanted_device() -> str | None:
+    """``TENSORPAR_DEVICE`` from the environment ("cpu" or "cuda"); None when unset (the rule
+    of :func:`pick_backend`). A read: nothing is set or checked here (see :func:`check_device`)."""
+    return os.environ.get(DEVICE_ENV, "").strip().lower() or None
+
+
+def check_device(device: str | None) -> None:
+    """Refuse, in one line, a device this machine cannot give the ranks (before any starts)."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={device}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda ({DEVICE_ENV}=cuda): no CUDA GPU is visible to torch "
+                         f"{torch.__version__} here; leave it out to run on the CPU")
+
+
 def pick_backend(local_world_size: int) -> str:
-    """NCCL when every local rank can have its own GPU, gloo otherwise."""
+    """gloo when ``TENSORPAR_DEVICE`` is set (on the CPU, or the GPU test mode); else NCCL when
+    every local rank can have its own GPU, gloo otherwise."""
+    if wanted_device() is not None:
+        return "gloo"
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
         return "nccl"
     return "gloo"
+
+
+def rank_device_type(local_world_size: int) -> str:
+    """"cuda" or "cpu": where ranks started now, ``local_world_size`` of them on this machine,
+    would compute (for what a launcher says before it starts them)."""
+    return wanted_device() or ("cuda" if pick_backend(local_world_size) == "nccl" else "cpu")
 
 
 # the collective timeout in seconds, inherited by every rank (``tensorpar --timeout``)
@@ -52,11 +87,13 @@ def init_tensor_parallel(
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun
     sets them (multi-node works through torchrun's rendezvous). Without them it starts a
-    single-process group of size 1. With NCCL each rank uses ``cuda:LOCAL_RANK``.
+    single-process group of size 1. With NCCL each rank uses ``cuda:LOCAL_RANK``; with
+    ``TENSORPAR_DEVICE=cuda`` (the test mode, gloo) ``cuda:(LOCAL_RANK % device_count)``.
 
     tp_size: ranks per tensor-parallel group (default: the whole world). Groups are made of
         consecutive ranks, so with one node's GPUs per group TP stays inside the node.
-    backend: "nccl" or "gloo"; by default NCCL when each local rank has a GPU, else gloo.
+    backend: "nccl" or "gloo"; by default NCCL when each local rank has a GPU and
+        ``TENSORPAR_DEVICE`` is unset, else gloo.
     timeout: how long a collective may wait for the other ranks before it raises (a rank that
         stopped answering); default ``TENSORPAR_TIMEOUT`` seconds from the environment (what
         ``tensorpar --timeout`` sets for every rank it starts), else torch's 10 minutes.
@@ -78,9 +115,14 @@ def init_tensor_parallel(
     if not dist.is_initialized():
         if checks_wanted(check_collectives):
             turn_on_checks()
+        check_device(wanted_device())
         backend = backend or pick_backend(local_world)
+        if backend == "nccl" and wanted_device() == "cpu":
+            raise ValueError(f"backend nccl needs GPUs, but {DEVICE_ENV}=cpu")
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
+        elif wanted_device() == "cuda":
+            torch.cuda.set_device(device_for())
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:
@@ -103,7 +145,12 @@ def init_tensor_parallel(
 
 
 def device_for(group: ProcessGroup | None = None) -> torch.device:
-    """Where this rank computes: its GPU when the group runs on NCCL, else the CPU."""
+    """Where this rank computes: its GPU when the group runs on NCCL; under
+    ``TENSORPAR_DEVICE=cuda`` (the test mode, gloo) ``cuda:(LOCAL_RANK % device_count)``, so
+    with one GPU every rank shares ``cuda:0``; else the CPU."""
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if wanted_device() == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")

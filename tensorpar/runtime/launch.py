@@ -38,6 +38,7 @@ from typing import Any
 
 from tensorpar.runtime.checking import CHECK_HINT, checks_wanted, collectives_checked
 from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_failure
+from tensorpar.runtime.groups import DEVICE_ENV, check_device
 from tensorpar.runtime.stopping import forwarding, signal_name
 
 
@@ -71,7 +72,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
-            parent: int, check_collectives: bool | None):
+            parent: int, check_collectives: bool | None, device: str | None):
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     # a write past ``ulimit -f`` then fails with OSError(EFBIG) instead of killing the rank
@@ -81,6 +82,8 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    if device is not None:  # read by device_for(), as under ``tensorpar --device`` (groups.py)
+        os.environ[DEVICE_ENV] = device
     # imported here, in the child, after its rank's environment is set
     import torch
 
@@ -117,25 +120,23 @@ class RankPool:
     """n spawned local ranks with torch.distributed initialized, reused across ``run`` calls.
 
     nprocs: number of ranks.
-    backend: "gloo" or "nccl"; default: NCCL when every rank can have a GPU, else gloo.
+    backend: "gloo" or "nccl"; default: NCCL when every rank can have a GPU (and no ``device``
+        is asked for), else gloo.
     threads: torch threads per rank; default: the machine's cores divided among the ranks.
     timeout_s: longest one ``run`` may take before the pool is stopped (None: no limit).
     grace_s: how long to wait for the other ranks once one has failed.
     check_collectives: compare each collective across ranks first (``checking.py``); default
         ``TENSORPAR_CHECK_COLLECTIVES`` from the environment.
+    device: "cpu", or "cuda": every rank on a GPU over gloo, n ranks on one GPU too (a test mode,
+        ``groups.py``); default ``TENSORPAR_DEVICE``, else as ``backend`` (NCCL: GPUs).
     """
 
-    def __init__(
-        self,
-        nprocs: int,
-        backend: str | None = None,
-        threads: int | None = None,
-        timeout_s: float | None = 600.0,
-        grace_s: float = 10.0,
-        check_collectives: bool | None = None,
-    ):
+    def __init__(self, nprocs: int, backend: str | None = None, threads: int | None = None,
+                 timeout_s: float | None = 600.0, grace_s: float = 10.0,
+                 check_collectives: bool | None = None, device: str | None = None):
         if nprocs < 1:
             raise ValueError(f"nprocs={nprocs} must be >= 1")
+        check_device(device)  # before any rank is spawned; the environment's, in each rank
         self.nprocs, self.timeout_s, self.grace_s = nprocs, timeout_s, grace_s
         self.checked = (checks_wanted(check_collectives)
                         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
@@ -148,7 +149,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, nprocs, port, backend, threads, self._tasks[r], self._results,
-                      os.getpid(), check_collectives),
+                      os.getpid(), check_collectives, device),
                 daemon=True,
             )
             for r in range(nprocs)
