@@ -131,3 +131,32 @@ def test_compile_and_tf32_on_a_gpu(tmp_path):
                       tmp_path / "refused", *TINY, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "functional all-gather" in r.stderr and not (tmp_path / "refused").exists()
+
+
+@gpu
+def test_bench_on_one_gpu(tmp_path):
+    """``tensorpar bench --device cuda`` on a tiny model: the one-GPU contenders (tensorpar at
+    TP=1 and the dense model, eager and compiled) run in bf16 autocast and follow the dense
+    model's losses to bf16 rounding; the GPU's matmul peak is measured; each row has model
+    TFLOP/s and an MFU in (0, 1); a TP contender with more ranks than GPUs is skipped."""
+    from tensorpar.bench.outputs import table
+    from tensorpar.bench.runner import RunPlan, run_bench
+    from tensorpar.bench.spec import BenchSpec
+
+    spec = BenchSpec(dim=128, n_head=4, n_kv_head=2, n_layer=2, vocab_size=512, seq_len=64,
+                     batch_size=4)
+    names = ["tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-c", "tensorpar", "megatron"]
+    plan = RunPlan(repeats=2, steps_per_repeat=2, warmup=2, tp=2, device="cuda")
+    results = run_bench(spec, names, plan, log=lambda s: None)
+    assert results["errors"] == [] and results["peak_flops"] > 1e12
+    rows = {r["name"]: r for r in results["contenders"]}
+    assert rows["megatron"]["status"].startswith("skipped: this bench runs it on the CPU")
+    if torch.cuda.device_count() < 2:
+        assert rows["tensorpar"]["status"].startswith("skipped: needs 2 GPUs")
+    for name in names[:4]:
+        row = rows[name]
+        assert row["status"] == "ok" and row["loss_max_rel_diff"] <= 2e-2, (name, row)
+        assert 0 < row["mfu"] < 1 and row["model_tflops"] > 0, (name, row)
+        assert max(row["peak_bytes_per_rank"]) > 0
+    md = table(results)
+    assert "| model TFLOP/s | MFU |" in md and "bf16 matmul peak measured" in md

@@ -5,6 +5,9 @@
     tensorpar bench                                   # default model, every contender
     tensorpar bench --contenders tensorpar,dtensor --repeats 7 --out runs/bench
     tensorpar bench --dim 256 --n-layer 2 --profile   # smaller model, plus a profile
+    tensorpar bench --compile                         # plus the torch.compile'd contenders
+    tensorpar bench --device cuda --dim 2048 --n-layer 16 --n-head 16 --n-kv-head 4 \
+        --vocab-size 32000 --seq-len 2048 --batch-size 8   # GPUs: TFLOP/s and MFU too
 
 Writes ``bench.md`` (the table), ``bench.json`` (every number) and ``bench.png`` into ``--out``
 (and ``profile.md`` with ``--profile``), each named in a ``wrote`` line; an earlier run's file
@@ -22,7 +25,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from tensorpar.bench.contenders import CONTENDERS, DEFAULT, parse_contenders
+from tensorpar.bench.contenders import (
+    COMPILED,
+    CONTENDERS,
+    DEFAULT,
+    DEFAULT_CUDA,
+    parse_contenders,
+)
 from tensorpar.bench.runner import RunPlan, run_bench
 from tensorpar.bench.spec import BenchSpec
 
@@ -38,6 +47,8 @@ examples:
   tensorpar bench                                   # default model, every contender
   tensorpar bench --contenders tensorpar,dtensor --repeats 7 --out runs/bench
   tensorpar bench --dim 256 --n-layer 2 --profile   # smaller model, plus a profile
+  tensorpar bench --compile                         # plus the torch.compile'd contenders
+  tensorpar bench --device cuda                     # GPUs: bf16, TFLOP/s and MFU too
 """
 
 _TYPES = {"int": int, "float": float}
@@ -48,6 +59,11 @@ _PLAN_HELP = {
     "tp": "tensor-parallel size of the TP contenders (ranks spawned)",
     "profile": "also profile a few tensorpar steps per rank and write profile.md (default off)",
     "profile_steps": "steps under the profiler with --profile",
+    "compile": f"also run the torch.compile'd contenders ({', '.join(COMPILED)})",
+    "compile_backend": "torch.compile's backend for the -c contenders",
+    "device": "cpu (gloo), or cuda: every rank on its own GPU over NCCL, the forward in bf16 "
+              "autocast, plus the GPU's measured bf16 matmul peak, model TFLOP/s and MFU; "
+              "contenders with more ranks than GPUs are skipped",
 }
 
 
@@ -61,15 +77,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         g.add_argument(f"--{f.name.replace('_', '-')}", type=_TYPES[f.type], default=f.default,
                        dest=f.name, help=f"{f.metadata['help']} (default {f.default})")
     g = p.add_argument_group("measurement")
-    g.add_argument("--contenders", default=",".join(DEFAULT),
-                   help=f"comma-separated, from: {', '.join(CONTENDERS)} (default: all)")
+    g.add_argument("--contenders", default=None,
+                   help=f"comma-separated, from: {', '.join(CONTENDERS)} (default: "
+                   f"{', '.join(DEFAULT)}; with --device cuda: {', '.join(DEFAULT_CUDA)})")
     for f in dataclasses.fields(RunPlan):
         flag = f"--{f.name.replace('_', '-')}"
         if f.type == "bool":
             g.add_argument(flag, action="store_true", dest=f.name, help=_PLAN_HELP[f.name])
         else:
-            g.add_argument(flag, type=int, default=f.default, dest=f.name,
-                           help=f"{_PLAN_HELP[f.name]} (default {f.default})")
+            g.add_argument(flag, type=int if f.type == "int" else str, default=f.default,
+                           dest=f.name, help=f"{_PLAN_HELP[f.name]} (default {f.default})")
     g.add_argument("--out", default="runs/bench",
                    help="output directory, created if missing; the files of an earlier run "
                    "there are replaced, other files are left alone (default runs/bench)")
@@ -95,7 +112,10 @@ def main(args: argparse.Namespace) -> int:
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchSpec)})
     plan = RunPlan(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunPlan)})
     try:
-        names = parse_contenders(args.contenders)
+        default = DEFAULT_CUDA if plan.device == "cuda" else DEFAULT
+        names = parse_contenders(args.contenders or ",".join(default))
+        if plan.compile:
+            names = list(dict.fromkeys([*names, *COMPILED]))
         plan.check()
         spec.check(plan.tp)
         _check_out(Path(args.out))

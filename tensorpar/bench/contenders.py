@@ -8,12 +8,20 @@ Each contender is a ``setup(spec, state, group) -> step`` run on every rank of i
     tensorpar-sp       tp     1        the TP pool         the same with sequence parallelism
     tensorpar-sp-keep  tp     1        the TP pool         SP, keep_gathered_input=True
     tensorpar-unfused  tp     1        the TP pool         fused=False: plain layers, no overlap
+    tensorpar-c        tp     1        the TP pool         tensorpar under torch.compile
     tensorpar-tp1      1      1        a one-rank pool     GPT at TP=1 (vs dense-1t: its overhead)
+    tensorpar-tp1-c    1      1        a one-rank pool     the same under torch.compile
     dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
     dtensor-sp         tp     1        the TP pool         the same with SequenceParallel norms
     megatron           tp     1        a pool of its own   megatron-core (megatron_core.py)
     dense-1t           1      1        a one-rank pool     DenseLlama, one thread
     dense-Nt           1      cores    a one-rank pool     DenseLlama, one thread per core
+    dense-c            1      cores    a one-rank pool     dense-Nt under torch.compile
+
+Compiled contenders (``-c``) run the forward and the loss under ``torch.compile`` (the
+backward through AOT autograd; the optimizer as everywhere); the first warmup step compiles.
+On a GPU (``--device cuda``) threads do not matter: dense-1t and dense-Nt are the same model,
+dense-c is its compiled twin; every forward runs in bf16 autocast there (``mixed_precision``).
 
 Pools that are not running a contender wait on their task queue, so they take no CPU time.
 
@@ -37,13 +45,21 @@ from functools import partial
 import torch
 from torch.distributed import ProcessGroup
 
-from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer
+from tensorpar.bench.dtensor_tp import setup_dtensor
+from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+                compile_backend: str | None = None) -> StepFn:
+    """The step every contender of ours runs; with ``compile_backend``, the forward and the loss
+    under ``torch.compile`` (the compiled wrapper is only called: the optimizer has the model's
+    own parameters)."""
+    forward = torch.compile(model, backend=compile_backend) if compile_backend else model
+
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        loss = model(ids_BT, targets_BT)
+        with mixed_precision(device):
+            loss = forward(ids_BT, targets_BT)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -53,8 +69,9 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> StepFn:
 
 
 def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
-                    sequence_parallel: bool = False, fused: bool = True,
-                    keep_gathered_input: bool = False) -> StepFn:
+                    device: torch.device, sequence_parallel: bool = False, fused: bool = True,
+                    keep_gathered_input: bool = False, compile_backend: str | None = None
+                    ) -> StepFn:
     """tensorpar's GPT on ``group``, each rank loading its slice of the dense weights."""
     kwargs = {"keep_gathered_input": True} if keep_gathered_input else {}
     if "fused" in inspect.signature(GPT).parameters:
@@ -62,102 +79,25 @@ def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proc
     elif not fused:
         raise ValueError("this tensorpar has no GPT(fused=...) yet: tensorpar-unfused is the "
                          "tensorpar contender")
-    model = GPT(spec.gpt_config(), group, sequence_parallel, seed=spec.seed, **kwargs)
+    model = GPT(spec.gpt_config(), group, sequence_parallel, seed=spec.seed, device=device,
+                **kwargs)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(p.tp_shard.take(state[name]))
-    return _train_step(model, make_optimizer(model.parameters(), spec))
+    return _train_step(model, make_optimizer(model.parameters(), spec), device, compile_backend)
 
 
-def setup_dense(spec: BenchSpec, state: dict[str, torch.Tensor],
-                group: ProcessGroup | None) -> StepFn:
+def setup_dense(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+                device: torch.device, compile_backend: str | None = None) -> StepFn:
     """The unsharded plain-PyTorch model (the group is not used)."""
-    model = DenseLlama(spec, state)
-    return _train_step(model, make_optimizer(model.parameters(), spec))
-
-
-def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
-                  sequence_parallel: bool = False) -> StepFn:
-    """PyTorch's tensor parallel on DenseLlama, the way torchtitan shards Llama.
-
-    Heads: q/k/v colwise, o rowwise; MLP: gate/up colwise, down rowwise; the embedding rowwise
-    (its vocabulary rows split, input replicated ids); the head colwise with vocab-sharded
-    DTensor logits, consumed by ``loss_parallel`` (the logits are never gathered). Under SP the
-    norms are ``SequenceParallel`` and each attention / MLP input is gathered by
-    ``PrepareModuleInput``; the rowwise outputs become reduce-scatters onto sequence shards.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        loss_parallel,
-        parallelize_module,
-    )
-
-    group = group or dist.group.WORLD
-    n = dist.get_world_size(group)
-    uneven = [f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in ("n_head", "n_kv_head")
-              if getattr(spec, k) % n]
-    if uneven:  # DTensor's colwise q/k/v need whole heads per rank (tensorpar shares KV heads)
-        raise ValueError(f"dtensor: {' and '.join(uneven)} "
-                         f"{'do' if len(uneven) > 1 else 'does'} not divide by --tp {n} (its "
-                         "column-parallel q/k/v need whole heads on each rank)")
-    mesh = DeviceMesh.from_group(group, "cpu")
-    model = DenseLlama(spec, state)
-    residual = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
-    top = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
-                                   use_local_output=False),
-    }
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
-    for block in model.blocks:
-        plan = {
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=residual),
-            "mlp.gate": ColwiseParallel(),
-            "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            plan |= {
-                "attn_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                           desired_input_layouts=(Replicate(), None)),
-                "mlp_norm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),)),
-            }
-        parallelize_module(block, mesh, plan)
-    # without SP the norms keep plain tensors, and one fused op cannot mix them with DTensors
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if isinstance(p, DTensor) == is_dt]}
-              for is_dt in (True, False)]
-    opt = make_optimizer([g for g in groups if g["params"]], spec)
-
-    def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        # loss_parallel must cover the backward too: it patches the loss's gradient ops
-        with loss_parallel():
-            loss = model(ids_BT, targets_BT)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach().full_tensor()
-
-    return step
+    model = DenseLlama(spec, state).to(device)
+    return _train_step(model, make_optimizer(model.parameters(), spec), device, compile_backend)
 
 
 def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
-                   group: ProcessGroup | None) -> StepFn:
-    """megatron-core's GPT (``tensorpar/bench/megatron_core.py``), imported only when used."""
+                   group: ProcessGroup | None, device: torch.device) -> StepFn:
+    """megatron-core's GPT (``tensorpar/bench/megatron_core.py``), imported only when used; on
+    the CPU (``cpu_only``: ``device`` is the CPU)."""
     module = importlib.import_module("tensorpar.bench.megatron_core")
     return module.setup_megatron(spec, state, group,
                                  make_optimizer=make_optimizer)
@@ -207,6 +147,8 @@ class Contender:
     ValueError in its setup).
     ours: this project's code (tensorpar, the dense model): a failure is a bug and fails the
     bench; another library's contender that fails is reported and skipped.
+    compiled: its setup takes ``compile_backend`` (``--compile-backend``).
+    cpu_only: this bench runs it on the CPU only (skipped under ``--device cuda``).
     """
 
     name: str
@@ -217,6 +159,8 @@ class Contender:
     cannot_run: Callable[[BenchSpec, int], str | None] | None = None
     about: str = ""
     ours: bool = True
+    compiled: bool = False
+    cpu_only: bool = False
 
     def ranks(self, tp: int) -> int:
         return tp if self.world == "tp" else int(self.world)
@@ -239,22 +183,32 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="tensorpar-sp keeping the gathered column inputs (no backward re-gather)"),
     Contender("tensorpar-unfused", partial(setup_tensorpar, fused=False), "tp",
               about="tensorpar GPT with the plain layers (fused=False)"),
+    Contender("tensorpar-c", partial(setup_tensorpar), "tp", compiled=True,
+              about="tensorpar GPT under torch.compile"),
     Contender("tensorpar-tp1", partial(setup_tensorpar), 1,
               about="tensorpar GPT at TP=1, one process"),
+    Contender("tensorpar-tp1-c", partial(setup_tensorpar), 1, compiled=True,
+              about="tensorpar GPT at TP=1 under torch.compile"),
     Contender("dtensor", partial(setup_dtensor), "tp", ours=False,
               about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
     Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp", ours=False,
               about="PyTorch DTensor TP with SequenceParallel"),
     Contender("megatron", setup_megatron, "tp", own_pool=True, cannot_run=megatron_cannot_run,
-              ours=False, about="megatron-core GPT on gloo"),
+              ours=False, cpu_only=True, about="megatron-core GPT on gloo"),
     Contender("dense-1t", setup_dense, 1, threads=1,
               about="plain PyTorch, one process, one thread"),
     Contender("dense-Nt", setup_dense, 1, threads=0,
               about="plain PyTorch, one process, one thread per core"),
+    Contender("dense-c", setup_dense, 1, threads=0, compiled=True,
+              about="plain PyTorch under torch.compile, one process, one thread per core"),
 ]}
 
 DEFAULT = ("tensorpar", "tensorpar-sp", "tensorpar-unfused", "tensorpar-tp1", "dtensor",
            "dtensor-sp", "megatron", "dense-1t", "dense-Nt")
+COMPILED = ("tensorpar-c", "tensorpar-tp1-c", "dense-c")  # what --compile adds
+# on GPUs: the TP contenders (skipped with fewer GPUs than --tp), the one-GPU ones, both compiled
+DEFAULT_CUDA = ("tensorpar", "tensorpar-sp", "tensorpar-c", "dtensor", "tensorpar-tp1",
+                "tensorpar-tp1-c", "dense-1t", "dense-c")
 
 
 def parse_contenders(text: str) -> list[str]:

@@ -24,6 +24,11 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:,.1f}"
 
 
+def _mib(per_rank: list) -> str:
+    """The largest rank's bytes in MiB; "n/a" where not measured (None: see ``ranks.setup``)."""
+    return "n/a" if None in per_rank else f"{max(per_rank) / MiB:,.1f}"
+
+
 def _calls(calls: dict) -> str:
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
     return " ".join(f"{n} {short.get(k, k)}" for k, n in sorted(calls.items())) or "none"
@@ -39,18 +44,22 @@ def _sent(comm: dict) -> str:
 
 
 def table(results: dict) -> str:
-    """The markdown table: one row per contender, then the two target ratios."""
+    """The markdown table: one row per contender, then the target ratios. On GPUs two more
+    columns: model TFLOP/s (over all of a contender's ranks) and MFU against the measured peak."""
     rows = results["contenders"]
     by_name = {r["name"]: r for r in rows if r["status"] == "ok"}
     base = by_name.get("dtensor")
+    gpu = results.get("peak_flops") is not None
     head = ("| contender | ranks×threads | step ms (median) | IQR ms | min-max ms | tokens/s "
-            "| vs dtensor | peak MiB/rank | state MiB/rank | sent MiB/rank/step | payload "
+            + ("| model TFLOP/s | MFU " if gpu else "")
+            + "| vs dtensor | peak MiB/rank | state MiB/rank | sent MiB/rank/step | payload "
             "MiB/step | collectives/step | loss max rel diff |")
-    lines = [head, "|" + "---|" * 13]
+    width = 15 if gpu else 13
+    lines = [head, "|" + "---|" * width]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | {r.get('ranks_x_threads', '')} | {r['status']} |"
-                         + " |" * 10)
+                         + " |" * (width - 3))
             continue
         s = r["step_s"]
         comm = r["comm_per_rank"]
@@ -59,17 +68,27 @@ def table(results: dict) -> str:
         lines.append(
             f"| {r['name']} | {r['ranks_x_threads']} | {_ms(s['median'])} "
             f"| {_ms(s['q1'])}-{_ms(s['q3'])} | {_ms(s['min'])}-{_ms(s['max'])} "
-            f"| {r['tokens_per_s']:,.0f} | {ratio} "
-            f"| {max(r['peak_bytes_per_rank']) / MiB:,.1f} "
-            f"| {max(r['state_bytes_per_rank']) / MiB:,.1f} "
+            f"| {r['tokens_per_s']:,.0f} "
+            + (f"| {r['model_tflops']:,.1f} | {100 * r['mfu']:.1f}% " if gpu else "")
+            + f"| {ratio} "
+            f"| {_mib(r['peak_bytes_per_rank'])} | {_mib(r['state_bytes_per_rank'])} "
             f"| {_sent(comm)} "
             f"| {sum(comm['payload_bytes'].values()) / MiB:,.2f} | {_calls(comm['calls'])} "
             f"| {'-' if diff is None else f'{diff:.1e}'} |")
     notes = []
+    if gpu:
+        notes.append(f"- bf16 matmul peak measured on this GPU: "
+                     f"{results['peak_flops'] / 1e12:,.0f} TFLOP/s (MFU is against it)")
+    if any(None in r["peak_bytes_per_rank"] for r in by_name.values()):
+        notes.append("- n/a: a compiled contender's memory is not measured on the CPU (the "
+                     "meter is a TorchDispatchMode, under which torch.compile runs eagerly)")
     for a, b, what in (("tensorpar", "dtensor", "target <= 0.70"),
                        ("tensorpar", "megatron", "target <= 1.00"),
-                       ("tensorpar-tp1", "dense-1t", "target <= 1.03")):
-        if a in by_name and b in by_name:
+                       ("tensorpar", "dense-Nt", "target <= 1.00: the machine's floor"),
+                       ("tensorpar-c", "dense-c", "target <= 1.00"),
+                       ("tensorpar-tp1", "dense-1t", "target <= 1.01"),
+                       ("tensorpar-tp1-c", "dense-c", "target <= 1.00" if gpu else "")):
+        if a in by_name and b in by_name and what:
             q = by_name[a]["step_s"]["median"] / by_name[b]["step_s"]["median"]
             notes.append(f"- {a} / {b} step time: {q:.3f} ({what})")
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "") + "\n"

@@ -18,6 +18,7 @@ from tensorpar.bench.contenders import CONTENDERS
 from tensorpar.bench.spec import BenchSpec, StepFn, batch, dense_state
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.groups import device_for
 
 _LIVE: dict[str, dict[str, StepFn]] = {}
 
@@ -28,48 +29,94 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def setup(run_id: str, name: str, spec: BenchSpec, warmup: int) -> dict:
-    """Build contender ``name`` and run its ``warmup`` untimed steps (0 .. warmup-1).
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a step's time is its own (on the CPU: nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _on(device: torch.device, ids_BT: torch.Tensor, targets_BT: torch.Tensor):
+    return ids_BT.to(device), targets_BT.to(device)
+
+
+def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
+          compile_backend: str = "inductor") -> dict:
+    """Build contender ``name`` and run its ``warmup`` untimed steps (0 .. warmup-1), on this
+    rank's device (``device_for``: the CPU, or a GPU in a pool on NCCL).
 
     The last warmup step runs under a ``CollectiveCounter`` and a ``MemoryMeter``: by then AdamW
     has its state, so it is a steady-state step. Memory is reported relative to what this process
     held before the contender was built (other contenders of the same pool live here too):
     ``state_bytes`` is what the contender keeps between steps (weights, AdamW moments),
-    ``peak_bytes`` the most it held at once during the step.
+    ``peak_bytes`` the most it held at once during the step. A compiled contender's memory is
+    not measured on the CPU (None): there the meter is a TorchDispatchMode, under which dynamo
+    does not trace (the counted step runs eagerly), and the live tensors it scans include what
+    the compiler keeps (gigabytes at the default size). A GPU's meter reads the allocator's
+    statistics, and the compiled step runs compiled.
     """
     torch.manual_seed(spec.seed)
-    with MemoryMeter() as before:
+    device = device_for()
+    with MemoryMeter(device) as before:
         pass
-    step = CONTENDERS[name].setup(spec, dense_state(spec), None)
+    c = CONTENDERS[name]
+    state = dense_state(spec)
+    n_params = sum(t.numel() for t in state.values())
+    kwargs = {"compile_backend": compile_backend} if c.compiled else {}
+    step = c.setup(spec, state, None, device, **kwargs)
+    del state  # the contender keeps its own copy (or its shard) only
     losses, comm, memory = [], {}, {}
     for s in range(warmup):
-        ids_BT, targets_BT = batch(spec, s)
+        ids_BT, targets_BT = _on(device, *batch(spec, s))
         if s < warmup - 1:
             losses.append(step(ids_BT, targets_BT).item())
             continue
-        with CollectiveCounter() as counter, MemoryMeter() as meter:
+        with CollectiveCounter() as counter, MemoryMeter(device) as meter:
             loss = step(ids_BT, targets_BT)
         losses.append(loss.item())
         comm = {"calls": dict(counter.counts), "payload_bytes": dict(counter.bytes),
                 "ring_bytes": dict(counter.ring_bytes)}
         memory = {"state_bytes": meter.entry_bytes - before.entry_bytes,
                   "peak_bytes": meter.peak_bytes - before.entry_bytes}
+        if c.compiled and device.type == "cpu":
+            memory = {"state_bytes": None, "peak_bytes": None}
     _LIVE.setdefault(run_id, {})[name] = step
-    return {"losses": losses, "comm": comm, "memory": memory}
+    return {"losses": losses, "comm": comm, "memory": memory, "device": str(device),
+            "n_params": n_params}
 
 
 def steps(run_id: str, name: str, spec: BenchSpec, first: int, count: int) -> dict:
     """Run steps first .. first+count-1 of contender ``name``; each one's loss and seconds."""
-    step = _LIVE[run_id][name]
-    batches = [batch(spec, s) for s in range(first, first + count)]  # made before the clock
+    step, device = _LIVE[run_id][name], device_for()
+    batches = [_on(device, *batch(spec, s)) for s in range(first, first + count)]  # made first
     losses, seconds = [], []
+    _sync(device)
     _barrier()
     for ids_BT, targets_BT in batches:
         t0 = time.perf_counter()
         loss = step(ids_BT, targets_BT)
+        _sync(device)
         seconds.append(time.perf_counter() - t0)
         losses.append(loss.item())
     return {"losses": losses, "seconds": seconds}
+
+
+def matmul_peak(n: int = 8192, rounds: int = 5, per_round: int = 10) -> float:
+    """FLOP/s of bf16 (n, n) @ (n, n) products on this rank's GPU, the best of ``rounds`` rounds
+    of ``per_round`` back-to-back products: the peak MFU is quoted against, measured rather than
+    read off a data sheet (whose clocks this GPU may not hold)."""
+    device = device_for()
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):  # the first products pick kernels and raise the clocks
+        a @ b
+    best = float("inf")
+    for _ in range(rounds):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / per_round)
+    return 2 * n**3 / best
 
 
 def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
@@ -81,13 +128,15 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
     # libkineto logs "USDT: ... profiler_start / profiler_stop" to stderr at its levels up to 5
     # (USDT); 6 is above them all. Read once, when this process first starts a profiler.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    step = _LIVE[run_id][name]
-    batches = [batch(spec, s) for s in range(first, first + count)]
+    step, device = _LIVE[run_id][name], device_for()
+    batches = [_on(device, *batch(spec, s)) for s in range(first, first + count)]
+    _sync(device)
     _barrier()
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for ids_BT, targets_BT in batches:
             step(ids_BT, targets_BT)
+        _sync(device)
     wall_s = time.perf_counter() - t0
     return summarize(prof, wall_s, count, top)
 

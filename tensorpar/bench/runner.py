@@ -20,6 +20,11 @@ median over all timed steps, the interquartile range and min-max. Losses: every 
 per-step losses against the dense fp32 run's (``dense-1t``, or an untimed reference run of the
 same model when dense-1t is not among the contenders).
 
+On GPUs (``device="cuda"``, ``--device cuda``) every pool runs on NCCL, a GPU per rank; a
+contender with more ranks than visible GPUs, or one this bench runs on the CPU only, is skipped.
+The bench then measures the GPU's bf16 matmul peak (``ranks.matmul_peak``) and reports each
+contender's model TFLOP/s and MFU against it (``spec.model_flops_per_step``).
+
 Failures (``Contender.ours``): another library's contender that cannot run the configuration
 becomes a row "skipped: <why>", told by ``Contender.cannot_run`` before its ranks start or by a
 ValueError raised on every rank; one that fails otherwise, a row "failed: <last line>" (the
@@ -39,7 +44,7 @@ from functools import partial
 
 from tensorpar.bench import ranks
 from tensorpar.bench.contenders import CONTENDERS, Contender
-from tensorpar.bench.spec import BenchSpec
+from tensorpar.bench.spec import BenchSpec, model_flops_per_step
 from tensorpar.runtime.launch import RankError, RankPool
 
 REFERENCE = "dense-1t"
@@ -57,6 +62,9 @@ class RunPlan:
     tp: int = 2
     profile: bool = False
     profile_steps: int = 3
+    compile: bool = False
+    compile_backend: str = "inductor"
+    device: str = "cpu"
 
     def check(self) -> None:
         for name in ("repeats", "steps_per_repeat", "tp", "profile_steps"):
@@ -64,15 +72,40 @@ class RunPlan:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
         if self.warmup < 2:
             raise ValueError(f"--warmup {self.warmup} must be >= 2: the first step allocates "
-                             "AdamW's state, the last warmup step is the measured one")
+                             "AdamW's state (and compiles), the last warmup step is the "
+                             "measured one")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device}: expected cpu or cuda")
+        if self.device == "cuda" and not _gpus():
+            raise ValueError("--device cuda: no CUDA GPU is visible to torch here")
+        from tensorpar.gpt.speedups import check_compile_backend
+
+        check_compile_backend(self.compile_backend)
+
+    def cannot_run(self, c: Contender) -> str | None:
+        """Why contender ``c`` cannot run on this plan's device, or None."""
+        if self.device != "cuda":
+            return None
+        if c.cpu_only:
+            return "this bench runs it on the CPU only"
+        if c.ranks(self.tp) > _gpus():
+            return (f"needs {c.ranks(self.tp)} GPUs (one per rank, NCCL), {_gpus()} visible; "
+                    "the one-GPU contenders stand")
+        return None
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class Pools:
     """Spawns (or takes from ``pool_for``) one RankPool per key and closes the ones it made."""
 
     def __init__(self, pool_for: Callable[[int, int], RankPool] | None = None,
-                 timeout_s: float = 1800.0):
-        self._pool_for, self._timeout_s = pool_for, timeout_s
+                 timeout_s: float = 1800.0, backend: str = "gloo"):
+        self._pool_for, self._timeout_s, self._backend = pool_for, timeout_s, backend
         self._pools: dict[PoolKey, RankPool] = {}
         self._mine: set[PoolKey] = set()
 
@@ -83,7 +116,8 @@ class Pools:
             if self._pool_for is not None and not own and threads == 1:
                 pool = self._pool_for(n, threads)
             else:
-                pool = RankPool(n, backend="gloo", threads=threads, timeout_s=self._timeout_s)
+                pool = RankPool(n, backend=self._backend, threads=threads,
+                                timeout_s=self._timeout_s)
                 self._mine.add(key)
             self._pools[key] = pool
         return pool
@@ -120,14 +154,15 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
     rows: dict[str, dict] = {}
     for name in names:
         c = CONTENDERS[name]
-        why = c.cannot_run(spec, plan.tp) if c.cannot_run else None
+        why = plan.cannot_run(c) or (c.cannot_run(spec, plan.tp) if c.cannot_run else None)
         rows[name] = {"name": name, "about": c.about, "ranks_x_threads": c.label(plan.tp),
                       "status": f"skipped: {why}" if why else "ok"}
         if why:
             log(f"{name} skipped: {why}")
     timed = [n for n in names if rows[n]["status"] == "ok"]
     measured = timed + ([REFERENCE] if REFERENCE not in timed else [])
-    pools = Pools(pool_for)
+    pools = Pools(pool_for, backend="nccl" if plan.device == "cuda" else "gloo")
+    peak_flops, n_params = None, None
     errors: list[dict] = []  # failures of our own contenders and the reference: bugs
     fail = partial(_fail, rows, errors, log)
     try:
@@ -135,10 +170,14 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
             pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
             log(f"setting up {name} on {pool.nprocs} rank(s)")
             try:
-                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup)
+                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup, plan.compile_backend)
+                if plan.device == "cuda" and peak_flops is None:
+                    peak_flops = pool.run(ranks.matmul_peak)[0]
+                    log(f"bf16 matmul peak: {peak_flops / 1e12:,.0f} TFLOP/s")
             except RankError as e:
                 fail(name, e)
                 continue
+            n_params = res[0]["n_params"]
             row = rows.setdefault(name, {"name": name, "status": "ok"})
             row.update(losses=res[0]["losses"], seconds=[], comm=[r["comm"] for r in res],
                        memory=[r["memory"] for r in res], per_rank_seconds=[])
@@ -182,8 +221,9 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 pool.run(ranks.teardown, run_id)
     finally:
         pools.close()
-    return _summarize(spec, plan, names, rows, profile) | {"round_orders": orders,
-                                                            "errors": errors}
+    flops = model_flops_per_step(spec, n_params) if n_params else None
+    return _summarize(spec, plan, names, rows, profile, flops, peak_flops) | {
+        "round_orders": orders, "errors": errors}
 
 
 def failure_reason(err: RankError) -> tuple[str, bool]:
@@ -215,7 +255,9 @@ def _fail(rows: dict, errors: list[dict], log, name: str, err: RankError) -> Non
 
 
 def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
-               profile: list[dict]) -> dict:
+               profile: list[dict], flops: int | None, peak_flops: float | None) -> dict:
+    """Each contender's statistics; model TFLOP/s over all its ranks, and MFU against
+    ``peak_flops`` per rank where the bench measured it (on GPUs)."""
     ref = rows.get(REFERENCE, {})
     ref_losses = ref.get("losses") if ref.get("status") == "ok" else None
     out = []
@@ -224,6 +266,11 @@ def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
         if row["status"] == "ok":
             row["step_s"] = _quantiles(row["seconds"])
             row["tokens_per_s"] = spec.tokens_per_step / row["step_s"]["median"]
+            if flops:
+                row["model_tflops"] = flops / row["step_s"]["median"] / 1e12
+            if flops and peak_flops:
+                n = len(row["memory"])
+                row["mfu"] = flops / row["step_s"]["median"] / (peak_flops * n)
             row["comm_per_rank"] = row["comm"][0]
             row["peak_bytes_per_rank"] = [m["peak_bytes"] for m in row["memory"]]
             row["state_bytes_per_rank"] = [m["state_bytes"] for m in row["memory"]]
@@ -235,4 +282,5 @@ def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
         out.append(row)
     return {"spec": asdict(spec), "plan": asdict(plan), "tokens_per_step": spec.tokens_per_step,
             "reference": REFERENCE, "reference_losses": ref_losses, "contenders": out,
-            "profile": profile}
+            "profile": profile, "device": plan.device, "model_flops_per_step": flops,
+            "peak_flops": peak_flops}

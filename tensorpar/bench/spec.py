@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,19 @@ def batch(spec: BenchSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens.append(torch.where(follow_BT[:, t], successor[tokens[-1]], noise_BT[:, t]))
     seq_BT1 = torch.stack(tokens, dim=1)
     return seq_BT1[:, :-1].contiguous(), seq_BT1[:, 1:].contiguous()
+
+
+def mixed_precision(device: torch.device) -> AbstractContextManager:
+    """The forward's precision, the same for every contender: bf16 autocast on a GPU (weights,
+    gradients and AdamW stay fp32), plain fp32 on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def model_flops_per_step(spec: BenchSpec, n_params: int) -> int:
+    """Model FLOPs of one training step, what MFU is quoted against: 6 per parameter per token
+    (2 forward, 4 backward) plus causal attention's scores and weighted values, 6 * L * T * D per
+    token (12 * L * T * D, halved by the mask). Recomputation is not counted."""
+    return spec.tokens_per_step * (6 * n_params + 6 * spec.n_layer * spec.seq_len * spec.dim)
 
 
 def make_optimizer(params, spec: BenchSpec) -> torch.optim.AdamW:

@@ -5,19 +5,22 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from tensorpar.bench.bench_cli import add_parser, main
 from tensorpar.bench.contenders import parse_contenders
-from tensorpar.bench.outputs import write_results
+from tensorpar.bench.outputs import table, write_results
 from tensorpar.bench.runner import RunPlan, run_bench
 from tensorpar.bench.spec import BenchSpec, batch
 
 TINY = BenchSpec(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=256, seq_len=16,
                  batch_size=2)
-# every contender but megatron (tests/bench/test_bench_megatron.py)
-NAMES = ["tensorpar", "tensorpar-sp", "tensorpar-sp-keep", "tensorpar-unfused", "tensorpar-tp1",
-         "dtensor", "dtensor-sp", "dense-1t", "dense-Nt"]
-ONE_RANK = ("tensorpar-tp1", "dense-1t", "dense-Nt")
+# every contender but megatron (tests/bench/test_bench_megatron.py); the compiled ones with
+# aot_eager (it traces as inductor does, generates no code: seconds to compile)
+NAMES = ["tensorpar", "tensorpar-sp", "tensorpar-sp-keep", "tensorpar-unfused", "tensorpar-c",
+         "tensorpar-tp1", "tensorpar-tp1-c", "dtensor", "dtensor-sp", "dense-1t", "dense-Nt",
+         "dense-c"]
+ONE_RANK = ("tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-Nt", "dense-c")
 
 
 def test_bench_runs_and_contenders_agree(ranks, tmp_path):
@@ -25,7 +28,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     step's loss equals the dense fp32 model's to 1e-5 relative, over warmup and timed steps.
     The TP contenders communicate (bytes reported per kind); the dense one does not; the table,
     the JSON and the chart are written."""
-    plan = RunPlan(repeats=2, steps_per_repeat=1, warmup=2, tp=2)
+    plan = RunPlan(repeats=2, steps_per_repeat=1, warmup=2, tp=2, compile_backend="aot_eager")
     results = run_bench(TINY, NAMES, plan, pool_for=lambda n, threads: ranks(n),
                         log=lambda s: None)
     rows = {r["name"]: r for r in results["contenders"]}
@@ -37,7 +40,10 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
         assert len(row["losses"]) == n_steps and len(row["seconds"]) == 2, name
         assert row["loss_max_rel_diff"] <= 1e-5, (name, row["loss_max_rel_diff"])
         assert row["step_s"]["min"] <= row["step_s"]["median"] <= row["step_s"]["max"]
-        assert all(m > 0 for m in row["peak_bytes_per_rank"]), name
+        if name.endswith("-c"):  # not measured on the CPU (ranks.setup)
+            assert row["peak_bytes_per_rank"] == [None] * len(row["memory"]), name
+        else:
+            assert all(m > 0 for m in row["peak_bytes_per_rank"]), name
         comm = row["comm_per_rank"]
         if name in ONE_RANK:
             assert comm["calls"] == {} and len(row["memory"]) == 1, name
@@ -49,6 +55,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     tp_comm = rows["tensorpar"]["comm_per_rank"]
     assert tp_comm["payload_bytes"]["all_reduce"] // act == 4 * TINY.n_layer + 2
     assert tp_comm["ring_bytes"]["all_reduce"] > 0
+    assert rows["tensorpar-c"]["comm_per_rank"] == tp_comm  # counted eagerly (ranks.setup)
     # the losses move: the model learns the batches' successor structure
     ref = results["reference_losses"]
     assert ref[-1] < ref[0]
@@ -56,6 +63,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     paths = write_results(results, tmp_path / "bench", "tensorpar bench --test")
     md = paths["md"].read_text()
     assert all(f"| {n} |" in md for n in NAMES) and "tensorpar / dtensor" in md
+    assert "| n/a | n/a |" in md and "- n/a: a compiled contender's memory" in md
     data = json.loads(paths["json"].read_text())
     assert data["command"] == "tensorpar bench --test" and len(data["contenders"]) == len(NAMES)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -89,5 +97,33 @@ def test_cli_flags_and_errors(capsys):
     assert main(_parse("--contenders", "nope")) == 2
     assert main(_parse("--warmup", "1")) == 2
     assert main(_parse("--n-head", "3")) == 2
+    assert main(_parse("--compile", "--compile-backend", "nope")) == 2
+    assert main(_parse("--device", "tpu")) == 2
     err = capsys.readouterr().err
     assert "--warmup 1 must be >= 2" in err and "--n-head 3" in err
+    assert "--compile-backend 'nope' is not a backend" in err and "--device tpu: expected" in err
+    if not torch.cuda.is_available():
+        assert main(_parse("--device", "cuda")) == 2
+        assert "--device cuda: no CUDA GPU is visible" in capsys.readouterr().err
+
+
+def test_gpu_table_has_tflops_and_mfu():
+    """Where the bench measured a GPU's peak, the table adds model TFLOP/s and MFU, and states
+    the peak; the compiled pair's ratio is a target there. (The GPU run itself:
+    tests/test_cuda.py::test_bench_on_one_gpu.)"""
+    def row(name, ms, mfu):
+        return {"name": name, "status": "ok", "ranks_x_threads": "1x1", "tokens_per_s": 1e3,
+                "step_s": dict.fromkeys(("median", "q1", "q3", "min", "max"), ms / 1e3),
+                "model_tflops": 400.0 * mfu / 0.4, "mfu": mfu,
+                "peak_bytes_per_rank": [2**30], "state_bytes_per_rank": [2**29],
+                "memory": [{}], "loss_max_rel_diff": 1e-3,
+                "comm_per_rank": {"calls": {}, "payload_bytes": {}, "ring_bytes": {}}}
+    results = {"peak_flops": 1.0e15, "contenders": [
+        row("tensorpar-tp1-c", 200.0, 0.44), row("dense-c", 198.0, 0.45),
+        {"name": "tensorpar", "status": "skipped: needs 2 GPUs", "ranks_x_threads": "2x1"}]}
+    md = table(results)
+    head, rule, *body = md.splitlines()
+    assert "| model TFLOP/s | MFU |" in head and rule.count("---") == head.count("|") - 1
+    assert "| 440.0 | 44.0% |" in body[0] and body[2].count("|") == head.count("|")
+    assert "bf16 matmul peak measured on this GPU: 1,000 TFLOP/s" in md
+    assert "tensorpar-tp1-c / dense-c step time: 1.010 (target <= 1.00)" in md
