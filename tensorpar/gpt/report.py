@@ -141,7 +141,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
             planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=r, optimizer=optimizer,
-                                       dropout=model_cfg.dropout > 0)["total"]
+                                       dropout=model_cfg.dropout > 0,
+                                       device=s.get("device", "cpu"))["total"]
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "

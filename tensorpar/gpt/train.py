@@ -241,9 +241,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
     finally:
         if progress is not None:
             progress.close()  # also when interrupted: the terminal gets its cursor back
-    # on CPU the token data is tensor memory of the same device, which the meter counts too
-    data_bytes = batches.tokens.nbytes if device.type == "cpu" else 0
-    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "data_bytes": data_bytes}
+    on_cpu = device.type == "cpu"  # the token data is then tensor memory the meter counts too
+    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "device": device.type,
+                                        "data_bytes": batches.tokens.nbytes * on_cpu}
     sizes = [mine]
     if tp_size(group) > 1:
         sizes = [None] * tp_size(group)
