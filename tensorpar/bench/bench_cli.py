@@ -59,7 +59,7 @@ _PLAN_HELP = {
     "tp": "tensor-parallel size of the TP contenders (ranks spawned)",
     "profile": "also profile a few tensorpar steps per rank and write profile.md (default off)",
     "profile_steps": "steps under the profiler with --profile",
-    "compile": f"also run the torch.compile'd contenders ({', '.join(COMPILED)})",
+    "compile": f"also run the torch.compile'd contenders ({', '.join(COMPILED)}; default off)",
     "compile_backend": "torch.compile's backend for the -c contenders",
     "device": "cpu (gloo), or cuda: every rank on its own GPU over NCCL, the forward in bf16 "
               "autocast, plus the GPU's measured bf16 matmul peak, model TFLOP/s and MFU; "

@@ -8,6 +8,7 @@ That table lives only in the benchmark's own rank processes; no library code rea
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -142,5 +143,10 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
 
 
 def teardown(run_id: str) -> None:
-    """Drop this run's contenders (their models and optimizer states)."""
-    _LIVE.pop(run_id, None)
+    """Drop this run's contenders (their models and optimizer states) and torch.compile's
+    caches, whose compiled frames hold the compiled models, so the process keeps nothing."""
+    import torch._dynamo
+
+    if any(CONTENDERS[name].compiled for name in _LIVE.pop(run_id, {})):
+        torch._dynamo.reset()
+    gc.collect()

@@ -20,7 +20,9 @@ What it counts: the storage bytes of every tensor on the meter's device (``untyp
   its bytes when it is freed. Torch keeps one Python object per storage while the storage lives,
   so a weakref fires exactly when the memory is released.
 
-What it does not count: the allocator's slack (CUDA's reserved-but-free cache and rounding,
+What it does not count: fake tensors, which hold no memory (torch.compile keeps thousands of them
+alive in its caches: each reports the bytes of a real one, on the device it stands for), the
+allocator's slack (CUDA's reserved-but-free cache and rounding,
 the CPU allocator's and the OS's page overhead), non-tensor memory (Python objects, the autograd
 graph's nodes, communication buffers inside gloo/NCCL, CUDA context, kernels' workspaces). On CPU
 also: scratch memory a single kernel allocates and frees before it returns (oneDNN's or the CPU
@@ -36,6 +38,7 @@ import threading
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -61,7 +64,7 @@ class _StorageTracker(TorchDispatchMode):
                 if isinstance(inner, torch.Tensor):
                     self.add(inner)
             return
-        if t.device.type != self.device_type or t.is_meta:
+        if t.device.type != self.device_type or t.is_meta or is_fake(t):
             return
         try:
             storage = t.untyped_storage()
