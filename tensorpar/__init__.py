@@ -7,8 +7,9 @@ The packages, and the one direction their imports flow (each imports only those 
     transformer  attention and MLP blocks, the dense reference, verify            /
     checkpoint   sharded checkpoints that load at any TP size                  (core)
     plan         memory and communication planner, memory meter                (core)
-    gpt          the GPT, its data, trainer, report, generation    (core, checkpoint, plan)
-    hf           Hugging Face plans, parallelize, from_pretrained              (core)
+    scale        the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model    (core)
+    gpt          the GPT, its data, trainer, report, generation  (core, checkpoint, plan, scale)
+    hf           Hugging Face plans, parallelize, from_pretrained      (core, checkpoint, ...)
     bench        tensorpar against DTensor, megatron-core and plain PyTorch    (all above)
     cli          ``tensorpar`` and every package's ``cli`` module: on top
 
@@ -39,6 +40,8 @@ from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.failures import CollectiveMismatch
 from tensorpar.runtime.groups import init_tensor_parallel, tp_rank, tp_size
 from tensorpar.runtime.launch import RankError, RankPool, launch
+from tensorpar.scale.data_parallel import data_parallel
+from tensorpar.scale.mesh import init_parallel
 from tensorpar.transformer.attention import ParallelSelfAttention
 from tensorpar.transformer.mlp import ParallelMLP
 
@@ -48,7 +51,8 @@ __all__ = [
     "CollectiveCounter", "CollectiveMismatch", "ColumnParallelLinear", "LayerNorm",
     "ParallelDropout", "ParallelMLP", "ParallelSelfAttention", "RankError", "RankPool", "RMSNorm",
     "RowParallelLinear", "ShardSpec", "TensorParallelRNG", "VocabParallelEmbedding", "copy_to_tp",
-    "from_pretrained", "gather_from_sequence", "gather_from_tp", "init_tensor_parallel", "launch",
+    "data_parallel", "from_pretrained", "gather_from_sequence", "gather_from_tp", "init_parallel",
+    "init_tensor_parallel", "launch",
     "naming_layers", "parallelize", "reduce_from_tp", "reduce_scatter_to_sequence",
     "scatter_to_sequence", "scatter_to_tp", "sum_grads_in_backward", "tp_rank", "tp_size",
     "vocab_parallel_cross_entropy",

@@ -22,9 +22,10 @@ MAY_IMPORT = {
     "transformer": {"runtime", "parallel"},
     "checkpoint": CORE,
     "plan": CORE,
-    "gpt": CORE | {"checkpoint", "plan"},
-    "hf": CORE | {"checkpoint", "plan"},
-    "bench": CORE | {"checkpoint", "plan", "gpt", "hf"},
+    "scale": CORE,
+    "gpt": CORE | {"checkpoint", "plan", "scale"},
+    "hf": CORE | {"checkpoint", "plan", "scale"},
+    "bench": CORE | {"checkpoint", "plan", "scale", "gpt", "hf"},
 }
 ENTRY = {"__init__.py", "__main__.py", "cli.py"}  # the only files at the top of the package
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
@@ -139,6 +140,21 @@ def check_fits(reader: CheckpointReader, model: nn.Module) -> None:
                                   f"{dense_shape(p)} in the model")
 
 
+def _place(tp_shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``tp_shard`` (the whole TP shard, read from the files) laid out as ``p`` is: on its
+    device, and for an FSDP2 parameter (a DTensor split over data parallelism) as a DTensor of
+    the same placements, each rank keeping its own piece (no communication: every rank read
+    the whole shard)."""
+    if isinstance(p, DTensor):
+        return distribute_tensor(tp_shard.to(p.device), p.device_mesh, p.placements,
+                                 src_data_rank=None)
+    return tp_shard.to(p.device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
@@ -146,7 +162,9 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     """Load weights (and AdamW moments) into this rank's shards; return the manifest.
 
     Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
-    communication, so a bad checkpoint raises the same error on every rank. ``check_hashes``:
+    communication, so a bad checkpoint raises the same error on every rank. A model wrapped by
+    FSDP2 (``scale/data_parallel.py``) loads too: each rank keeps its data-parallel piece of
+    what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
     compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
     """
     reader = CheckpointReader(path, check_hashes)
@@ -155,11 +173,11 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in model.named_parameters():
         spec = p.tp_shard
-        p.copy_(read_shard(reader, name, spec))
+        _local(p).copy_(_local(_place(read_shard(reader, name, spec), p)))
         if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:
             state = optimizer.state[p]
             for s in ADAM_STATES:
-                state[s] = read_shard(reader, f"optimizer.{s}.{name}", spec).to(p.device)
+                state[s] = _place(read_shard(reader, f"optimizer.{s}.{name}", spec), p)
             # fused (and capturable) AdamW keep the step on the parameter's device, the others
             # on the CPU, as torch's own load_state_dict does
             group = group_of.get(id(p), {})

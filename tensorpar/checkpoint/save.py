@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
@@ -112,20 +113,47 @@ def remove_unfinished(run_dir: str | Path) -> None:
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
                     optimizer: torch.optim.Optimizer | None = None,
                     group: ProcessGroup | None = None, meta: dict | None = None,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, dp_group: ProcessGroup | None = None) -> Path:
     """Write ``RUN_DIR/step-{step}``; every rank of ``group`` calls it. Keeps the newest ``keep``
-    checkpoints. ``meta`` (JSON-serializable) goes into the manifest. Returns the directory."""
-    rank, n = tp_rank(group), tp_size(group)
-    run_dir = Path(run_dir)
-    final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
+    checkpoints. ``meta`` (JSON-serializable) goes into the manifest. Returns the directory.
+
+    dp_group: with data parallelism (None: without), every rank of the run calls it, with its
+    data-parallel group. The first replica (dp rank 0) of each TP rank writes, so nothing is
+    stored twice:
+    FSDP2's pieces (DTensors) are first gathered over ``dp_group`` into the whole TP shard, DDP's
+    are whole already. The other replicas wait for the writers' outcome and raise what they
+    raised, so every rank ends alike."""
     tensors = {}
-    for name, p in model.named_parameters():
+    rank = tp_rank(group)
+    for name, p in model.named_parameters():  # every dp rank: FSDP2's gathers are collectives
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
                                               for s in ADAM_STATES if s in state]:
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
             mine = owned_local(layout, name, t, rank)
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
+    if dp_group is None or tp_size(dp_group) == 1:  # None: no data parallelism
+        return _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors)
+    status = None
+    if tp_rank(dp_group) == 0:
+        try:
+            _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors)
+        except Exception as e:  # noqa: BLE001 (the replicas raise it too, below)
+            status = e
+    outcome = [status]
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(dp_group, 0), group=dp_group)
+    if outcome[0] is not None:
+        raise outcome[0]
+    return Path(run_dir) / f"step-{step:08d}"
+
+
+def _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors) -> Path:
+    """The writing ranks' part of ``save_checkpoint``: ``tensors`` is what this rank owns."""
+    rank, n = tp_rank(group), tp_size(group)
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
     # 1. nothing non-finite is ever written, and rank 0 makes the directory: agreed on first
     bad, status = _nonfinite(tensors), None
     if bad is not None:

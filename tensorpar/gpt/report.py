@@ -115,7 +115,9 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     recompute = "full" if cfg.recompute else "none"
     how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
         + (", TF32" if getattr(cfg, "tf32", False) else "")
-    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{how}",
+    dp = getattr(cfg, "dp", None) or 1
+    split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
+    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{split}{how}",
                   show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
@@ -137,11 +139,13 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory"):
+        if s.get("peak_memory") and dp > 1:
+            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])}"
+        elif s.get("peak_memory"):
             planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                       recompute, cfg.fused, rank=r, optimizer=optimizer,
-                                       dropout=model_cfg.dropout > 0,
+                                       recompute, cfg.fused, rank=s.get("tp_rank", r),
+                                       optimizer=optimizer, dropout=model_cfg.dropout > 0,
                                        device=s.get("device", "cpu"))["total"]
             data = s.get("data_bytes", 0)
             planned += data
@@ -149,9 +153,11 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
                      f"(planned {human_bytes(planned)}"
                      + (f" with {human_bytes(data)} of token data" if data else "")
                      + f", {planned / s['peak_memory'] - 1:+.1%})")
-        table.add_row(f"rank {r}", line)
+        where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
+        table.add_row(f"rank {r}{where}", line)
     if comm["counts"]:
-        minimum = predicted_comm(spec, cfg.batch_size, cfg.seq_len, tp, sp, cfg.dtype, recompute)
+        minimum = predicted_comm(spec, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype,
+                                 recompute)
         for kind in sorted(set(comm["counts"]) | set(minimum["counts"])):
             measured = (comm["counts"].get(kind, 0), comm["bytes"].get(kind, 0))
             expected = (minimum["counts"].get(kind, 0), minimum["bytes"].get(kind, 0))
@@ -163,8 +169,12 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
                           f"(ring); {verdict}")
         table.add_row("analytic count (payload)", _by_source(minimum, sp))
     else:
-        table.add_row("communication per step", "none (TP=1)" if tp == 1 or rows else
+        table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
+    for kind, calls in sorted(comm.get("dp", {}).get("counts", {}).items()):
+        table.add_row(f"dp {kind} per step",
+                      f"{calls} calls, {human_bytes(comm['dp']['bytes'][kind])} payload, "
+                      f"{human_bytes(comm['dp']['ring_bytes'][kind])} sent per rank (ring)")
     return table
 
 

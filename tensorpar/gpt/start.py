@@ -79,6 +79,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         _say(f"note: {', '.join('--' + k.replace('_', '-') for k in changed)} "
              "differ from the checkpoint's; the resumed run is not an exact continuation")
     cfg = TrainConfig(**(saved_train | explicit))
+    cfg.dp = _dp_size(cfg, explicit.get("dp"))
     if cfg.lr_decay_steps is None:  # a new run: decay over its --steps, stored in its manifest
         cfg.lr_decay_steps = cfg.steps
     elif ("steps" in explicit and explicit["steps"] != saved_train.get("steps")
@@ -102,20 +103,35 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         CheckpointReader(resume_from).verify()  # a corrupted file too
     if cfg.compile:
         check_compile_device(cfg.tp, wanted_device())
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp * cfg.dp))
     if note := tf32_note(cfg.tf32, cfg.dtype, rank_device_type(local_world)):
         _say(f"note: {note}")
     return cfg, model_cfg, resume_from
 
 
+def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
+    """--dp: as given; else, under torchrun, the world size / --tp (an error when --tp does not
+    divide it); else the resumed run's, or 1."""
+    if explicit is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 1 if cfg.dp is None else cfg.dp  # --dp 0 stays 0, for check() to refuse
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.tp < 1 or world % cfg.tp:
+        raise ValueError(f"torchrun started {world} processes, which --tp {cfg.tp} does not "
+                         f"divide: start a multiple of {cfg.tp} in all (--nnodes x "
+                         f"--nproc-per-node), or pass a --tp that divides {world}")
+    return world // cfg.tp
+
+
 def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> int:
-    """Spawn ``cfg.tp`` local ranks, or, under torchrun, be one of its ranks. Returns the exit
-    status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
-    world = int(os.environ.get("WORLD_SIZE", cfg.tp))
-    if "TORCHELASTIC_RUN_ID" in os.environ and world != cfg.tp:
-        raise ValueError(f"torchrun started {world} processes but --tp is {cfg.tp}: start "
-                         f"{cfg.tp} in all (torchrun --nproc-per-node {cfg.tp}), or pass "
-                         f"--tp {world} (tensorpar train runs one TP group: world size = --tp)")
+    """Spawn ``cfg.tp`` x ``cfg.dp`` local ranks, or, under torchrun, be one of its ranks.
+    Returns the exit status: 0, or 128 + the signal that stopped the run (SIGTERM: 143,
+    Ctrl-C: 130)."""
+    ranks = cfg.tp * (cfg.dp or 1)
+    world = int(os.environ.get("WORLD_SIZE", ranks))
+    if "TORCHELASTIC_RUN_ID" in os.environ and world != ranks:
+        raise ValueError(f"torchrun started {world} processes but --tp {cfg.tp} x --dp "
+                         f"{cfg.dp or 1} is {ranks}: start {ranks} in all (torchrun "
+                         f"--nnodes x --nproc-per-node), or change --tp / --dp")
     if resume_from is not None:
         done = CheckpointReader(resume_from).manifest["step"]
         if done >= cfg.steps:
@@ -123,7 +139,7 @@ def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -
                  "pass a larger --steps to continue it")
             return 0
     try:
-        results = run_ranks(train_rank, cfg.tp, cfg, model_cfg, resume_from,
+        results = run_ranks(train_rank, ranks, cfg, model_cfg, resume_from,
                             forward_signals=STOP_SIGNALS)
     except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -25,11 +25,11 @@ import math
 import sys
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
@@ -38,97 +38,20 @@ from tensorpar.gpt.data import ByteTokenizer, TokenBatches, load_text
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.optim import adamw, implementation
 from tensorpar.gpt.report import Metrics, ProgressLine, plot_loss, summary
-from tensorpar.gpt.speedups import check_compile_backend, loss_function, tf32_matmuls
+from tensorpar.gpt.speedups import loss_function, tf32_matmuls
+from tensorpar.gpt.train_config import TrainConfig, learning_rate
+from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.checking import collectives_checked, naming_layers
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.stopping import StopRequest, signal_name
+from tensorpar.scale.data_parallel import data_parallel
+from tensorpar.scale.mesh import dp_group, dp_rank, dp_size, init_parallel
 
 # how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest
 RNG_SCHEME = "hashed"
-
-
-@dataclass
-class TrainConfig:
-    """How to train. Every field is a ``tensorpar train`` flag."""
-
-    tp: int = dataclasses.field(default=2, metadata={"help": "tensor-parallel size"})
-    sequence_parallel: bool = dataclasses.field(default=False, metadata={
-        "help": "shard norms and the residual stream over the sequence"})
-    steps: int = dataclasses.field(default=400, metadata={
-        "help": "optimizer steps, counted from the start of training (a resumed run stops here)"})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per step"})
-    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
-    lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
-    warmup_steps: int = dataclasses.field(default=20, metadata={
-        "help": "linear warmup, then cosine decay to lr/10 at --lr-decay-steps"})
-    lr_decay_steps: int | None = dataclasses.field(default=None, metadata={
-        "help": "the step where the cosine decay reaches lr/10 (constant after); stored with "
-                "the run, so a resume with another --steps keeps the original schedule",
-        "default": "--steps"})
-    weight_decay: float = dataclasses.field(default=0.1, metadata={
-        "help": "AdamW weight decay (matrices and embeddings; not norms)"})
-    grad_clip: float = dataclasses.field(default=1.0, metadata={
-        "help": "clip the global gradient norm to this (0: off)"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "seed for weights, data, dropout"})
-    dtype: str = dataclasses.field(default="fp32", metadata={
-        "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
-    data: str | None = dataclasses.field(default=None, metadata={
-        "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
-    out: str = dataclasses.field(default="runs/gpt", metadata={
-        "help": "run directory: checkpoints, metrics.jsonl, loss.png"})
-    resume: bool = dataclasses.field(default=False, metadata={
-        "help": "continue from the newest checkpoint in --out (at any --tp)"})
-    save_every: int = dataclasses.field(default=100, metadata={
-        "help": "checkpoint every N steps (and always at the end)"})
-    recompute: bool = dataclasses.field(default=False, metadata={
-        "help": "recompute each block in backward instead of keeping its activations"})
-    skip_nonfinite: int = dataclasses.field(default=0, metadata={
-        "help": "skip up to N steps whose loss or gradient norm is NaN or inf (their gradients "
-                "are dropped; counted in metrics.jsonl and the summary); past N the run stops "
-                "before the optimizer applies one"})
-    fused: bool = dataclasses.field(default=True, metadata={
-        "help": "overlap each block's backward all-reduce with its weight gradients "
-                "(parallel/fused.py)"})
-    compile: bool = dataclasses.field(default=False, metadata={
-        "help": "run the forward and the loss under torch.compile (the backward through AOT "
-                "autograd); the first step compiles; checkpoints stay the same (gpt/speedups.py)"})
-    compile_backend: str = dataclasses.field(default="inductor", metadata={
-        "help": "torch.compile's backend for --compile: inductor, or aot_eager (traces, "
-                "generates no code: quick to compile)"})
-    tf32: bool = dataclasses.field(default=False, metadata={
-        "help": "let fp32 matmuls on a GPU use TF32 tensor cores: several times faster, but "
-                "TF32 keeps a 10-bit mantissa, about 1e-3 relative error per product instead of "
-                "fp32's 1e-7; only --dtype fp32 on CUDA (on the CPU: no effect, with a note)"})
-
-    def check(self) -> None:
-        for flag in ("tp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
-            if getattr(self, flag) is not None and getattr(self, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
-        for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
-            if not getattr(self, flag) >= 0:
-                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
-        if not self.lr > 0:
-            raise ValueError(f"--lr {self.lr} must be > 0")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
-        if self.sequence_parallel and self.seq_len < self.tp:
-            raise ValueError(f"--seq-len {self.seq_len} is shorter than --tp {self.tp}: "
-                             "--sequence-parallel needs at least one token per rank")
-        if self.compile:
-            check_compile_backend(self.compile_backend)
-
-
-def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to lr/10 at ``lr_decay_steps``
-    (``steps`` when unset), constant after."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    horizon = cfg.lr_decay_steps or cfg.steps
-    frac = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -143,6 +66,10 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                group=None) -> dict:
     """The training loop of one rank. Returns what the run measured (on every rank).
 
+    group: every rank of the run (tp x dp of them; default the whole world). With ``cfg.dp`` > 1
+    they form a ("dp", "tp") mesh (``scale/mesh.py``) and each TP group trains on its slice of
+    every batch.
+
     A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in
     flight (the first, if it came during setup) with a checkpoint (``runtime/stopping.py``)."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
@@ -150,32 +77,43 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
         return _train(cfg, model_cfg, resume_from, group, stop, scope)
 
 
-def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, group,
+def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_group,
            stop: StopRequest, scope: ExitStack) -> dict:
+    """run_group: every rank of the run; the TP group is all of it, or the mesh's "tp"."""
+    dp = cfg.dp or 1
+    mesh = init_parallel(tp=cfg.tp, dp=dp) if dp > 1 else None
+    group = run_group if mesh is None else mesh["tp"].get_group()
     rank, device = tp_rank(group), device_for(group)
+    lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
     text, label = load_text(cfg.data)
     batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
-    model = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, device=device,
-                fused=cfg.fused, recompute=cfg.recompute)
+    rows = slice(dp_rank(mesh) * cfg.batch_size // dp, (dp_rank(mesh) + 1) * cfg.batch_size // dp)
+    rng = TensorParallelRNG(cfg.seed, group, dp_rank(mesh))  # dropout masks differ by dp rank
+    net = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, rng=rng, device=device,
+              fused=cfg.fused, recompute=cfg.recompute)
     if collectives_checked(group):  # a mismatch then names the layer (runtime/checking.py)
-        scope.enter_context(naming_layers(model))
+        scope.enter_context(naming_layers(net))
     scope.enter_context(tf32_matmuls(cfg.tf32, device))  # restored after: a pool's ranks go on
-    forward = loss_function(model, cfg.compile, cfg.compile_backend)  # saves use model itself
-    layout = Layout.gather(model, group)
-    opt = make_optimizer(model, cfg)
+    layout = Layout.gather(net, group)
+    # ``net`` is the GPT (FSDP2 turns it into a sharded module in place); ``model`` what to call
+    model = net if mesh is None else data_parallel(net, mesh, cfg.dp_mode)
+    forward = loss_function(model, cfg.compile, cfg.compile_backend)  # saves use net itself
+    opt = make_optimizer(net, cfg)
     start = 0
     if resume_from is not None:
         # the files were hashed once by resolve(), before the ranks started
-        start = load_checkpoint(resume_from, model, opt, check_hashes=False)["step"]
+        start = load_checkpoint(resume_from, net, opt, check_hashes=False)["step"]
     out = Path(cfg.out)
     meta = {"config": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
             "tokenizer": ByteTokenizer.name,
             "data": {"source": label, "sha256_16": batches.digest,
                      "position": {"step": None, "sequences": None}},
             "rng": {"scheme": RNG_SCHEME, "seed": cfg.seed,
-                    "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"}}
+                    "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"},
+            "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
+                              "stored": "each TP rank's shard once, written by dp rank 0"}}
     metrics = progress = None
-    if rank == 0:
+    if lead:
         out.mkdir(parents=True, exist_ok=True)
         metrics, progress = Metrics(out / "metrics.jsonl", start), ProgressLine(start, cfg.steps)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
@@ -188,42 +126,47 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
     def save(step: int) -> None:
         meta["data"]["position"] = {"step": step, "sequences": step * cfg.batch_size,
                                     "epoch": round(batches.epoch_of(step), 4)}
-        save_checkpoint(out, step, model, layout, opt, group, meta)
+        save_checkpoint(out, step, net, layout, opt, group, meta, dp_group=dp_group(mesh))
 
     stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
     skipped = sum(1 for r in metrics.rows if r.get("skipped")) if metrics else 0
-    if tp_size(group) > 1:  # rank 0 read them from metrics.jsonl: every rank counts the same
-        skipped = _broadcast_int(skipped, group, device)
+    if tp_size(run_group) > 1:  # rank 0 read them from metrics.jsonl: every rank counts alike
+        skipped = _broadcast_int(skipped, run_group, device)
+    counted = {"tp": group} | ({} if mesh is None else {"dp": dp_group(mesh)})
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = learning_rate(cfg, step)
-            x, y = (t.to(device) for t in batches.batch(step))
-            model.rng.set_step(step)
+            x, y = (t[rows].to(device) for t in batches.batch(step))  # this dp rank's slice
+            net.rng.set_step(step)
             measure = step == measured_step
-            counter, meter = (CollectiveCounter(), MemoryMeter(device)) if measure \
+            counter, meter = (CollectiveCounter(counted), MemoryMeter(device)) if measure \
                 else (None, None)
             with counter or nullcontext(), meter or nullcontext():
                 with autocast:
                     loss = forward(x, y)
                 loss.backward()
-                norm = clip_grad_norm_(model, layout, cfg.grad_clip, group)
+                norm = clip_grad_norm_(net, layout, cfg.grad_clip, group,
+                                       dp_group(mesh) if cfg.dp_mode == "fsdp" else None)
                 # the same on every rank (the loss and the norm are reduced): all decide alike
-                loss_value, norm_value = loss.item(), norm.item()
+                loss_value, norm_value = _mean_over(loss.detach(), mesh), norm.item()
                 finite = math.isfinite(loss_value) and math.isfinite(norm_value)
                 if finite:
                     opt.step()
                 elif skipped == cfg.skip_nonfinite:
                     raise FloatingPointError(nonfinite_step(step + 1, loss_value, norm_value,
-                                                            model, group, cfg, out))
+                                                            net, run_group, cfg, out))
                 opt.zero_grad(set_to_none=True)
             skipped += not finite
             if measure:
-                comm = {k: dict(getattr(counter, k)) for k in comm}
+                tp_counts = counter.by_group.get("tp", {})
+                comm = {k: dict(tp_counts.get(k, {})) for k in comm}
+                if mesh is not None:
+                    comm["dp"] = {k: dict(v) for k, v in counter.by_group.get("dp", {}).items()}
                 peak_memory = meter.peak_bytes
             dt = time.perf_counter() - t0
-            if rank == 0:
+            if lead:
                 row = {"step": step + 1, "loss": loss_value if finite else None,
                        "lr": learning_rate(cfg, step),
                        "grad_norm": norm_value if finite else None,
@@ -242,21 +185,23 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
         if progress is not None:
             progress.close()  # also when interrupted: the terminal gets its cursor back
     on_cpu = device.type == "cpu"  # the token data is then tensor memory the meter counts too
-    mine = rank_sizes(model, layout) | {"peak_memory": peak_memory, "device": device.type,
-                                        "data_bytes": batches.tokens.nbytes * on_cpu}
+    mine = rank_sizes(net, layout) | {"peak_memory": peak_memory, "device": device.type,
+                                      "data_bytes": batches.tokens.nbytes * on_cpu,
+                                      "tp_rank": rank, "dp_rank": dp_rank(mesh)}
     sizes = [mine]
-    if tp_size(group) > 1:
-        sizes = [None] * tp_size(group)
-        dist.all_gather_object(sizes, mine, group=group)
-    result = {"rank": rank, "sizes": sizes, "comm": comm, "start": start,
+    if tp_size(run_group) > 1:
+        sizes = [None] * tp_size(run_group)
+        dist.all_gather_object(sizes, mine, group=run_group)
+    result = {"rank": tp_rank(run_group), "sizes": sizes, "comm": comm, "start": start,
               "stopped": None if stopped is None else {"signal": signal_name(stopped[0]),
                                                        "signum": stopped[0],
                                                        "step": stopped[1]}}
-    if rank == 0:
+    if lead:
         metrics.close()
         if metrics.rows:
             plot_loss(metrics.rows, out / "loss.png",
-                      f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}, {label}")
+                      f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}"
+                      f"{f' x DP={dp} ({cfg.dp_mode})' if dp > 1 else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
         if stopped is not None:
@@ -271,10 +216,25 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, grou
     return result
 
 
+def _mean_over(loss: torch.Tensor, mesh) -> float:
+    """The loss of the whole batch: the mean of the dp ranks' losses (equal slices), one
+    all-reduce over dp (gloo has no average: a sum, divided)."""
+    if mesh is None:
+        return loss.item()
+    total = loss.float().clone()
+    dist.all_reduce(total, group=dp_group(mesh))
+    return total.item() / dp_size(mesh)
+
+
 def _broadcast_int(value: int, group, device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return int(t.item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own piece of ``t``: an FSDP2 DTensor's local shard, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, group,
@@ -283,7 +243,7 @@ def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, 
     model's order) whose gradient is not finite, on whichever rank holds it. Every rank calls
     it (one all_gather_object, on this path only)."""
     first = next(((i, name) for i, (name, p) in enumerate(model.named_parameters())
-                  if p.grad is not None and not bool(p.grad.isfinite().all())), None)
+                  if p.grad is not None and not bool(_local(p.grad).isfinite().all())), None)
     found = [first]
     if tp_size(group) > 1:
         found = [None] * tp_size(group)

@@ -70,17 +70,20 @@ def sum_grads_in_backward(
 
 
 def sum_shared_shard_grads(params: list[torch.Tensor | None],
-                           group: ProcessGroup | None = None) -> list[torch.Tensor | None]:
+                           group: ProcessGroup | None = None,
+                           spec=None) -> list[torch.Tensor | None]:
     """``sum_grads_in_backward`` for dim-0 shards that some ranks hold in common (KV heads shared
     by several ranks): each shard is placed where it sits in its dense tensor, so each rank's
     gradient is summed over exactly the ranks that hold the same rows. None entries pass through.
+    spec: the ``ShardSpec`` every one of them has (default: each one's ``tp_shard``; pass it
+    where the tensors may be untagged, as FSDP2's gathered parameters are).
     """
     present = [p for p in params if p is not None]
     offsets, total = [], 0
     for p in present:
-        spec = p.tp_shard
-        row = p.numel() // (spec.stop - spec.start)
-        offsets.append(total + spec.start * row)
-        total += spec.full_size * row
+        spec_p = spec or p.tp_shard
+        row = p.numel() // (spec_p.stop - spec_p.start)
+        offsets.append(total + spec_p.start * row)
+        total += spec_p.full_size * row
     summed = iter(sum_grads_in_backward(present, group, offsets, total))
     return [None if p is None else next(summed) for p in params]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, dense_shape
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -102,7 +103,8 @@ def owned_local(layout: Layout, name: str, t: torch.Tensor, rank: int) -> torch.
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
-                    group: ProcessGroup | None = None) -> torch.Tensor:
+                    group: ProcessGroup | None = None,
+                    dp_group: ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so the global L2 norm (of the dense model) is at most ``max_norm``.
 
     Each rank sums the squares of the gradient elements it owns; one all-reduce of that scalar
@@ -110,27 +112,61 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     Returns the norm before clipping, the same on every rank. A norm that is not finite leaves
     the gradients as they are (the caller decides: the trainer skips or stops), without a host
     sync.
+
+    dp_group: with FSDP2 (gradients that are DTensors, split once more over data parallelism)
+    each rank holds 1/dp of its TP shard's gradient, so the sum is all-reduced over ``dp_group``
+    too. DDP's gradients are whole (the same on every dp rank): no second all-reduce.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    dp_sharded = False
     for name, g in grads:
+        if isinstance(g, DTensor):
+            dp_sharded = True
+            g = _owned_dp_local(layout, name, g, rank)
+            if g is not None:
+                sq += g.float().pow(2).sum()
+            continue
         for piece in owned_pieces(layout, name, g, rank):  # every block of a fused dim
             sq += piece.float().pow(2).sum()
     if tp_size(group) > 1:
         dist.all_reduce(sq, group=group)
+    if dp_sharded and dp_group is not None and tp_size(dp_group) > 1:
+        dist.all_reduce(sq, group=dp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0),
                             torch.ones_like(norm))
         for _, g in grads:
-            g.mul_(scale.to(g.dtype))
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(scale.to(local.dtype))
     return norm
 
 
+def _owned_dp_local(layout: Layout, name: str, g: DTensor, rank: int) -> torch.Tensor | None:
+    """The part of this dp rank's piece of an FSDP2 gradient that TP rank ``rank`` owns.
+
+    Ownership is all or nothing for every parameter tensorpar makes (a column or row shard is
+    its own; a replicated tensor or a KV head another rank also holds belongs to the lowest such
+    rank): then the local piece counts whole or not at all. Anything else (a fused dim that
+    another rank partly holds) is gathered over dp and cut as without data parallelism; every
+    dp rank of the TP rank takes the same branch, since they share the layout."""
+    owned = layout.owned_ranges(name, rank)
+    spec = layout.shards[name][rank]
+    if not owned:
+        return None
+    whole = spec.dim is None or owned == [(a, b) for a, b in spec.ranges()]
+    if whole:
+        return g.to_local()
+    pieces = owned_pieces(layout, name, g.full_tensor(), rank)
+    return torch.cat([piece.reshape(-1) for piece in pieces]) if dist.get_rank(
+        g.device_mesh.get_group()) == 0 else None
 def rank_sizes(model: nn.Module, layout: Layout) -> dict[str, int]:
-    """Elements this rank holds, and the dense model's element count."""
-    local = sum(p.numel() for p in model.parameters())
+    """Elements this rank holds (of an FSDP2 DTensor, its own piece), and the dense model's
+    element count."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                for p in model.parameters())
     dense = sum(layout.numel(name) for name in layout.shapes)
     return {"local": local, "dense": dense}

@@ -58,30 +58,37 @@ def _payload_bytes(args, out) -> int:
     return max(sizes, default=0)
 
 
-def _group_size(args) -> int:
+def _group_of(args) -> ProcessGroup | None:
     for a in args:
         if isinstance(a, torch.ScriptObject):  # c10d ops carry their group as a boxed one
             try:
-                return ProcessGroup.unbox(a).size()
+                return ProcessGroup.unbox(a)
             except (RuntimeError, TypeError):
                 continue
         if isinstance(a, str):  # functional collectives (DTensor's) carry the group's name
             try:
-                return _resolve_process_group(a).size()
+                return _resolve_process_group(a)
             except (RuntimeError, ValueError, KeyError):
                 continue
-    return 1
+    return None
 
 
 class CollectiveCounter(TorchDispatchMode):
     """Context manager; afterwards ``counts``, ``bytes`` and ``ring_bytes`` map each kind of
-    collective to its call count, payload bytes and bytes sent per rank."""
+    collective to its call count, payload bytes and bytes sent per rank.
 
-    def __init__(self):
+    groups: {label: ProcessGroup} to count apart as well (``{"tp": ..., "dp": ...}``):
+    ``by_group[label]`` then holds ``counts``, ``bytes`` and ``ring_bytes`` of the collectives on
+    that group; those on other groups are under "other"."""
+
+    def __init__(self, groups: dict[str, ProcessGroup | None] | None = None):
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
         self.ring_bytes: Counter[str] = Counter()
+        self._labels = {g.group_name: label for label, g in (groups or {}).items()
+                        if g is not None}
+        self.by_group: dict[str, dict[str, Counter[str]]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is not torch.Tensor and hasattr(t, "__tensor_flatten__") for t in types):
@@ -92,9 +99,16 @@ class CollectiveCounter(TorchDispatchMode):
         packet = getattr(func, "_overloadpacket", None)
         kind = KIND_OF_OP.get(getattr(packet, "__name__", ""))
         if kind is not None:
-            payload, n = _payload_bytes(args, out), _group_size(args)
-            self.counts[kind] += 1
-            self.bytes[kind] += payload
-            share = ring_share(kind, n)
-            self.ring_bytes[kind] += round(payload * share)
+            group = _group_of(args)
+            payload, n = _payload_bytes(args, out), 1 if group is None else group.size()
+            sent = round(payload * ring_share(kind, n))
+            tallies = [self.__dict__]
+            if self._labels:
+                label = self._labels.get(getattr(group, "group_name", None), "other")
+                tallies.append(self.by_group.setdefault(
+                    label, {"counts": Counter(), "bytes": Counter(), "ring_bytes": Counter()}))
+            for tally in tallies:
+                tally["counts"][kind] += 1
+                tally["bytes"][kind] += payload
+                tally["ring_bytes"][kind] += sent
         return out

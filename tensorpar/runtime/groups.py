@@ -103,15 +103,37 @@ def init_tensor_parallel(
         (what ``tensorpar --check-collectives`` sets), else off. It takes effect only when this
         call creates the process group: True with a group already created unchecked is refused.
     """
+    world = world_size_to_be()
+    tp = world if tp_size is None else tp_size
+    if tp < 1 or world % tp != 0:
+        raise ValueError(f"tp_size={tp} must be >= 1 and divide the world size {world}")
+    start_process_group(backend, timeout, check_collectives)
+    world = dist.get_world_size()
+    if tp == world:
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups(group_size=tp)
+    return group
+
+
+def world_size_to_be() -> int:
+    """The world size: the process group's once started, else what the launcher's WORLD_SIZE
+    says it will be (1 without a launcher). Known before any collective, for checking sizes."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start_process_group(backend: str | None = None, timeout: timedelta | None = None,
+                        check_collectives: bool | None = None) -> None:
+    """Start torch.distributed from the launcher's environment, once (a no-op when it is
+    already started, except that asking for the check mode then is refused). The arguments are
+    ``init_tensor_parallel``'s."""
     if timeout is None:
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 600)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    tp = world if tp_size is None else tp_size
-    if tp < 1 or world % tp != 0:
-        raise ValueError(f"tp_size={tp} must be >= 1 and divide the world size {world}")
     if not dist.is_initialized():
         if checks_wanted(check_collectives):
             turn_on_checks()
@@ -137,11 +159,6 @@ def init_tensor_parallel(
         raise ValueError("check_collectives=True, but the process group was created before "
                          "without the check: pass it to the first init_tensor_parallel (or "
                          "RankPool), or set TENSORPAR_CHECK_COLLECTIVES=1 before it")
-    world = dist.get_world_size()
-    if tp == world:
-        return dist.group.WORLD
-    group, _ = dist.new_subgroups(group_size=tp)
-    return group
 
 
 def device_for(group: ProcessGroup | None = None) -> torch.device:

@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from tensorpar.parallel.fused import fused_column
 from tensorpar.parallel.grad_sync import sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear, column_linears
-from tensorpar.parallel.sharding import shard_range
+from tensorpar.parallel.sharding import ShardSpec, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.kv_cache import LayerKVCache
 from tensorpar.transformer.rotary import apply_rotary
@@ -116,6 +116,9 @@ class ParallelSelfAttention(nn.Module):
             kv_index = kv_index.to(device)
         self.register_buffer("kv_index", kv_index, persistent=False)
         self._kv_identity = h1 - h0 == k1 - k0
+        # where this rank's K/V rows sit in the dense K/V (kept here, not read off the
+        # parameters: FSDP2's gathered parameters carry no tag)
+        self.kv_spec = ShardSpec(0, k0 * hd, k1 * hd, kv_heads * hd)
 
     @classmethod
     def from_dense(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
@@ -153,7 +156,7 @@ class ParallelSelfAttention(nn.Module):
         params = [self.k_proj.weight, self.v_proj.weight, self.k_proj.bias, self.v_proj.bias]
         if not self.kv_shared:
             return params
-        return sum_shared_shard_grads(params, self.group)
+        return sum_shared_shard_grads(params, self.group, self.kv_spec)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -207,6 +207,6 @@ def test_torchrun_with_the_wrong_size_says_so_once(tmp_path):
                           "--steps", "2", "--out", str(tmp_path), *TINY_GPT],
                          capture_output=True, text=True, timeout=180, env=cli_env())
     assert run.returncode != 0
-    line = "torchrun started 2 processes but --tp is 4: start 4 in all (torchrun " \
-           "--nproc-per-node 4), or pass --tp 2"
+    line = "torchrun started 2 processes, which --tp 4 does not divide: start a multiple of 4 " \
+           "in all (--nnodes x --nproc-per-node), or pass a --tp that divides 2"
     assert run.stderr.count(line) == 1, run.stderr
