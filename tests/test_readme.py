@@ -32,6 +32,10 @@ NOT_RUN = {
                  "(~4 min); its train and generate commands run below, small, as the README's "
                  "own tensorpar lines (make -n checks the target)",
     "make test": "runs the whole suite, this test included (make -n checks the target)",
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
+    "--rdzv-id job1 -m tensorpar train --tp 8 --out /shared/runs/gpt":
+        "needs two machines of 8 ranks each; tests/scale/test_multinode.py runs the same two-node "
+        "rendezvous on this machine (2 x 2 ranks)",
 }
 
 STEP_SCALE = 100  # --steps 400 -> 4; runs/gpt/step-00000800 -> step-00000008
