@@ -10,6 +10,8 @@ import pytest
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.train import TrainConfig, train_rank
 
+from tests_common import tensorpar_cli
+
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 20
 
@@ -90,3 +92,26 @@ def test_resume_at_another_split(ranks, runs, tmp_path, saved, resumed):
     tp, dp, mode = resumed
     rows, _ = _run(ranks, tp, dp, str(out), tp, dp, mode, resume_from=str(out / "step-00000010"))
     _assert_same_curve(rows, full[0], 1e-5, f"saved at {saved}, resumed at {resumed}")
+
+
+def test_bad_input_is_one_line_before_any_rank(runs, tmp_path):
+    """--dp 0, a global batch that --dp does not divide, an unknown --dp-mode, and resuming a
+    TP x DP checkpoint with a file missing: one line each, exit 2, nothing written."""
+    out = tmp_path / "new"
+    for flags, says in [(["--dp", "0"], "--dp 0 must be >= 1"),
+                        (["--dp", "3", "--batch-size", "8"],
+                         "--batch-size 8 (the global batch) does not divide over --dp 3"),
+                        (["--dp", "2", "--dp-mode", "zero"],
+                         "--dp-mode zero: expected fsdp or ddp")]:
+        run = tensorpar_cli("train", "--tp", "2", "--out", out, *flags)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1, run.stderr
+        assert lines[0].startswith(f"tensorpar train: {says}"), run.stderr
+        assert not out.exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(runs(2, 2, "fsdp")[0], broken)
+    (broken / "step-00000020" / "rank01-of02.safetensors").unlink()
+    run = tensorpar_cli("train", "--resume", "--tp", "2", "--dp", "2", "--steps", "30",
+                        "--out", broken)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("rank01-of02.safetensors is missing")
