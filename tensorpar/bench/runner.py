@@ -170,10 +170,12 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
             pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
             log(f"setting up {name} on {pool.nprocs} rank(s)")
             try:
-                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup, plan.compile_backend)
                 if plan.device == "cuda" and peak_flops is None:
+                    # first: cuBLAS allocates its workspaces (tens of MiB) at the first matmul,
+                    # which would otherwise count in the first contender's state memory
                     peak_flops = pool.run(ranks.matmul_peak)[0]
                     log(f"bf16 matmul peak: {peak_flops / 1e12:,.0f} TFLOP/s")
+                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup, plan.compile_backend)
             except RankError as e:
                 fail(name, e)
                 continue
