@@ -42,7 +42,7 @@ from tensorpar.hf.plans import check_split, plan_for, tied_heads
 from tensorpar.hf.styles import Converter, ModuleSource
 from tensorpar.parallel.collectives import all_reduce
 from tensorpar.parallel.sharding import REPLICATED
-from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 
 STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
 
@@ -113,11 +113,31 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
         if not hasattr(p, "tp_shard"):
             p.tp_shard = REPLICATED
     if conv.n > 1:
-        for name in conv.grad_sum:
-            model.get_parameter(name).register_hook(partial(all_reduce, group=group))
+        sum_grads_over_tp(model, conv.grad_sum, group)
     # dropout between f and g draws from a per-rank stream (hf/dropout.py)
     install_region_streams(model, regions, tp_rank(group))
     return model
+
+
+def sum_grads_over_tp(model: nn.Module, names: list[str], group: ProcessGroup | None) -> None:
+    """Complete the partial gradients of the replicated parameters ``names`` (Qwen3's per-head
+    q/k norms, which see only this rank's heads): summed over the TP group in backward.
+
+    The gradient hook goes on the tensor the owning module holds when its forward starts, once
+    per tensor object, not on the parameter at conversion time: FSDP2 (``data_parallel``) swaps
+    each parameter for a DTensor and, during forward, for a gathered tensor of its own (kept
+    from step to step), so a hook on the original parameter would never fire. Without FSDP2 the
+    tensor is the parameter itself, hooked at the first forward.
+    """
+    def hook_once(module: nn.Module, args, attr: str) -> None:
+        p = getattr(module, attr)
+        if p.requires_grad and not getattr(p, "_tp_grad_sum", False):
+            p.register_hook(partial(all_reduce, group=group))
+            p._tp_grad_sum = True
+
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_forward_pre_hook(partial(hook_once, attr=attr))
 
 
 def _has_dropout(model: nn.Module) -> bool:
@@ -140,8 +160,11 @@ def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> N
     state = torch.get_rng_state().double()
     rng = (state * torch.arange(1, state.numel() + 1)).sum() if _has_dropout(model) else \
         torch.zeros((), dtype=torch.float64)
-    sums = torch.stack([p.detach().double().sum() for n, p in model.named_parameters()
-                        if not p.is_meta] + [rng]).cpu()
+    # on the group's device (a GPU under NCCL, which takes no CPU tensors), whatever device
+    # the model is on
+    device = device_for(group)
+    sums = torch.stack([p.detach().double().sum().to(device) for n, p in model.named_parameters()
+                        if not p.is_meta] + [rng.to(device)])
     every = [torch.empty_like(sums) for _ in range(tp_size(group))]
     dist.all_gather(every, sums, group=group)
     differ = [names[i] for i in range(len(names))

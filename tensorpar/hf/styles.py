@@ -75,17 +75,21 @@ class InRegionColumn(ColumnParallelLinear):
 
     shared: this rank's rows are also held by other ranks (KV heads shared when there are fewer
     than ranks): their gradients are summed over exactly those ranks in backward.
+    shard_spec: where this rank's rows sit in the dense weight (and bias), set by the converter.
+    forward reads it here, never ``self.weight.tp_shard``: under FSDP2 the weight seen in forward
+    is a gathered tensor without the tag.
     expand: local head index per output head (KV heads repeated per local query head).
     """
 
     shared = False
+    shard_spec: ShardSpec | None = None
     expand: torch.Tensor | None = None
     head_dim = 0
 
     def forward(self, x_tp: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.shared:
-            w, b = sum_shared_shard_grads([w, b], self.group)
+            w, b = sum_shared_shard_grads([w, b], self.group, self.shard_spec)
         y = F.linear(x_tp, w, b)
         if self.expand is not None:  # (..., kv_local * hd) -> (..., h_local * hd)
             y = y.unflatten(-1, (-1, self.head_dim)).index_select(-2, self.expand).flatten(-2)
@@ -129,7 +133,7 @@ class Converter:
             local_parameter(read.rows("weight", ranges), spec, m.weight.requires_grad)
         layer.bias = None if m.bias is None else \
             local_parameter(read.rows("bias", ranges), spec, m.bias.requires_grad)
-        layer.shard_start, layer.shard_stop = a, b
+        layer.shard_start, layer.shard_stop, layer.shard_spec = a, b, spec
         return layer
 
     def row(self, name, m, in_range=None):
