@@ -15,6 +15,7 @@ from rich.table import Table
 
 from tensorpar.gpt.spec import gpt_spec
 from tensorpar.plan.comm import predicted_comm
+from tensorpar.plan.data_parallel import dp_comm, dp_memory
 from tensorpar.plan.memory import tensorpar_memory
 from tensorpar.runtime.output import human_bytes, write_atomically
 
@@ -139,14 +140,15 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory") and dp > 1:
-            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])}"
-        elif s.get("peak_memory"):
-            planned = tensorpar_memory(spec, tp, cfg.batch_size, cfg.seq_len, sp,
+        if s.get("peak_memory"):
+            tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
+            planned = tensorpar_memory(spec, tp, cfg.batch_size // dp, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                       recompute, cfg.fused, rank=s.get("tp_rank", r),
-                                       optimizer=optimizer, dropout=model_cfg.dropout > 0,
-                                       device=s.get("device", "cpu"))["total"]
+                                       recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
+                                       dropout=model_cfg.dropout > 0, device=device)
+            planned = dp_memory(spec, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
+                                rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
+                                optimizer=optimizer)["total"]
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
@@ -171,10 +173,17 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     else:
         table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
-    for kind, calls in sorted(comm.get("dp", {}).get("counts", {}).items()):
-        table.add_row(f"dp {kind} per step",
-                      f"{calls} calls, {human_bytes(comm['dp']['bytes'][kind])} payload, "
-                      f"{human_bytes(comm['dp']['ring_bytes'][kind])} sent per rank (ring)")
+    if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
+        expected = dp_comm(spec, tp, dp, cfg.dp_mode, rank=0)
+        for kind in sorted(set(comm["dp"].get("counts", {})) | set(expected["counts"])):
+            measured = (comm["dp"]["counts"].get(kind, 0), comm["dp"]["bytes"].get(kind, 0))
+            want = (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
+            verdict = "= the analytic count" if measured == want else \
+                f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
+            table.add_row(f"dp {kind} per step",
+                          f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
+                          f"{human_bytes(comm['dp']['ring_bytes'].get(kind, 0))} sent per rank "
+                          f"(ring); {verdict}")
     return table
 
 

@@ -120,8 +120,10 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
     comm = {"counts": {}, "bytes": {}, "ring_bytes": {}}
     peak_memory = None
     tokens = cfg.batch_size * cfg.seq_len
-    # collectives and memory are measured over one step, once AdamW's states exist (the second)
-    measured_step = start + 1 if cfg.steps - start >= 2 else start
+    # collectives and memory are measured over one steady step, once AdamW's states exist (the
+    # second; under DDP the third: it rebuilds its gradient buckets after the first, broadcasting)
+    settle = 2 if mesh is not None and cfg.dp_mode == "ddp" else 1
+    measured_step = start + min(settle, max(0, cfg.steps - start - 1))
 
     def save(step: int) -> None:
         meta["data"]["position"] = {"step": step, "sequences": step * cfg.batch_size,

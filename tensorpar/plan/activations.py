@@ -1,10 +1,11 @@
 """What one transformer block keeps for backward, tensor by tensor, per device.
 
 The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of
-the step). ``block_terms`` names each term; ``benchmarks/saved_activations.py`` prints them next
-to the tensors a real forward saves (``saved_tensors_hooks``), on CPU or on a GPU. Two kernels
-keep different tensors on CPU and CUDA: RMSNorm (torch's fused CUDA kernel keeps its input and
-rstd only) and attention (CUDA's memory-efficient kernel, the one fp32 gets, hands the output
+the step), and Korthikanti et al.'s formula it is shown against (``paper_activations``).
+``block_terms`` names each term; ``benchmarks/saved_activations.py`` prints them next to the
+tensors a real forward saves (``saved_tensors_hooks``), on CPU or on a GPU. Two kernels keep
+different tensors on CPU and CUDA: RMSNorm (torch's fused CUDA kernel keeps its input and rstd
+only) and attention (CUDA's memory-efficient kernel, the one fp32 gets, hands the output
 projection a view of its own output instead of a copy).
 """
 
@@ -93,3 +94,19 @@ def block_saved(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fus
     """Bytes one block keeps for backward on one rank (``block_terms``' total)."""
     return block_terms(spec, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
                        attention)["total"]
+
+
+def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
+                      sequence_parallel: bool = False, recompute: str = "none") -> int:
+    """Korthikanti et al. 2022 (eq. 1-5), bytes per rank for all layers, 16-bit activations."""
+    s, b, h, a, t = seq, batch, spec.dim, spec.n_head, tp
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        per_layer = 2 * s * b * h / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = s * b * h / t * (34 + scores)
+    elif t > 1:
+        per_layer = s * b * h * (10 + 24 / t + scores / t)
+    else:
+        per_layer = s * b * h * (34 + scores)
+    return round(spec.n_layer * per_layer)

@@ -5,8 +5,10 @@
     tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB --seq 4096
     tensorpar plan --config path/to/config.json --tp 2 --dtype fp32,bf16 --json
     tensorpar plan --model gpt2 --tp 4 --split       # which split of gelu(X W1) W2 moves least
+    tensorpar plan --model llama-2-70b --tp 8 --dp 8 --dp-mode fsdp --batch 8 --seq 4096
 
-Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication). What the command
+Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies). What the command
 says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
 with ``--json``, so that stdout stays one JSON document.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from tensorpar.gpt.spec import load_spec
 from tensorpar.plan.activations import DEVICES
 from tensorpar.plan.comm import mlp_split_comparison, predicted_comm
+from tensorpar.plan.data_parallel import check_dp, dp_comm
 from tensorpar.plan.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory, smallest_fitting
 from tensorpar.plan.report import fmt, print_tables, unit_for, write_png
 from tensorpar.plan.zoo import PRESETS, preset
@@ -32,13 +35,15 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 
 DESCRIPTION = """\
 Per-rank memory (weights, AdamW states, gradients, activations, the peak) and communication
-of one training step at each TP size and precision, computed from the model's shape before
-anything runs; and whether it fits the device memory.
+of one training step at each TP size and precision, with or without data parallelism (FSDP2 or
+DDP over --dp copies), computed from the model's shape before anything runs; and whether it fits
+the device memory.
 
 examples:
   tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype fp32,bf16 --device-memory 80GB
   tensorpar plan --config runs/gpt/step-00000400 --tp 1,2,4 --dtype fp32
   tensorpar plan --model gpt2 --tp 4 --split --png plan.png
+  tensorpar plan --model llama-2-7b --tp 1,2 --dp 8 --dp-mode ddp --batch 8 --device cuda
 """
 
 
@@ -93,9 +98,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="activation recomputation: none, selective (the attention core) or "
                    "full (each block) (default none)")
     p.add_argument("--batch", type=int, default=None,
-                   help="micro-batch, sequences per step (default: a manifest's, else 1)")
+                   help="sequences per step, split over the --dp copies as tensorpar train "
+                   "splits its --batch-size (default: a manifest's, else 1 per copy)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: a manifest's, else 2048)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel copies of the TP-split model (the world is TP x DP "
+                   "ranks); 1 is none (default 1)")
+    p.add_argument("--dp-mode", default="fsdp",
+                   help="how the copies share: fsdp (FSDP2, weights, gradients and AdamW states "
+                   "sharded over the copies, each block gathered for its forward and backward) "
+                   "or ddp (DDP, replicated, gradients all-reduced in buckets) (default fsdp)")
     p.add_argument("--optimizer", choices=ADAMW, default="fused",
                    help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
                    "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
@@ -131,7 +144,8 @@ def _preset(name: str):
 
 
 def _run_shape(args) -> tuple[int, int]:
-    """--batch and --seq, defaulting to a checkpoint manifest's training run."""
+    """--batch and --seq, defaulting to a checkpoint manifest's training run (else one
+    sequence per data-parallel copy, 2048 tokens)."""
     train = {}
     if args.config and (args.batch is None or args.seq is None):
         try:
@@ -140,13 +154,14 @@ def _run_shape(args) -> tuple[int, int]:
             train = json.loads(path.read_text()).get("train") or {}
         except (OSError, ValueError, AttributeError):
             train = {}
-    batch = args.batch if args.batch is not None else train.get("batch_size", 1)
+    batch = args.batch if args.batch is not None else train.get("batch_size", args.dp)
     seq = args.seq if args.seq is not None else train.get("seq_len", 2048)
     return batch, seq
 
 
 def build(args) -> dict:
     """Everything the command shows, as plain data (what --json prints)."""
+    check_dp(args.dp, args.dp_mode)  # before anything is read
     spec = load_spec(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
     args.batch, args.seq = _run_shape(args)
     tps = _ints(str(args.tp), "--tp")
@@ -157,6 +172,10 @@ def build(args) -> dict:
     for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
         if value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
+    dp, dp_mode = args.dp, args.dp_mode
+    if args.batch % dp:
+        raise ValueError(f"--batch {args.batch} does not split over --dp {dp}: each copy takes "
+                         "batch/dp sequences")
     device = parse_bytes(args.device_memory)
     if not 0 <= args.reserve < 1:
         raise ValueError(f"--reserve {args.reserve}: expected a fraction from 0 up to 1 "
@@ -167,29 +186,35 @@ def build(args) -> dict:
             try:
                 rows.append(plan_memory(spec, tp, args.batch, args.seq, dtype,
                                         args.sequence_parallel, args.recompute, device,
-                                        args.reserve, args.optimizer, device=args.device))
+                                        args.reserve, args.optimizer, device=args.device,
+                                        dp=dp, dp_mode=dp_mode))
             except ValueError as e:
                 raise ValueError(f"--tp {tp} for {spec.name}: {e}") from None
     verdicts = {}
     unit = unit_for(rows)
+    split = f" x DP={dp} ({dp_mode})" if dp > 1 else ""
     for dtype in dtypes:
         best = smallest_fitting([r for r in rows if r["dtype"] == dtype])
-        verdicts[dtype] = (f"{dtype}: TP={best['tp']} is the smallest that fits "
+        verdicts[dtype] = (f"{dtype}: TP={best['tp']}{split} is the smallest that fits "
                            f"({fmt(best['total'], unit)} of {fmt(best['usable'], unit)} "
                            f"{unit[1]} usable per device)"
-                           if best else f"{dtype}: no TP size in {tps} fits {args.device_memory}")
+                           if best else f"{dtype}: no TP size in {tps}{split} fits "
+                           f"{args.device_memory}")
     comm_dtype = "fp32" if dtypes == ["fp32"] else "bf16"
     rec = "full" if args.recompute == "full" else "none"
-    comm = {tp: predicted_comm(spec, args.batch, args.seq, tp, args.sequence_parallel,
+    comm = {tp: predicted_comm(spec, args.batch // dp, args.seq, tp, args.sequence_parallel,
                                comm_dtype, rec) for tp in tps}
     out = {"model": spec.name, "params": spec.params(), "rows": rows, "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
-           "adamw": args.optimizer}
+           "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
+    if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16
+        out["dp_comm"] = {dtype: {str(tp): dp_comm(spec, tp, dp, dp_mode,
+                                                   2 if dtype == "bf16" else 4) for tp in tps}
+                          for dtype in dtypes}
     tp0 = tps[0]  # the comparison at the first TP size asked for
-    fp32 = plan_memory(spec, tp0, args.batch, args.seq, "fp32", args.sequence_parallel,
-                       args.recompute, optimizer=args.optimizer, device=args.device)
-    bf16 = plan_memory(spec, tp0, args.batch, args.seq, "bf16", args.sequence_parallel,
-                       args.recompute, optimizer=args.optimizer, device=args.device)
+    fp32, bf16 = (plan_memory(spec, tp0, args.batch, args.seq, dtype, args.sequence_parallel,
+                              args.recompute, optimizer=args.optimizer, device=args.device,
+                              dp=dp, dp_mode=dp_mode) for dtype in ("fp32", "bf16"))
     out["savings_16bit"] = {
         "tp": tp0, "weights_fp32": 4 * spec.params(), "weights_16bit": 2 * spec.params(),
         "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],

@@ -41,6 +41,9 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and
   recomputed; issue 15).
 
+Data parallelism (``plan_memory``'s dp and dp_mode: FSDP2's shards and gathered blocks, DDP's
+buckets) builds on these numbers in ``data_parallel.py``.
+
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
 fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
 """
@@ -48,7 +51,7 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 from __future__ import annotations
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.plan.activations import block_copies, block_saved
+from tensorpar.plan.activations import block_copies, block_saved, paper_activations
 from tensorpar.plan.zoo import ModelSpec
 from tensorpar.transformer.attention import head_layout
 
@@ -100,6 +103,13 @@ def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
     if optimizer not in ADAMW:
         raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
     return {"fused": 0, "foreach": 4 * total, "for-loop": 2 * 4 * largest}[optimizer]
+
+
+def step_temporaries(optimizer: str, total: int, largest: int) -> int:
+    """Bytes allocated on top of the gradients after backward: the gradient norm squares one
+    gradient at a time (an fp32 temporary of the largest), then AdamW steps
+    (``adamw_temporaries``); the larger of the two."""
+    return max(4 * largest, adamw_temporaries(optimizer, total, largest))
 
 
 def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
@@ -193,40 +203,32 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     # that is the last block's backward (L blocks' activations, no block gradient yet); at the
     # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
     kept = Ns * D * 4 if recompute == "full" else block
+    # between blocks in backward (the last block's activations, the head's gradient) and what
+    # a block's backward adds: what data parallelism (plan.data_parallel) builds on
+    between = activations - tail + 4 * s["vocab"] * D
+    blocks = {"count": L, "between": between, "inside": top - between, "kept": kept,
+              "copies": {"between": copies - head_copy, "kept": 0 if recompute == "full" else
+                         weight_copies, "inside": in_copies["block backward"] - copies + head_copy}}
     first = top + (L - 1) * (4 * p["block"] - kept)
     if first > top:
         top = first
         if recompute != "full":
             in_copies["block backward"] -= (L - 1) * weight_copies
     peaks["block backward"] = top
-    optimizer_peak = grads + adamw_temporaries(optimizer, p["total"], p["largest"])
+    optimizer_peak = grads + step_temporaries(optimizer, p["total"], p["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
     return {"weights": weights, "grads": grads, "optimizer": states,
             "activations": activations, "peak_extra": peaks[where], "peak_at": where,
-            "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies}
-
-
-def paper_activations(spec: ModelSpec, tp: int, batch: int, seq: int,
-                      sequence_parallel: bool = False, recompute: str = "none") -> int:
-    """Korthikanti et al. 2022 (eq. 1-5), bytes per rank for all layers, 16-bit activations."""
-    s, b, h, a, t = seq, batch, spec.dim, spec.n_head, tp
-    scores = 0 if recompute == "selective" else 5 * a * s / h
-    if recompute == "full":
-        per_layer = 2 * s * b * h / (t if sequence_parallel else 1)
-    elif sequence_parallel:
-        per_layer = s * b * h / t * (34 + scores)
-    elif t > 1:
-        per_layer = s * b * h * (10 + 24 / t + scores / t)
-    else:
-        per_layer = s * b * h * (34 + scores)
-    return round(spec.n_layer * per_layer)
+            "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies,
+            "blocks": blocks}
 
 
 def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
                 device_memory: float | None = None, reserve: float = 0.10,
-                optimizer: str = "fused", dropout: bool = False, device: str = "cpu") -> dict:
+                optimizer: str = "fused", dropout: bool = False, device: str = "cpu",
+                dp: int = 1, dp_mode: str = "fsdp") -> dict:
     """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
 
     optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). device:
@@ -236,49 +238,64 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
     Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
     states + the largest moment ("peak_bytes" at "peak_at": the activations and the loss
     backward's temporaries, a block's backward, or the gradients and the optimizer's temporaries).
+    dp, dp_mode: data parallelism over ``dp`` copies by FSDP2 ("fsdp") or DDP ("ddp")
+    (``data_parallel.dp_memory``); ``batch`` is the step's, each copy takes batch/dp sequences;
+    "dp_buffers" is DDP's buckets or FSDP2's gathered weights and gradient buffers at the peak.
     """
+    # data_parallel builds on this module's functions
+    from tensorpar.plan.data_parallel import check_dp, dp_memory
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    check_dp(dp, dp_mode)
+    if batch % dp:
+        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
+                         "batch/dp sequences")
     head_layout(spec.n_head, spec.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
     if sequence_parallel and seq < tp:
         raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
                          "least one token per rank")
     rec = "full" if recompute == "full" else "none"
-    mem = tensorpar_memory(spec, tp, batch, seq, sequence_parallel,
+    mem = tensorpar_memory(spec, tp, batch // dp, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,
                            optimizer=optimizer, dropout=dropout, device=device)
     params = rank_params(spec, tp)
     p = params["total"]
-    weights, grads, states = mem["weights"], mem["grads"], mem["optimizer"]
-    activations, moment, peak_at = mem["activations"], mem["peak_extra"], mem["peak_at"]
     if dtype == "bf16":
         # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
         # moments as tensorpar's autocast, less the bf16 weight copies each of them holds (the
         # bf16 weights replace them) and with half-size gradients at the optimizer step. An
         # estimate: the activations are autocast's (fp32 residual stream and norms), a little
         # above a fully bf16 model's.
-        weights, grads, states = 2 * p, 2 * p, 12 * p + 4 * params["tensors"]
-        activations -= mem["copies"]["activations"]
         peaks = {k: v - mem["copies"][k] for k, v in mem["peaks"].items()}
-        peaks["optimizer step"] += grads - mem["grads"]
-        peak_at = max(peaks, key=peaks.get)
-        moment = peaks[peak_at]
+        peaks["optimizer step"] += 2 * p - mem["grads"]
+        blocks = mem["blocks"] | {k: mem["blocks"][k] - mem["blocks"]["copies"][k]
+                                  for k in ("between", "inside", "kept")}
+        mem = mem | {"weights": 2 * p, "grads": 2 * p, "optimizer": 12 * p + 4 * params["tensors"],
+                     "activations": mem["activations"] - mem["copies"]["activations"],
+                     "peaks": peaks, "blocks": blocks}
+        mem["peak_at"] = max(peaks, key=peaks.get)
+        mem["peak_extra"] = peaks[mem["peak_at"]]
+        mem["total"] = mem["weights"] + mem["optimizer"] + mem["peak_extra"]
     # gradients are allocated during backward and freed after the step, activations freed
     # during backward: they never peak together, so the total is weights + optimizer states +
     # the largest moment of the step (loss backward, a block's backward, the optimizer step)
-    total = weights + states + moment
-    row = {"model": spec.name, "tp": tp, "dtype": dtype, "sequence_parallel": sequence_parallel,
-           "recompute": recompute, "batch": batch, "seq": seq, "device": device,
-           "params_per_rank": p, "weights": weights, "grads": grads, "optimizer": states,
-           "activations": activations, "peak_bytes": moment, "peak_at": peak_at,
-           "activations_paper": paper_activations(spec, tp, batch, seq, sequence_parallel,
+    mem = dp_memory(spec, tp, dp, dp_mode, mem, 2 if dtype == "bf16" else 4,
+                    12 if dtype == "bf16" else 8, device=device, optimizer=optimizer)
+    row = {"model": spec.name, "tp": tp, "dp": dp, "dp_mode": dp_mode if dp > 1 else None,
+           "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
+           "batch": batch, "seq": seq, "device": device, "params_per_rank": p,
+           "weights": mem["weights"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+           "activations": mem["activations"], "dp_buffers": mem["dp_buffers"],
+           "peak_bytes": mem["peak_extra"], "peak_at": mem["peak_at"],
+           "activations_paper": paper_activations(spec, tp, batch // dp, seq, sequence_parallel,
                                                   recompute),
-           "total": total}
+           "total": mem["total"]}
     if device_memory is not None:
         row["usable"] = round(device_memory * (1 - reserve))
-        row["fits"] = total <= row["usable"]
+        row["fits"] = row["total"] <= row["usable"]
     return row
 
 

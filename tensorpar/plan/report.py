@@ -7,7 +7,13 @@ from pathlib import Path
 
 from tensorpar.runtime.output import write_atomically
 
-_AT = {"loss backward": "loss bwd", "block backward": "block bwd", "optimizer step": "opt step"}
+_AT = {"loss backward": "loss bwd", "block backward": "block bwd", "optimizer step": "opt step",
+       "embedding backward": "embed bwd", "root reduce-scatter": "root RS"}
+
+
+def _at(where: str) -> str:
+    """A moment's short name: "block 3 backward" -> "block 3 bwd"."""
+    return _AT.get(where) or where.replace("backward", "bwd").replace("reduce-scatter", "RS")
 
 
 def unit_for(rows: list[dict]) -> tuple[float, str]:
@@ -34,12 +40,16 @@ def write_png(data: dict, path: Path, device: float) -> None:
         x = [str(r["tp"]) for r in rows]
         bottom = [0.0] * len(rows)
         for part, label in (("weights", "weights"), ("optimizer", "optimizer states"),
-                            ("peak_bytes", "activations or gradients at the peak")):
-            vals = [r[part] / 1e9 for r in rows]
+                            ("peak_bytes", "activations or gradients at the peak (+ DP "
+                             "buffers)")):
+            # DDP's buckets, kept for the whole run, count with the peak's bytes
+            vals = [(r[part] + (r["dp_buffers"] if part == "peak_bytes" and r.get("dp_mode")
+                                == "ddp" else 0)) / 1e9 for r in rows]
             ax.bar(x, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.axhline(device / 1e9, color="black", linestyle="--", label="device memory")
-        ax.set(title=f"{data['model']} {dtype}", xlabel="TP size", ylabel="GB per rank")
+        split = f" x DP={data['dp']} ({data['dp_mode']})" if data.get("dp_mode") else ""
+        ax.set(title=f"{data['model']} {dtype}{split}", xlabel="TP size", ylabel="GB per rank")
         ax.legend(fontsize=7)
     fig.tight_layout()
     try:
@@ -62,22 +72,31 @@ def print_tables(data: dict, args) -> None:
     unit = unit_for(data["rows"])
     params = data["params"]
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-    t = Table(title=f"{data['model']} ({size} params), batch {args.batch} x seq {args.seq}"
-              f"{', SP' if args.sequence_parallel else ''}, recompute {args.recompute}, "
-              f"AdamW {args.optimizer}: {unit[1]} per rank")
-    for col in ("dtype", "TP", "weights", "optim", "grads", "activ", "paper", "peak", "at",
-                "fits"):
+    dp, dp_mode = data.get("dp", 1), data.get("dp_mode")
+    split = f" x DP={dp} ({dp_mode}, {args.batch // dp} per copy)" if dp_mode else ""
+    t = Table(title=f"{data['model']} ({size} params), batch {args.batch}{split} x seq "
+              f"{args.seq}{', SP' if args.sequence_parallel else ''}, recompute "
+              f"{args.recompute}, AdamW {args.optimizer}: {unit[1]} per rank")
+    extra = ("dp buf",) if dp_mode else ()
+    for col in ("dtype", "TP", "weights", "optim", "grads", "activ", "paper", *extra, "peak",
+                "at", "fits"):
         t.add_column(col, justify="right")
     for r in data["rows"]:
         t.add_row(r["dtype"], str(r["tp"]), *(fmt(r[k], unit) for k in (
-            "weights", "optimizer", "grads", "activations", "activations_paper", "total")),
-            _AT[r["peak_at"]], "yes" if r.get("fits") else "no")
+            "weights", "optimizer", "grads", "activations", "activations_paper",
+            *(("dp_buffers",) if dp_mode else ()), "total")),
+            _at(r["peak_at"]), "yes" if r.get("fits") else "no")
     console.print(t)
     console.print("optim: AdamW states (bf16: + fp32 master weights); activ: what tensorpar's "
                   "GPT keeps for backward; paper: Korthikanti et al. 2022. peak = weights + "
                   "optim + the step's largest moment (at): activations and the loss backward's "
                   "temporaries, a block's backward, or gradients and the optimizer step. "
                   "fits: peak <= device memory less the reserve.")
+    if dp_mode == "fsdp":
+        console.print("FSDP2: weights, optim and grads are this rank's 1/dp shard; dp buf: the "
+                      "gathered weights and gradient buffers at the peak (in it).")
+    elif dp_mode == "ddp":
+        console.print("DDP: dp buf is its gradient buckets, kept the whole run (in the peak).")
     for line in data["verdict"].values():
         console.print(line)
     s = data["savings_16bit"]
@@ -96,6 +115,17 @@ def print_tables(data: dict, args) -> None:
             c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
                       f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
     console.print(c)
+    if "dp_comm" in data:
+        d = Table(title=f"data-parallel communication per step and rank (DP={dp}, {dp_mode}; "
+                  "with the loss reported over dp)")
+        for col in ("dtype", "TP", "kind", "calls", "payload MB", "ring MB sent"):
+            d.add_column(col, justify="right")
+        for dtype, by_tp in data["dp_comm"].items():
+            for tp, comm in by_tp.items():
+                for kind, calls in comm["counts"].items():
+                    d.add_row(dtype, tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
+                              f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
+        console.print(d)
     if "split" in data:
         sp = Table(title="gelu(X W1) W2: forward + backward communication")
         for col in ("split", "collectives", "ring MB per rank"):

@@ -4,6 +4,7 @@ default model is announced; every file written is named in a ``wrote`` line. And
 ``plan`` and ``bench``: plain text, every flag explained with its default."""
 
 import argparse
+import json
 import re
 
 import pytest
@@ -20,6 +21,9 @@ from tests_common import tensorpar_cli as tensorpar
     (["--batch", "0"], "--batch 0 must be >= 1"),
     (["--png", "."], "--png . is a directory"),
     (["--png", "missing/plan.png"], "--png missing/plan.png: directory missing does not exist"),
+    (["--dp", "0"], "--dp 0 must be >= 1"),
+    (["--dp-mode", "zero"], "--dp-mode 'zero': expected fsdp or ddp"),
+    (["--dp", "3", "--batch", "4"], "--batch 4 does not split over --dp 3"),
 ])
 def test_one_line_for_each_mistake(tmp_path, flags, message):
     """A size without its unit (80: bytes or GB?) is refused, asking for the unit; a --png that
@@ -50,6 +54,33 @@ def test_default_model_is_announced_and_files_named(tmp_path):
                     tmp_path / "g.png", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.lstrip().startswith("{"), out.stderr
     assert out.stdout.rstrip().endswith("}") and out.stderr == f"wrote {tmp_path / 'g.png'}\n"
+
+
+def _plan(*argv) -> int:
+    ap = argparse.ArgumentParser()
+    plan_cli.add_parser(ap.add_subparsers())
+    args = ap.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def test_data_parallel_rows_and_communication(capsys):
+    """--dp D --dp-mode M: each row is planned for D copies (one sequence each by default), the
+    table says how the batch splits and adds the dp group's collectives; --json carries them
+    per dtype and TP size; FSDP2 shards what DDP replicates."""
+    assert _plan("--model", "gpt2", "--tp", "1,2", "--dp", "2", "--dp-mode", "ddp") == 0
+    out = capsys.readouterr().out
+    assert "batch 2 x DP=2 (ddp, 1 per copy)" in out and "TP=1 x DP=2 (ddp)" in out
+    assert "data-parallel communication per step and rank (DP=2, ddp" in out
+    rows = {}
+    for mode in ("fsdp", "ddp"):
+        assert _plan("--model", "gpt2", "--tp", "2", "--dp", "4", "--dp-mode", mode,
+                     "--dtype", "fp32", "--json") == 0
+        data = json.loads(capsys.readouterr().out)
+        rows[mode] = data["rows"][0]
+        assert (rows[mode]["dp"], rows[mode]["dp_mode"], rows[mode]["batch"]) == (4, mode, 4)
+        assert set(data["dp_comm"]["fp32"]["2"]["counts"]) == (
+            {"all_gather", "reduce_scatter", "all_reduce"} if mode == "fsdp" else {"all_reduce"})
+    assert rows["fsdp"]["optimizer"] < rows["ddp"]["optimizer"] / 3
 
 
 def test_sizes_need_a_unit():
