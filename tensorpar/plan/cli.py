@@ -25,7 +25,7 @@ from tensorpar.gpt.spec import load_spec
 from tensorpar.plan.activations import DEVICES
 from tensorpar.plan.comm import mlp_split_comparison, predicted_comm
 from tensorpar.plan.data_parallel import check_dp, dp_comm
-from tensorpar.plan.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory, smallest_fitting
+from tensorpar.plan.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory
 from tensorpar.plan.report import fmt, print_tables, unit_for, write_png
 from tensorpar.plan.zoo import PRESETS, preset
 
@@ -45,6 +45,13 @@ examples:
   tensorpar plan --model gpt2 --tp 4 --split --png plan.png
   tensorpar plan --model llama-2-7b --tp 1,2 --dp 8 --dp-mode ddp --batch 8 --device cuda
 """
+
+
+
+def smallest_fitting(rows: list[dict]) -> dict | None:
+    """The row with the smallest TP size that fits, or None."""
+    fitting = [r for r in rows if r.get("fits")]
+    return min(fitting, key=lambda r: r["tp"]) if fitting else None
 
 
 def parse_bytes(text: str) -> float:

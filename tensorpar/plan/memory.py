@@ -297,9 +297,3 @@ def plan_memory(spec: ModelSpec, tp: int, batch: int, seq: int, dtype: str = "bf
         row["usable"] = round(device_memory * (1 - reserve))
         row["fits"] = row["total"] <= row["usable"]
     return row
-
-
-def smallest_fitting(rows: list[dict]) -> dict | None:
-    """The row with the smallest TP size that fits, or None."""
-    fitting = [r for r in rows if r.get("fits")]
-    return min(fitting, key=lambda r: r["tp"]) if fitting else None
