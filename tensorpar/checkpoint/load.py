@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
@@ -24,6 +23,7 @@ from tensorpar.checkpoint.format import (
     sha256_of,
 )
 from tensorpar.parallel.sharding import ShardSpec, dense_shape
+from tensorpar.runtime.dtensors import is_dtensor, local_part
 
 
 class CheckpointReader:
@@ -145,14 +145,12 @@ def _place(tp_shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     device, and for an FSDP2 parameter (a DTensor split over data parallelism) as a DTensor of
     the same placements, each rank keeping its own piece (no communication: every rank read
     the whole shard)."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(tp_shard.to(p.device), p.device_mesh, p.placements,
                                  src_data_rank=None)
     return tp_shard.to(p.device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -173,7 +171,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in model.named_parameters():
         spec = p.tp_shard
-        _local(p).copy_(_local(_place(read_shard(reader, name, spec), p)))
+        local_part(p).copy_(local_part(_place(read_shard(reader, name, spec), p)))
         if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:
             state = optimizer.state[p]
             for s in ADAM_STATES:

@@ -29,7 +29,6 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
@@ -41,6 +40,7 @@ from tensorpar.checkpoint.format import (
     sha256_of,
 )
 from tensorpar.parallel.layout import Layout, owned_local
+from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.output import write_atomically
 
@@ -129,7 +129,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
                                               for s in ADAM_STATES if s in state]:
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 t = t.full_tensor()
             mine = owned_local(layout, name, t, rank)
             if mine is not None:

@@ -184,6 +184,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
                           f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
                           f"{human_bytes(comm['dp']['ring_bytes'].get(kind, 0))} sent per rank "
                           f"(ring); {verdict}")
+        table.add_row("dp analytic count (payload)", " + ".join(
+            f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
     return table
 
 

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
@@ -45,6 +44,7 @@ from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.checking import collectives_checked, naming_layers
 from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.stopping import StopRequest, signal_name
 from tensorpar.scale.data_parallel import data_parallel
@@ -234,18 +234,13 @@ def _broadcast_int(value: int, group, device) -> int:
     return int(t.item())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's own piece of ``t``: an FSDP2 DTensor's local shard, else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, group,
                    cfg: TrainConfig, out: Path) -> str:
     """The one line that stops a run at a non-finite step, naming the first parameter (in the
     model's order) whose gradient is not finite, on whichever rank holds it. Every rank calls
     it (one all_gather_object, on this path only)."""
     first = next(((i, name) for i, (name, p) in enumerate(model.named_parameters())
-                  if p.grad is not None and not bool(_local(p.grad).isfinite().all())), None)
+                  if p.grad is not None and not bool(local_part(p.grad).isfinite().all())), None)
     found = [first]
     if tp_size(group) > 1:
         found = [None] * tp_size(group)

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, dense_shape
+from tensorpar.runtime.dtensors import is_dtensor, local_part
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 
@@ -123,7 +123,7 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     sq = torch.zeros((), dtype=torch.float32, device=device)
     dp_sharded = False
     for name, g in grads:
-        if isinstance(g, DTensor):
+        if is_dtensor(g):
             dp_sharded = True
             g = _owned_dp_local(layout, name, g, rank)
             if g is not None:
@@ -140,12 +140,12 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
         scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0),
                             torch.ones_like(norm))
         for _, g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
+            local = local_part(g)
             local.mul_(scale.to(local.dtype))
     return norm
 
 
-def _owned_dp_local(layout: Layout, name: str, g: DTensor, rank: int) -> torch.Tensor | None:
+def _owned_dp_local(layout: Layout, name: str, g, rank: int) -> torch.Tensor | None:
     """The part of this dp rank's piece of an FSDP2 gradient that TP rank ``rank`` owns.
 
     Ownership is all or nothing for every parameter tensorpar makes (a column or row shard is
@@ -166,7 +166,6 @@ def _owned_dp_local(layout: Layout, name: str, g: DTensor, rank: int) -> torch.T
 def rank_sizes(model: nn.Module, layout: Layout) -> dict[str, int]:
     """Elements this rank holds (of an FSDP2 DTensor, its own piece), and the dense model's
     element count."""
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-                for p in model.parameters())
+    local = sum(local_part(p).numel() for p in model.parameters())
     dense = sum(layout.numel(name) for name in layout.shapes)
     return {"local": local, "dense": dense}

@@ -7,15 +7,14 @@ values. The CLI runs one job through it; the tests keep one pool per world size 
 
 Failure handling, so that nothing hangs:
 - a function that raises on a rank comes back as :class:`RankError` with that rank's traceback
-  and what it was (``failures``: an expected error, said in one line, or a bug; see
-  ``failures.py``);
+  and what it was (``failures``: an expected error in one line, or a bug; ``failures.py``);
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
   ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
 - a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool; the
   error names the rank and the signal; an abort (gloo's answer to ranks that fed a collective
-  different shapes; its message is on the rank's stderr, which is the launcher's) comes with the
-  hint to turn the check mode on (``checking.py``), which makes that an error on every rank;
-- ranks exit when the process that started them dies (``kill PID``), so none is left behind.
+  different shapes; its message is on the launcher's stderr) comes with the hint to turn the
+  check mode on (``checking.py``), which makes that an error on every rank;
+- ranks exit when the process that started them dies (``kill PID``): none is left behind.
 
 Signals: the ranks ignore Ctrl-C (SIGINT); the launcher takes it (``KeyboardInterrupt``) and
 stops them, so a terminal's Ctrl-C, which reaches every process, ends with no per-rank
@@ -165,7 +164,11 @@ class RankPool:
             if main:
                 signal.signal(signal.SIGINT, previous)
         self._closed = False
-        self._collect(timeout_s)  # every rank reports "ready" once its process group is up
+        try:  # every rank reports "ready" once its process group is up
+            self._collect(timeout_s)
+        except BaseException:  # Ctrl-C while ranks start: no ``with`` closes the pool, and a
+            self.close(force=True)  # rank left unpickling its arguments prints a traceback
+            raise
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
@@ -257,9 +260,8 @@ def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
               forward_signals: tuple[int, ...] = ()) -> list[Any] | None:
     """Run ``fn(*args, group=...)`` on ``nprocs`` ranks: spawn them, or, under torchrun, be one of
-    them. Returns every rank's result in rank order (under torchrun, gathered to rank 0; the
-    other ranks get None). ``forward_signals``: see :func:`launch` (under torchrun, torchrun
-    itself passes its signals on to every rank)."""
+    them. Every rank's result in rank order (under torchrun, on rank 0; the others get None).
+    ``forward_signals``: see :func:`launch` (torchrun passes its signals on by itself)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return launch(fn, nprocs, *args, forward_signals=forward_signals)
     import torch.distributed as dist
@@ -290,7 +292,6 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
            forward_signals: tuple[int, ...] = (), check_collectives: bool | None = None,
            **kwargs: Any) -> list[Any]:
     """Spawn ``nprocs`` ranks, run ``fn(*args, **kwargs)`` on each, shut down; per-rank results.
-
     timeout_s: the longest the job may run (None: no limit, as for a training run).
     forward_signals: signals passed on to the ranks once (the ranks handle them), see above.
     check_collectives: see :class:`RankPool`."""

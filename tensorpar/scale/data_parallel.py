@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
+
+from tensorpar.runtime.dtensors import is_dtensor
+
+if TYPE_CHECKING:  # torch's FSDP and DTensor modules take most of a second to import: on use
+    from torch.distributed.device_mesh import DeviceMesh
 
 DP_MODES = ("fsdp", "ddp")
 
@@ -62,6 +64,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     check_dp_mode(mode)
     if mesh["dp"].size() == 1:
         return model
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
     if mode == "ddp":
         # tensorpar's buffers (rotary tables, head indices) are the same on every rank: no
         # broadcast of them before each forward (torch 2.13 renamed the switch)
@@ -82,9 +87,10 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
 def inner(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (the model itself otherwise): parameter names without
     DDP's ``module.`` prefix, for checkpoints and the layout."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return getattr(model, "module", model) if type(model).__name__ == \
+        "DistributedDataParallel" else model
 
 
 def is_dp_sharded(t) -> bool:
     """Whether ``t`` (a parameter, gradient or optimizer state) is an FSDP2 DTensor."""
-    return isinstance(t, DTensor)
+    return is_dtensor(t)

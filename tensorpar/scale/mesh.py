@@ -17,11 +17,14 @@ Every tensorpar layer takes ``mesh["tp"].get_group()`` as its ``group``; FSDP2 a
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tensorpar.runtime.groups import device_for, start_process_group, world_size_to_be
+
+if TYPE_CHECKING:  # imported on use: torch's mesh module pulls in DTensor (most of a second)
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp", "tp")
 
@@ -64,6 +67,8 @@ def init_parallel(tp: int | None = None, dp: int | None = None, *, backend: str 
     """
     dp_size, tp_size = mesh_sizes(world_size_to_be(), tp, dp)  # before any collective
     start_process_group(backend=backend, timeout=timeout, check_collectives=check_collectives)
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device_for().type, (dp_size, tp_size), mesh_dim_names=MESH_DIMS)
 
 
