@@ -148,17 +148,14 @@ def test_no_plan_is_a_clear_error():
 
 def test_cli_verify_and_generate(hf_dirs):
     """``verify --hf`` prints the per-layer table and passes (its greedy tokens equal the dense
-    model's); ``generate --hf`` prints the prompt and its continuation (character tokenizer), or
-    token ids; clear errors without a tokenizer or config."""
+    model's); ``generate --hf`` prints token ids; clear errors without a tokenizer or config.
+    (``generate --hf`` of a Llama with a character tokenizer at TP=2, prompt and continuation,
+    is the README's line, run by tests/test_readme.py.)"""
     out = _tensorpar("verify", "--hf", hf_dirs / "qwen3", "--tp", 2)
     assert out.returncode == 0, out.stdout + out.stderr
     for text in ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
                  "rank 1: parameters", "all outputs, gradients and greedy tokens match"):
         assert text in out.stdout, out.stdout
-    gen = _tensorpar("generate", "--hf", hf_dirs / "llama", "--tp", 2, "--prompt", "Hi ",
-                     "--max-new-tokens", 12)
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("Hi ") and len(gen.stdout) > 4
     gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
     assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
     gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 1, "--prompt-ids", "5,6,7",
