@@ -160,33 +160,31 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     if comm["counts"]:
         minimum = predicted_comm(spec, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype,
                                  recompute)
-        for kind in sorted(set(comm["counts"]) | set(minimum["counts"])):
-            measured = (comm["counts"].get(kind, 0), comm["bytes"].get(kind, 0))
-            expected = (minimum["counts"].get(kind, 0), minimum["bytes"].get(kind, 0))
-            verdict = "= the analytic count" if measured == expected else \
-                f"analytic count: {expected[0]} calls, {human_bytes(expected[1])}"
-            table.add_row(f"{kind} per step",
-                          f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
-                          f"{human_bytes(comm['ring_bytes'].get(kind, 0))} sent per rank "
-                          f"(ring); {verdict}")
+        _collective_rows(table, "", comm, minimum)
         table.add_row("analytic count (payload)", _by_source(minimum, sp))
     else:
         table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
         expected = dp_comm(spec, tp, dp, cfg.dp_mode, rank=0)
-        for kind in sorted(set(comm["dp"].get("counts", {})) | set(expected["counts"])):
-            measured = (comm["dp"]["counts"].get(kind, 0), comm["dp"]["bytes"].get(kind, 0))
-            want = (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
-            verdict = "= the analytic count" if measured == want else \
-                f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
-            table.add_row(f"dp {kind} per step",
-                          f"{measured[0]} calls, {human_bytes(measured[1])} payload, "
-                          f"{human_bytes(comm['dp']['ring_bytes'].get(kind, 0))} sent per rank "
-                          f"(ring); {verdict}")
+        _collective_rows(table, "dp ", comm["dp"], expected)
         table.add_row("dp analytic count (payload)", " + ".join(
             f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
     return table
+
+
+def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict) -> None:
+    """A row per kind of collective: the calls, payload and ring bytes of one measured step
+    (``CollectiveCounter``'s), and whether they are the analytic count (``expected``)."""
+    for kind in sorted(set(measured.get("counts", {})) | set(expected["counts"])):
+        got = (measured["counts"].get(kind, 0), measured["bytes"].get(kind, 0))
+        want = (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
+        verdict = "= the analytic count" if got == want else \
+            f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
+        table.add_row(f"{prefix}{kind} per step",
+                      f"{got[0]} calls, {human_bytes(got[1])} payload, "
+                      f"{human_bytes(measured['ring_bytes'].get(kind, 0))} sent per rank "
+                      f"(ring); {verdict}")
 
 
 def _by_source(predicted: dict, sp: bool) -> str:
