@@ -119,10 +119,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
 
     dp_group: with data parallelism (None: without), every rank of the run calls it, with its
     data-parallel group. The first replica (dp rank 0) of each TP rank writes, so nothing is
-    stored twice:
-    FSDP2's pieces (DTensors) are first gathered over ``dp_group`` into the whole TP shard, DDP's
-    are whole already. The other replicas wait for the writers' outcome and raise what they
-    raised, so every rank ends alike."""
+    stored twice: FSDP2's pieces (DTensors) are first gathered over ``dp_group`` into the whole
+    TP shard, DDP's are whole already. The other replicas wait for the writers' outcome and
+    raise what they raised, so every rank ends alike."""
     tensors = {}
     rank = tp_rank(group)
     for name, p in model.named_parameters():  # every dp rank: FSDP2's gathers are collectives

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel  # loaded by ``import torch`` already
 
 from tensorpar.runtime.dtensors import is_dtensor
 
@@ -64,9 +65,6 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     check_dp_mode(mode)
     if mesh["dp"].size() == 1:
         return model
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
     if mode == "ddp":
         # tensorpar's buffers (rotary tables, head indices) are the same on every rank: no
         # broadcast of them before each forward (torch 2.13 renamed the switch)
@@ -74,6 +72,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
         quiet = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
                                        **{quiet: False})
+    from torch.distributed.fsdp import fully_shard
+
     specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
     for unit in shard_units(model) if units is None else units:
         fully_shard(unit, mesh=mesh["dp"])
@@ -87,8 +87,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
 def inner(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (the model itself otherwise): parameter names without
     DDP's ``module.`` prefix, for checkpoints and the layout."""
-    return getattr(model, "module", model) if type(model).__name__ == \
-        "DistributedDataParallel" else model
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def is_dp_sharded(t) -> bool:

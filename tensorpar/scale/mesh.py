@@ -19,8 +19,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from tensorpar.runtime.groups import device_for, start_process_group, world_size_to_be
 
 if TYPE_CHECKING:  # imported on use: torch's mesh module pulls in DTensor (most of a second)
@@ -83,8 +81,3 @@ def dp_size(mesh: DeviceMesh | None) -> int:
 
 def dp_rank(mesh: DeviceMesh | None) -> int:
     return 0 if mesh is None else mesh["dp"].get_local_rank()
-
-
-def is_first_rank() -> bool:
-    """Whether this is global rank 0 (the one that prints and writes a run's files)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
