@@ -36,6 +36,8 @@ def _pools():
         return pools[n, checked]
 
     yield get
+    for pool in pools.values():  # side by side: each rank takes a second or two to shut down
+        pool.ask_to_stop()
     for pool in pools.values():
         pool.close()
 

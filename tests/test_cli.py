@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests_common import tensorpar_here
+
 
 def _run(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
@@ -43,7 +45,7 @@ def test_verify_under_torchrun():
 ])
 def test_verify_bad_sizes(flags, message):
     """Impossible sizes: one clear line and exit code 2, no traceback, no ranks started."""
-    out = _run(sys.executable, "-m", "tensorpar", "verify", *flags)
+    out = tensorpar_here("verify", *flags)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
 

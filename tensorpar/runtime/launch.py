@@ -153,8 +153,7 @@ class RankPool:
             )
             for r in range(nprocs)
         ]
-        # started with Ctrl-C ignored, which a new process inherits: a Ctrl-C while a rank still
-        # imports is the launcher's alone too
+        # started with Ctrl-C ignored (inherited): one while a rank imports is the launcher's too
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
@@ -163,7 +162,7 @@ class RankPool:
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
-        self._closed = False
+        self._closed = self._stop_asked = False
         try:  # every rank reports "ready" once its process group is up
             self._collect(timeout_s)
         except BaseException:  # Ctrl-C while ranks start: no ``with`` closes the pool, and a
@@ -195,11 +194,8 @@ class RankPool:
             if dead or time.monotonic() > deadline:
                 self.close(force=True)
                 codes = [self._procs[r].exitcode for r in dead]
-                why = (
-                    f"rank(s) {dead} died (exit codes {codes}){_how(codes)}"
-                    if dead
-                    else f"ranks {sorted(set(range(self.nprocs)) - set(got))} did not finish"
-                )
+                why = (f"rank(s) {dead} died (exit codes {codes}){_how(codes)}" if dead else
+                       f"ranks {sorted(set(range(self.nprocs)) - set(got))} did not finish")
                 aborted = -signal.SIGABRT in codes and not self.checked
                 raise _rank_error(got, why, died=bool(dead), hint=CHECK_HINT if aborted else None)
         if any(not ok for ok, _ in got.values()):
@@ -215,14 +211,20 @@ class RankPool:
                 except ProcessLookupError:
                     pass
 
+    def ask_to_stop(self) -> None:
+        """Tell every rank to stop after its job, without waiting: pools then close side by side."""
+        if not self._stop_asked:
+            self._stop_asked = True
+            for q in self._tasks:
+                q.put(None)
+
     def close(self, force: bool = False) -> None:
         """Stop every rank: politely (destroy the process group) unless ``force``."""
         if self._closed:
             return
         self._closed = True
         if not force:
-            for q in self._tasks:
-                q.put(None)
+            self.ask_to_stop()
             for p in self._procs:
                 p.join(timeout=10)
         for p in self._procs:
@@ -240,10 +242,8 @@ class RankPool:
 def _how(codes: list[int | None]) -> str:
     """``: SIGKILL`` for exit codes [-9]; an abort says where its message is."""
     names = sorted({signal_name(-c) for c in codes if c is not None and c < 0})
-    if not names:
-        return ""
-    aborted = " (an abort; its message, gloo's or NCCL's, is above)"
-    return ": " + ", ".join(names) + aborted * (-signal.SIGABRT in codes)
+    aborted = " (an abort; its message, gloo's or NCCL's, is above)" * (-signal.SIGABRT in codes)
+    return ": " + ", ".join(names) + aborted if names else ""
 
 
 def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = False,

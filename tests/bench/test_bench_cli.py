@@ -11,6 +11,7 @@ import os
 import pytest
 
 from tests_common import tensorpar_cli as tensorpar
+from tests_common import tensorpar_here
 
 # tensorpar splits 8 query heads over 3 ranks (3, 3, 2) and shares the 2 KV heads; DTensor and
 # megatron-core split only evenly
@@ -79,7 +80,7 @@ def test_profile_is_quiet_and_written(tmp_path):
 def test_bad_flags_are_one_line(tmp_path, flags, message):
     """Refused before any rank starts: one line, exit 2, nothing written."""
     (tmp_path / "taken").write_text("a file\n")
-    out = tensorpar("bench", *flags, cwd=tmp_path)
+    out = tensorpar_here("bench", *flags, cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
     assert out.stderr.startswith(f"tensorpar bench: {message}"), out.stderr
     assert out.stderr.count("\n") == 1, out.stderr

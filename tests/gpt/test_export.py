@@ -1,8 +1,8 @@
-"""``tensorpar export`` as a user meets it, run as ``python -m tensorpar``: an ``--out`` that
-cannot be written is one line and exit status 2, checked before the checkpoint is read, and no
-temporary file is left anywhere, neither in the working directory nor next to the target; a
-write that fails midway removes its temporary file; a good export is named in a ``wrote`` line
-and replaces an existing file whole."""
+"""``tensorpar export`` as a user meets it (``cli.main`` in this process; the README's export
+line runs ``python -m tensorpar``): an ``--out`` that cannot be written is one line and exit
+status 2, checked before the checkpoint is read, and no temporary file is left anywhere, neither
+in the working directory nor next to the target; a write that fails midway removes its temporary
+file; a good export is named in a ``wrote`` line and replaces an existing file whole."""
 
 import os
 from pathlib import Path
@@ -16,7 +16,7 @@ from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.parallel.layout import Layout
 
 from tests_common import leftovers
-from tests_common import tensorpar_cli as tensorpar
+from tests_common import tensorpar_here as tensorpar
 
 
 @pytest.fixture(scope="module")

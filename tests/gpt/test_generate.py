@@ -22,6 +22,7 @@ from tensorpar.parallel.sharding import shard_range
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size
 
+from tests_common import tensorpar_here
 from tp_check import assert_close
 
 # one KV head (shared by every rank at TP > 1); vocab 50 is uneven over 3 and 4 ranks
@@ -265,5 +266,6 @@ def test_cli_bad_values(ckpt, capsys, flags, message):
 
 
 def test_cli_bad_top_p_exits_2(ckpt):
-    rc, _, stderr = _tensorpar("generate", "--ckpt", ckpt, "--prompt", "x", "--top-p", 0)
+    out = tensorpar_here("generate", "--ckpt", ckpt, "--prompt", "x", "--top-p", 0)
+    rc, stderr = out.returncode, out.stderr
     assert rc == 2 and "--top-p 0.0 must be in (0, 1]" in stderr and "Traceback" not in stderr

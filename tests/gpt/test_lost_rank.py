@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests_common import TINY_GPT, child_pids, cli_env, tensorpar_cli
+from tests_common import TINY_GPT, child_pids, cli_env, tensorpar_here
 
 
 def _lose_a_rank(run, how: int, *top_flags) -> tuple[int, str, float]:
@@ -60,5 +60,5 @@ def test_stopped_rank_times_out(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_bad_timeout(value):
-    out = tensorpar_cli("--timeout", value, "train")
+    out = tensorpar_here("--timeout", value, "train")
     assert out.returncode == 2 and f"--timeout {float(value)} must be > 0" in out.stderr

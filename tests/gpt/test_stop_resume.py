@@ -17,7 +17,7 @@ from tensorpar.gpt.start import resolve
 from tensorpar.gpt.train import TrainConfig, train_rank
 from tensorpar.runtime.stopping import StopRequest
 
-from tests_common import TINY_GPT, child_pids, cli_env, read_metrics, tensorpar_cli
+from tests_common import TINY_GPT, child_pids, cli_env, read_metrics, tensorpar_cli, tensorpar_here
 
 STEPS = 60
 
@@ -180,12 +180,12 @@ def test_resume_edge_cases(tmp_path, uninterrupted):
     note; a run already at --steps says so and starts no rank; a new run never overwrites an
     earlier run's metrics.jsonl."""
     missing = tmp_path / "typo"
-    out = tensorpar_cli("train", "--resume", "--out", missing, *TINY_GPT)
+    out = tensorpar_here("train", "--resume", "--out", missing, *TINY_GPT)
     assert out.returncode == 2 and f"--resume: {missing} does not exist" in out.stderr
     assert not missing.exists()
     done = uninterrupted[1]
     t0 = time.monotonic()
-    out = tensorpar_cli("train", "--resume", "--steps", 30, "--out", done)
+    out = tensorpar_here("train", "--resume", "--steps", 30, "--out", done)
     assert out.returncode == 0 and f"{done} is already at step {STEPS} (--steps 30): nothing " \
         "to train" in out.stderr, out.stderr
     assert "step 1/" not in out.stdout and time.monotonic() - t0 < 15
@@ -193,7 +193,7 @@ def test_resume_edge_cases(tmp_path, uninterrupted):
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    out = tensorpar_cli("train", "--out", stale, *TINY_GPT)
+    out = tensorpar_here("train", "--out", stale, *TINY_GPT)
     assert out.returncode == 2 and "holds the metrics.jsonl of an earlier run" in out.stderr
     assert (stale / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
     out = tensorpar_cli("train", "--resume", "--tp", 1, "--steps", 2, "--out", stale, *TINY_GPT)

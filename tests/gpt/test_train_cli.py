@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests_common import TINY_GPT, child_pids, cli_env, read_metrics
+from tests_common import TINY_GPT, child_pids, cli_env, read_metrics, tensorpar_here
 from tests_common import tensorpar_cli as _tensorpar
 
 
@@ -117,7 +117,7 @@ def test_under_torchrun(tmp_path):
     (["train", "--lr", -1], "--lr -1.0 must be > 0"),
 ])
 def test_bad_requests_exit_2(args, message):
-    out = _tensorpar(*args)
+    out = tensorpar_here(*args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
@@ -128,13 +128,13 @@ def test_bad_checkpoints_exit_2(trained, tmp_path):
 
     run = tmp_path / "run"
     shutil.copytree(trained[0], run)
-    out = _tensorpar("train", "--resume", "--out", run, "--dim", 64)
+    out = tensorpar_here("train", "--resume", "--out", run, "--dim", 64)
     assert out.returncode == 2 and "--dim 64 disagrees with the checkpoint" in out.stderr
     shard = run / "step-00000020" / "rank01-of02.safetensors"
     shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
     for args in (["train", "--resume", "--out", run],
                  ["generate", "--ckpt", run, "--prompt", "x"]):
-        out = _tensorpar(*args)
+        out = tensorpar_here(*args)
         assert out.returncode == 2 and "rank01-of02.safetensors is corrupted" in out.stderr, \
             out.stderr
 
@@ -142,11 +142,11 @@ def test_bad_checkpoints_exit_2(trained, tmp_path):
 def test_short_data_and_bad_generate_flags(trained, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("only a few words")
-    out = _tensorpar("train", "--data", short, "--out", tmp_path / "run", *TINY_GPT)
+    out = tensorpar_here("train", "--data", short, "--out", tmp_path / "run", *TINY_GPT)
     assert out.returncode == 2 and "fewer than --seq-len 32 + 1 tokens" in out.stderr
     for flags, message in ((["--tp", 0], "--tp 0 must be >= 1"),
                            (["--temperature", "nan"], "--temperature nan >= 0")):
-        out = _tensorpar("generate", "--ckpt", trained[0], "--prompt", "x", *flags)
+        out = tensorpar_here("generate", "--ckpt", trained[0], "--prompt", "x", *flags)
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 

@@ -1,7 +1,8 @@
-"""``tensorpar plan`` as a user meets it, run as ``python -m tensorpar``: each mistake is one line
-on stderr and exit status 2, with no traceback and nothing written; a size needs its unit; the
-default model is announced; every file written is named in a ``wrote`` line. And the help of
-``plan`` and ``bench``: plain text, every flag explained with its default."""
+"""``tensorpar plan`` as a user meets it (``cli.main`` in this process; the README's plan lines
+run it as ``python -m tensorpar``): each mistake is one line on stderr and exit status 2, with no
+traceback and nothing written; a size needs its unit; the default model is announced; every
+file written is named in a ``wrote`` line. And the help of ``plan`` and ``bench``: plain text,
+every flag explained with its default."""
 
 import argparse
 import json
@@ -12,8 +13,7 @@ import pytest
 from tensorpar.bench import bench_cli
 from tensorpar.plan import cli as plan_cli
 
-from tests_common import leftovers
-from tests_common import tensorpar_cli as tensorpar
+from tests_common import leftovers, tensorpar_here
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -29,7 +29,7 @@ def test_one_line_for_each_mistake(tmp_path, flags, message):
     """A size without its unit (80: bytes or GB?) is refused, asking for the unit; a --png that
     names a directory or lies in a missing one is refused before anything is computed; a wrong
     value names its own flag only. One line, exit 2, no traceback, nothing on stdout, no file."""
-    out = tensorpar("plan", "--model", "gpt2", "--tp", "2", *flags, cwd=tmp_path)
+    out = tensorpar_here("plan", "--model", "gpt2", "--tp", "2", *flags, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.startswith("tensorpar plan: ") and out.stderr.count("\n") == 1, out.stderr
     assert message in out.stderr and out.stdout == ""
@@ -42,7 +42,7 @@ def test_default_model_is_announced_and_files_named(tmp_path):
     """Without --model or --config the plan is llama-2-7b's, said on stderr; the chart is
     written atomically (no temporary file left) and named in a ``wrote`` line; with --json the
     notes go to stderr and stdout stays one JSON document."""
-    out = tensorpar("plan", "--tp", "1,2", "--png", "plan.png", cwd=tmp_path)
+    out = tensorpar_here("plan", "--tp", "1,2", "--png", "plan.png", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stderr == ("tensorpar plan: planning llama-2-7b (the default; --model NAME or "
                           "--config FILE for another)\n")
@@ -50,8 +50,8 @@ def test_default_model_is_announced_and_files_named(tmp_path):
     assert out.stdout.rstrip().splitlines()[-1] == "wrote plan.png"
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert leftovers(tmp_path) == []
-    out = tensorpar("plan", "--model", "gpt2", "--tp", "2", "--json", "--png",
-                    tmp_path / "g.png", cwd=tmp_path)
+    out = tensorpar_here("plan", "--model", "gpt2", "--tp", "2", "--json", "--png",
+                         tmp_path / "g.png", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.lstrip().startswith("{"), out.stderr
     assert out.stdout.rstrip().endswith("}") and out.stderr == f"wrote {tmp_path / 'g.png'}\n"
 

@@ -10,7 +10,7 @@ import pytest
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.train import TrainConfig, train_rank
 
-from tests_common import tensorpar_cli
+from tests_common import tensorpar_here
 
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 20
@@ -107,7 +107,7 @@ def test_bad_input_is_one_line_before_any_rank(runs, tmp_path):
                          "--batch-size 8 (the global batch) does not divide over --dp 3"),
                         (["--dp", "2", "--dp-mode", "zero"],
                          "--dp-mode zero: expected fsdp or ddp")]:
-        run = tensorpar_cli("train", "--tp", "2", "--out", out, *flags)
+        run = tensorpar_here("train", "--tp", "2", "--out", out, *flags)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr
         assert lines[0].startswith(f"tensorpar train: {says}"), run.stderr
@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_before_any_rank(runs, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(runs(2, 2, "fsdp")[0], broken)
     (broken / "step-00000020" / "rank01-of02.safetensors").unlink()
-    run = tensorpar_cli("train", "--resume", "--tp", "2", "--dp", "2", "--steps", "30",
-                        "--out", broken)
+    run = tensorpar_here("train", "--resume", "--tp", "2", "--dp", "2", "--steps", "30",
+                         "--out", broken)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("rank01-of02.safetensors is missing")
