@@ -3,6 +3,7 @@
     tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see gpt/train.py)
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
     tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
+    tensorpar export --ckpt runs/gpt --hf-out gpt-hf        a Hugging Face (Llama) folder
     tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
     tensorpar verify --hf PATH --tp 2                       a HF model vs its dense self
     tensorpar generate --hf PATH --tp 2 --prompt "..."
@@ -122,12 +123,20 @@ def _prompts(args) -> list[str] | None:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors")
+    p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors "
+                       "(--out) or as a Hugging Face model folder (--hf-out)")
     p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
                    "step-* checkpoint directory (required)")
-    p.add_argument("--out", required=True, help="the file to write: a name ending in "
-                   ".safetensors, in an existing writable directory; an existing file is replaced "
-                   "atomically (required)")
+    p.add_argument("--out", help="the file to write: a name ending in .safetensors, in an "
+                   "existing writable directory; an existing file is replaced atomically "
+                   "(required: this or --hf-out)")
+    p.add_argument("--hf-out", metavar="DIR", help="instead: a new or empty folder to write as "
+                   "a Hugging Face model that transformers' AutoModelForCausalLM and "
+                   "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer); "
+                   "written next to it and renamed into place (required: this or --out)")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="with --hf-out: the largest "
+                   "safetensors file, with its unit (5GB, 500MB, 2GiB); above it the weights are "
+                   "split into files named in model.safetensors.index.json (default 5GB)")
 
 
 def _run(args) -> int:
@@ -173,9 +182,21 @@ def _run(args) -> int:
         return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,
                             args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p)
     if args.command == "export":
-        from tensorpar.checkpoint.export import export_dense
+        if (args.out is None) == (args.hf_out is None):
+            raise ValueError("give one of --out FILE.safetensors (one dense file) and --hf-out "
+                             "DIR (a Hugging Face model folder)")
+        if args.hf_out is not None:
+            from tensorpar.hf.export import DEFAULT_SHARD_SIZE, export_hf
 
-        path = export_dense(args.ckpt, args.out)
+            note = lambda line: print(f"tensorpar export: note: {line}", file=sys.stderr)  # noqa: E731
+            path = export_hf(args.ckpt, args.hf_out, args.max_shard_size or DEFAULT_SHARD_SIZE,
+                             note)
+        elif args.max_shard_size is not None:
+            raise ValueError("--max-shard-size goes with --hf-out (--out writes one file)")
+        else:
+            from tensorpar.checkpoint.export import export_dense
+
+            path = export_dense(args.ckpt, args.out)
         print(f"wrote {path}")
         return 0
     return 2

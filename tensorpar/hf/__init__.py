@@ -1,6 +1,7 @@
 """The Hugging Face bridge: plans (module-name patterns to styles), what each style does to a
 module, ``parallelize`` for a dense model in hand, ``from_pretrained`` for a model directory,
-and ``tensorpar verify|generate --hf`` (``cli``).
+``tensorpar verify|generate --hf`` (``cli``), and ``export``: a checkpoint written as a model
+folder that transformers loads (``tensorpar export --hf-out``).
 
 Imports the core only (transformers lazily, inside the functions that need it). ``cli`` is a
 command-line module and sits on top.

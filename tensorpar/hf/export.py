@@ -1,0 +1,298 @@
+"""A checkpoint as a Hugging Face model folder: ``tensorpar export --ckpt RUN --hf-out DIR``.
+
+::
+
+    tensorpar export --ckpt runs/gpt --hf-out runs/gpt-hf     # --max-shard-size 5GB (default)
+    AutoModelForCausalLM.from_pretrained("runs/gpt-hf"), AutoTokenizer.from_pretrained(...)
+
+The folder holds ``config.json``, ``generation_config.json``, the weights as written by
+transformers' own ``save_pretrained`` (``model.safetensors``, or above ``--max-shard-size``
+``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``) and the tokenizer
+(``tokenizer.json``, ``tokenizer_config.json``).
+
+tensorpar's GPT is a ``LlamaForCausalLM`` whose weights carry over unchanged::
+
+    tensorpar GPT (gpt/model.py)     Llama (transformers)
+    embed                            model.embed_tokens
+    blocks.i.attn_norm               model.layers.i.input_layernorm
+    blocks.i.attn.{q,k,v,o}_proj     model.layers.i.self_attn.{q,k,v,o}_proj
+    blocks.i.mlp_norm                model.layers.i.post_attention_layernorm
+    blocks.i.mlp.{gate,up,down}      model.layers.i.mlp.{gate,up,down}_proj
+    norm                             model.norm
+    lm_head, or tied to embed        lm_head, or tie_word_embeddings
+
+because the conventions agree (``transformer/rotary.py``, ``attention.py``, ``mlp.py``,
+``parallel/norm.py``): rotary pairs channel i with i + head_dim/2 ("rotate half") at angle
+pos * rope_theta^(-2i/head_dim), Llama's layout in transformers, so no q/k row is permuted
+(Meta's original interleaved checkpoints need that, tensorpar's do not); query head h reads KV
+head h // (n_head / n_kv_head), as ``repeat_kv``; RMSNorm has a weight and no bias, eps
+``norm_eps``; the MLP is down(silu(gate x) * up x); no linear has a bias; scores are scaled by
+1/sqrt(head_dim); the embedding is not scaled. Llama cannot hold the GPT's dropout on each
+residual branch (it has attention dropout only): the export has none, as inference has none.
+Rotary positions have no limit: ``max_position_embeddings`` is Llama's 2048 (or the training
+``--seq-len`` if longer), though the model has seen only ``--seq-len`` positions in training.
+The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``gpt/data.py``'s
+``ByteTokenizer``, and decodes invalid UTF-8 to U+FFFD as it does. It has no special tokens,
+so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does.
+
+The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
+writer; today only ``"gpt"``. Nothing half-written: the target is checked first (a new or empty
+folder in an existing directory), then the checkpoint (every file's sha256), its config and
+tensors; everything is written to a hidden folder next to the target, renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tensorpar.checkpoint.format import make_readable
+from tensorpar.checkpoint.load import CheckpointReader
+
+DEFAULT_SHARD_SIZE = "5GB"  # the Hub's usual shard (transformers' default was 5GB before v5)
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (gpt/data.py)
+MAX_POSITIONS = 2048  # LlamaConfig's default max_position_embeddings
+
+# each GPTConfig field and the LlamaConfig keyword that holds it (None: no Llama field)
+LLAMA_FIELDS = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "dim": "hidden_size",
+                "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+                "hidden_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
+                "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "dropout": None}
+# a GPT block's parameters and their names in a Llama decoder layer
+LLAMA_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+               **{f"attn.{p}_proj": f"self_attn.{p}_proj" for p in "qkvo"},
+               **{f"mlp.{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")}}
+
+Note = Callable[[str], None]
+Writer = Callable[[Path], None]
+
+
+def parse_shard_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes, '2GiB' -> 2·2^30, '500MB', '100KB'; the unit is required."""
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", str(text).lower())
+    if not m or m.group(2) not in units or float(m.group(1)) * units[m.group(2)] < 1:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size with its unit, like 5GB, "
+                         "500MB or 2GiB")
+    return int(float(m.group(1)) * units[m.group(2)])
+
+
+def check_hf_target(out_dir: str | Path) -> Path:
+    """``out_dir`` as a Path, or ValueError (one line naming ``--hf-out``): it must be a new or
+    empty folder in an existing, writable directory."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--hf-out {out} is a file; name a new or empty folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--hf-out {out} is not empty; name a new or empty folder (an export "
+                         "never writes over files)")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"--hf-out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--hf-out {out}: directory {parent} is not writable")
+    return out
+
+
+def model_kind(manifest: dict) -> str:
+    """What model a checkpoint holds. ``tensorpar train``'s GPT runs record no ``model_kind``
+    (they came first): "gpt". A run fine-tuned from a Hugging Face model (``train --hf``)
+    records its own kind, and its exporter in ``EXPORTERS`` writes the source's architecture
+    and names back."""
+    return str(manifest.get("model_kind", "gpt"))
+
+
+def _llama_config(reader: CheckpointReader, note: Note) -> dict:
+    """LlamaConfig's keywords for the GPT of the manifest, or ValueError naming the field that
+    Llama (or the byte tokenizer) cannot express."""
+    m, where = reader.manifest, f"checkpoint {reader.dir}"
+    cfg = dict(m["config"])
+    unknown = sorted(cfg.keys() - LLAMA_FIELDS.keys())
+    if unknown:
+        raise ValueError(f"{where}: model field {unknown[0]}={cfg[unknown[0]]!r} has no Llama "
+                         f"equivalent (export --hf-out knows {', '.join(LLAMA_FIELDS)})")
+    cfg.setdefault("dropout", 0.0)
+    if missing := [f for f in LLAMA_FIELDS if f not in cfg]:
+        raise ValueError(f"{where}: the manifest's model config has no {missing[0]}")
+    for field in ("vocab_size", "n_layer", "dim", "n_head", "n_kv_head", "hidden_dim"):
+        if type(cfg[field]) is not int or cfg[field] < 1:
+            raise ValueError(f"{where}: model field {field}={cfg[field]!r} must be an int >= 1")
+    for field in ("rope_theta", "norm_eps", "dropout"):
+        if type(cfg[field]) not in (int, float) or cfg[field] < 0 or \
+                field == "rope_theta" and cfg[field] == 0:
+            raise ValueError(f"{where}: model field {field}={cfg[field]!r} must be a number "
+                             f"{'> 0' if field == 'rope_theta' else '>= 0'}")
+    if type(cfg["tie_embeddings"]) is not bool:
+        raise ValueError(f"{where}: model field tie_embeddings={cfg['tie_embeddings']!r} must "
+                         "be true or false")
+    if cfg["n_head"] % cfg["n_kv_head"]:
+        raise ValueError(f"{where}: model field n_kv_head={cfg['n_kv_head']} does not divide "
+                         f"n_head={cfg['n_head']} (Llama's GQA repeats each KV head alike)")
+    if cfg["dim"] % cfg["n_head"] or cfg["dim"] // cfg["n_head"] % 2:
+        raise ValueError(f"{where}: model field n_head={cfg['n_head']} does not split "
+                         f"dim={cfg['dim']} into even heads (rotary rotates channel pairs)")
+    tokenizer = m.get("tokenizer", "bytes")
+    if tokenizer != "bytes" or cfg["vocab_size"] != BYTE_VOCAB:
+        raise ValueError(f"{where}: model field vocab_size={cfg['vocab_size']} (tokenizer "
+                         f"{tokenizer!r}): export --hf-out writes the byte tokenizer, "
+                         f"{BYTE_VOCAB} tokens")
+    if cfg["dropout"]:
+        note(f"the GPT's residual dropout {cfg['dropout']} has no Llama field; the export has "
+             "no dropout (inference is unchanged)")
+    seq_len = (m.get("train") or {}).get("seq_len")
+    max_len = max(MAX_POSITIONS, seq_len if isinstance(seq_len, int) else 0)
+    kwargs = {llama: cfg[field] for field, llama in LLAMA_FIELDS.items() if llama}
+    return kwargs | {"head_dim": cfg["dim"] // cfg["n_head"], "hidden_act": "silu",
+                     "max_position_embeddings": max_len, "attention_bias": False,
+                     "mlp_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+                     "eos_token_id": None, "pad_token_id": None}
+
+
+def llama_names(c: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each GPT parameter -> (its Llama name, its dense shape), for LlamaConfig keywords ``c``."""
+    D, F, V, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    H, KV = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    block = {"attn_norm": (D,), "mlp_norm": (D,), "attn.q_proj": (H, D), "attn.k_proj": (KV, D),
+             "attn.v_proj": (KV, D), "attn.o_proj": (D, H), "mlp.gate": (F, D),
+             "mlp.up": (F, D), "mlp.down": (D, F)}
+    names = {"embed.weight": ("model.embed_tokens.weight", (V, D)),
+             "norm.weight": ("model.norm.weight", (D,))}
+    for i in range(c["num_hidden_layers"]):
+        for mine, shape in block.items():
+            names[f"blocks.{i}.{mine}.weight"] = (f"model.layers.{i}.{LLAMA_BLOCK[mine]}.weight",
+                                                  shape)
+    if not c["tie_word_embeddings"]:
+        names["lm_head.weight"] = ("lm_head.weight", (V, D))
+    return names
+
+
+def _check_tensors(reader: CheckpointReader, names: dict) -> None:
+    """The checkpoint's weights must be exactly the Llama's, shape for shape."""
+    have = {k: tuple(e["shape"]) for k, e in reader.tensors.items()
+            if not k.startswith("optimizer.")}
+    extra, missing = sorted(have.keys() - names.keys()), sorted(names.keys() - have.keys())
+    if extra:
+        raise ValueError(f"checkpoint {reader.dir}: {extra[0]} has no place in a Llama of its "
+                         f"config ({len(extra)} such tensor{'s' * (len(extra) > 1)})")
+    if missing:
+        raise ValueError(f"checkpoint {reader.dir} has no {missing[0]}, which its config needs")
+    for name, (_, shape) in names.items():
+        if have[name] != shape:
+            raise ValueError(f"checkpoint {reader.dir}: {name} is {have[name]}; its config "
+                             f"makes it {shape}")
+
+
+def byte_tokenizer():
+    """A ``tokenizers.Tokenizer`` mapping text to its UTF-8 bytes, byte b -> id b: GPT-2's
+    byte-level pre-tokenizer (each byte as one printable character, no regex split, no prefix
+    space) and a BPE model without merges whose vocabulary is those 256 characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the others for
+    # U+0100 onwards, in byte order
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    vocab, shifted = {}, 0
+    for b in range(BYTE_VOCAB):
+        vocab[chr(b) if b in printable else chr(0x100 + shifted)] = b
+        shifted += b not in printable
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _write_tokenizer(folder: Path) -> None:
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    # a class transformers 4 and 5 both load; no cleanup of spaces (" ." stays " .")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> Writer:
+    """Check that the GPT of ``reader`` is a Llama; return what writes its folder."""
+    import transformers
+
+    kwargs = _llama_config(reader, note)
+    names = llama_names(kwargs)
+    _check_tensors(reader, names)
+
+    def write(folder: Path) -> None:
+        config = transformers.LlamaConfig(**kwargs)
+        with torch.device("meta"):  # no weights drawn: each is assigned below
+            model = transformers.LlamaForCausalLM(config)
+        state = {hf: reader.read(name).contiguous() for name, (hf, _) in names.items()}
+        if config.tie_word_embeddings:  # one tensor; save_pretrained writes it once
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            model.save_pretrained(folder, max_shard_size=max_shard_size)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        _write_tokenizer(folder)
+
+    return write
+
+
+# model_kind -> (reader, max shard bytes, note) -> writer, after every check has passed
+EXPORTERS: dict[str, Callable[[CheckpointReader, int, Note], Writer]] = {"gpt": _gpt_to_llama}
+
+
+def _write_folder(out: Path, write: Writer) -> None:
+    """``write(tmp)`` into a hidden folder next to ``out``, then rename it to ``out`` (a new
+    name, or an empty folder it replaces): ``out`` is absent (or empty) or whole, never half
+    written, and a failed write leaves no temporary folder."""
+    out = out.resolve()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                make_readable(f)  # safetensors writes 0600
+        os.rename(tmp, out)  # fails, rather than merging, if out is no longer empty
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_hf(ckpt: str | Path, out_dir: str | Path,
+              max_shard_size: str | int = DEFAULT_SHARD_SIZE, note: Note | None = None) -> Path:
+    """Write the checkpoint ``ckpt`` (a run directory: its newest checkpoint) as a Hugging Face
+    model folder ``out_dir``; see the module docstring. ``max_shard_size``: bytes, or a size
+    with its unit ('5GB'). ``note``: called with a line for each thing the export drops.
+
+    Raises ValueError (one line) for a target that is not a new or empty folder, a checkpoint
+    that is missing or corrupted, a model the folder cannot express, or a failed write; nothing
+    is left behind then."""
+    from safetensors import SafetensorError
+
+    out = check_hf_target(out_dir)
+    limit = max_shard_size if isinstance(max_shard_size, int) else \
+        parse_shard_size(max_shard_size)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--hf-out needs transformers: pip install tensorpar[hf]") from None
+    reader = CheckpointReader(ckpt)
+    reader.verify()
+    kind = model_kind(reader.manifest)
+    if kind not in EXPORTERS:
+        raise ValueError(f"checkpoint {reader.dir} holds a model of kind {kind!r}; export "
+                         f"--hf-out writes {', '.join(map(repr, EXPORTERS))}")
+    write = EXPORTERS[kind](reader, limit, note or (lambda line: None))
+    try:
+        _write_folder(out, write)
+    except (OSError, SafetensorError) as e:  # the checks passed, the write did not (disk full)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"--hf-out {out}: cannot write it ({why})") from None
+    return out
