@@ -13,47 +13,48 @@ The packages, and the one direction their imports flow (each imports only those 
     bench        tensorpar against DTensor, megatron-core and plain PyTorch    (all above)
     cli          ``tensorpar`` and every package's ``cli`` module: on top
 
-``import tensorpar`` imports torch only; the names below are the public API.
+The names below are the public API; each is imported when first used (``tensorpar.RankPool``,
+``from tensorpar import RankPool``), so that ``import tensorpar`` costs nothing and
+``python -m tensorpar`` can start its ranks' forkserver before it imports torch itself
+(``runtime/forking.py``); the public names load torch only.
 (``tests/test_layout.py`` checks this order by reading every import.)
 """
 
-from tensorpar.hf.parallelize import parallelize
-from tensorpar.hf.pretrained import from_pretrained
-from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.parallel.dropout import ParallelDropout, TensorParallelRNG
-from tensorpar.parallel.embedding import VocabParallelEmbedding
-from tensorpar.parallel.grad_sync import sum_grads_in_backward
-from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.parallel.mappings import (
-    copy_to_tp,
-    gather_from_sequence,
-    gather_from_tp,
-    reduce_from_tp,
-    reduce_scatter_to_sequence,
-    scatter_to_sequence,
-    scatter_to_tp,
-)
-from tensorpar.parallel.norm import LayerNorm, RMSNorm
-from tensorpar.parallel.sharding import ShardSpec
-from tensorpar.runtime.checking import naming_layers
-from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.runtime.failures import CollectiveMismatch
-from tensorpar.runtime.groups import init_tensor_parallel, tp_rank, tp_size
-from tensorpar.runtime.launch import RankError, RankPool, launch
-from tensorpar.scale.data_parallel import data_parallel
-from tensorpar.scale.mesh import init_parallel
-from tensorpar.transformer.attention import ParallelSelfAttention
-from tensorpar.transformer.mlp import ParallelMLP
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_WHERE = {
+    "parallelize": "hf.parallelize", "from_pretrained": "hf.pretrained",
+    "vocab_parallel_cross_entropy": "parallel.cross_entropy",
+    "ParallelDropout": "parallel.dropout", "TensorParallelRNG": "parallel.dropout",
+    "VocabParallelEmbedding": "parallel.embedding", "sum_grads_in_backward": "parallel.grad_sync",
+    "ColumnParallelLinear": "parallel.linear", "RowParallelLinear": "parallel.linear",
+    **dict.fromkeys(["copy_to_tp", "gather_from_sequence", "gather_from_tp", "reduce_from_tp",
+                     "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp"],
+                    "parallel.mappings"),
+    "LayerNorm": "parallel.norm", "RMSNorm": "parallel.norm", "ShardSpec": "parallel.sharding",
+    "naming_layers": "runtime.checking", "CollectiveCounter": "runtime.counting",
+    "CollectiveMismatch": "runtime.failures", "init_tensor_parallel": "runtime.groups",
+    "tp_rank": "runtime.groups", "tp_size": "runtime.groups", "RankError": "runtime.launch",
+    "RankPool": "runtime.launch", "launch": "runtime.launch",
+    "data_parallel": "scale.data_parallel", "init_parallel": "scale.mesh",
+    "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
+}
 
 __version__ = "0.1.0"
+__all__ = sorted(_WHERE, key=str.lower)
 
-__all__ = [
-    "CollectiveCounter", "CollectiveMismatch", "ColumnParallelLinear", "LayerNorm",
-    "ParallelDropout", "ParallelMLP", "ParallelSelfAttention", "RankError", "RankPool", "RMSNorm",
-    "RowParallelLinear", "ShardSpec", "TensorParallelRNG", "VocabParallelEmbedding", "copy_to_tp",
-    "data_parallel", "from_pretrained", "gather_from_sequence", "gather_from_tp", "init_parallel",
-    "init_tensor_parallel", "launch",
-    "naming_layers", "parallelize", "reduce_from_tp", "reduce_scatter_to_sequence",
-    "scatter_to_sequence", "scatter_to_tp", "sum_grads_in_backward", "tp_rank", "tp_size",
-    "vocab_parallel_cross_entropy",
-]
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tensorpar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tensorpar.{_WHERE[name]}"), name)
+    globals()[name] = value  # found here from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+

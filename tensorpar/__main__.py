@@ -1,7 +1,10 @@
 import os
 import sys
 
-from tensorpar.cli import main
+from tensorpar.runtime.forking import start_early
+
+start_early(sys.argv[1:])  # the ranks' fork server imports torch while this process does too
+from tensorpar.cli import main  # noqa: E402
 
 code = main()
 if "TORCHELASTIC_RUN_ID" in os.environ:

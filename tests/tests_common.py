@@ -102,6 +102,14 @@ def child_pids(pid: int) -> list[int]:
     return [p for p, parent, _, _ in live_processes() if parent == pid]
 
 
+def rank_pids(launcher: int) -> list[int]:
+    """The live ranks a ``tensorpar`` process started, in the order they started: the children
+    of its fork server (``runtime/forking.py``)."""
+    found = live_processes()
+    servers = {p for p, parent, _, cmd in found if parent == launcher and "forkserver" in cmd}
+    return sorted(p for p, parent, _, _ in found if parent in servers)
+
+
 def char_tokenizer():
     """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95): nothing
     downloaded."""

@@ -25,7 +25,6 @@ SIGTERM) on to the ranks and lets them finish; a second signal, or Ctrl-C, stops
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -37,6 +36,7 @@ from typing import Any
 
 from tensorpar.runtime.checking import CHECK_HINT, checks_wanted, collectives_checked
 from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_failure
+from tensorpar.runtime.forking import exit_with_launcher, rank_context
 from tensorpar.runtime.groups import DEVICE_ENV, check_device
 from tensorpar.runtime.stopping import forwarding, signal_name
 
@@ -48,32 +48,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Make this rank die when the process that spawned it dies (``kill PID`` of a launcher):
-    the kernel's parent-death signal on Linux, a watcher thread elsewhere."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, signal.SIGKILL) == 0:  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # the parent died before prctl
-                os._exit(1)
-            return
-    except (OSError, AttributeError):
-        pass
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
-            parent: int, check_collectives: bool | None, device: str | None):
-    _exit_with_parent(parent)
+            launcher: int, env: dict[str, str], check_collectives: bool | None,
+            device: str | None):
+    exit_with_launcher(launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a spawned process (the server ignores it)
+    os.environ.clear()  # the launcher's environment, not the fork server's (forking.py)
+    os.environ.update(env)
     # a write past ``ulimit -f`` then fails with OSError(EFBIG) instead of killing the rank
     # (CPython ignores SIGXFSZ already; said here so that it stays so)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -140,7 +122,7 @@ class RankPool:
         self.checked = (checks_wanted(check_collectives)
                         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(nprocs)]
         port = free_port()
@@ -148,7 +130,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, nprocs, port, backend, threads, self._tasks[r], self._results,
-                      os.getpid(), check_collectives, device),
+                      os.getpid(), dict(os.environ), check_collectives, device),
                 daemon=True,
             )
             for r in range(nprocs)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests_common import TINY_GPT, child_pids, cli_env, tensorpar_here
+from tests_common import TINY_GPT, cli_env, rank_pids, tensorpar_here
 
 
 def _lose_a_rank(run, how: int, *top_flags) -> tuple[int, str, float]:
@@ -22,10 +22,9 @@ def _lose_a_rank(run, how: int, *top_flags) -> tuple[int, str, float]:
     while not (run / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    ranks = [p for p in child_pids(proc.pid)
-             if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 2
-    os.kill(ranks[1], how)  # rank 1: spawned second
+    os.kill(ranks[1], how)  # rank 1: started second
     t0 = time.monotonic()
     try:
         _, err = proc.communicate(timeout=90)

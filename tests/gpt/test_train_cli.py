@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests_common import TINY_GPT, child_pids, cli_env, read_metrics, tensorpar_here
+from tests_common import TINY_GPT, cli_env, rank_pids, read_metrics, tensorpar_here
 from tests_common import tensorpar_cli as _tensorpar
 
 
@@ -158,10 +158,10 @@ def test_ranks_exit_with_the_launcher(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=cli_env())
     deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists() or len(child_pids(proc.pid)) < 2:
+    while not (tmp_path / "metrics.jsonl").exists() or len(rank_pids(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    ranks = child_pids(proc.pid)
+    ranks = rank_pids(proc.pid)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20
