@@ -1,5 +1,6 @@
-"""What the trainer shows and writes on rank 0: a progress line, ``metrics.jsonl``, ``loss.png``
-and the summary table at the end."""
+"""What the trainer shows and writes on rank 0: a progress line, ``metrics.jsonl`` (and, with
+``--tensorboard``, the same scalars in ``RUN/tensorboard/``), ``loss.png`` and the summary table
+at the end."""
 
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ class Metrics:
 
     On resume from step S the entries after S (from the interrupted run) are dropped first, so the
     file reads like one uninterrupted run.
+
+    tensorboard: a directory (``RUN/tensorboard``) that also gets each row's numbers as TensorBoard
+    scalars (``train/loss``, ``train/lr``, ...; float32, at ``global_step`` = the row's step),
+    flushed with the row. A resumed run appends a new event file to it that starts with a purge at
+    S + 1: TensorBoard hides the interrupted run's steps after S, so the curve, too, reads like
+    one run.
     """
 
-    def __init__(self, path: Path, resume_step: int):
+    def __init__(self, path: Path, resume_step: int, tensorboard: Path | None = None):
         self.path = path
         kept = [r for r in self.read(path) if r.get("step", 0) <= resume_step] \
             if resume_step else []
@@ -37,6 +44,8 @@ class Metrics:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
         self.rows = kept
+        self._board = None if tensorboard is None else \
+            summary_writer()(str(tensorboard), purge_step=resume_step + 1)
         self._f = open(path, "a")
 
     @staticmethod
@@ -56,9 +65,31 @@ class Metrics:
         self.rows.append(row)
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        if self._board is not None:  # a skipped step's None (and its reason) has no scalar
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._board.add_scalar(f"train/{key}", value, global_step=row["step"])
+            self._board.flush()  # a run killed later still has this step's scalars
 
     def close(self) -> None:
+        """Idempotent: the trainer closes it on every way out."""
         self._f.close()
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def summary_writer():
+    """``torch.utils.tensorboard.SummaryWriter``, imported only for ``--tensorboard``; a
+    ValueError (one line, naming the pip command) when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--tensorboard needs the tensorboard package ({reason}): pip install "
+                         "tensorboard (or pip install 'tensorpar[tensorboard]'), or leave out "
+                         "--tensorboard (--no-tensorboard on a run resumed with it)") from None
+    return SummaryWriter
 
 
 class ProgressLine:

@@ -115,7 +115,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
     metrics = progress = None
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        metrics, progress = Metrics(out / "metrics.jsonl", start), ProgressLine(start, cfg.steps)
+        metrics = Metrics(out / "metrics.jsonl", start,
+                          out / "tensorboard" if cfg.tensorboard else None)
+        progress = ProgressLine(start, cfg.steps)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     comm = {"counts": {}, "bytes": {}, "ring_bytes": {}}
     peak_memory = None
@@ -186,6 +188,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
     finally:
         if progress is not None:
             progress.close()  # also when interrupted: the terminal gets its cursor back
+        if metrics is not None:
+            metrics.close()  # the TensorBoard writer's thread too
     on_cpu = device.type == "cpu"  # the token data is then tensor memory the meter counts too
     mine = rank_sizes(net, layout) | {"peak_memory": peak_memory, "device": device.type,
                                       "data_bytes": batches.tokens.nbytes * on_cpu,
@@ -199,7 +203,6 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
                                                        "signum": stopped[0],
                                                        "step": stopped[1]}}
     if lead:
-        metrics.close()
         if metrics.rows:
             plot_loss(metrics.rows, out / "loss.png",
                       f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}"
@@ -214,7 +217,9 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
             progress.console.print(summary(ran, sizes, comm, cfg, model_cfg,
                                            implementation(opt)))
             progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
-                                   f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}")
+                                   f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}"
+                                   + (f"   tensorboard: {out / 'tensorboard'}"
+                                      if cfg.tensorboard else ""))
     return result
 
 

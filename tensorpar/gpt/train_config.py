@@ -45,7 +45,8 @@ class TrainConfig:
     data: str | None = dataclasses.field(default=None, metadata={
         "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
     out: str = dataclasses.field(default="runs/gpt", metadata={
-        "help": "run directory: checkpoints, metrics.jsonl, loss.png"})
+        "help": "run directory: checkpoints, metrics.jsonl, loss.png (and tensorboard/ with "
+                "--tensorboard)"})
     resume: bool = dataclasses.field(default=False, metadata={
         "help": "continue from the newest checkpoint in --out (at any --tp)"})
     save_every: int = dataclasses.field(default=100, metadata={
@@ -69,6 +70,11 @@ class TrainConfig:
         "help": "let fp32 matmuls on a GPU use TF32 tensor cores: several times faster, but "
                 "TF32 keeps a 10-bit mantissa, about 1e-3 relative error per product instead of "
                 "fp32's 1e-7; only --dtype fp32 on CUDA (on the CPU: no effect, with a note)"})
+    tensorboard: bool = dataclasses.field(default=False, metadata={
+        "help": "also write the metrics.jsonl rows as TensorBoard scalars (train/loss, train/lr, "
+                "...) into --out's tensorboard/ directory, each step flushed, a resumed run "
+                "appended (view: tensorboard --logdir RUN/tensorboard); needs pip install "
+                "tensorboard"})
 
     def check(self) -> None:
         for flag in ("tp", "dp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
@@ -91,6 +97,10 @@ class TrainConfig:
         if self.batch_size % dp:
             raise ValueError(f"--batch-size {self.batch_size} (the global batch) does not divide "
                              f"over --dp {dp} data-parallel ranks")
+        if self.tensorboard:  # importable, or one line before any rank starts
+            from tensorpar.gpt.report import summary_writer  # report imports rich: only then
+
+            summary_writer()
         if self.compile and dp > 1:
             raise ValueError("--compile with --dp > 1 is not supported yet (FSDP2 and DDP "
                              "around a compiled model): leave out one of them")
