@@ -58,7 +58,15 @@ def export_dense(path: str | Path, out_file: str | Path) -> Path:
 
     try:
         write_atomically(out_file, write)
-    except (OSError, SafetensorError) as e:  # the checks passed, the write did not (disk full)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ValueError(f"--out {out_file}: cannot write it ({why})") from None
+    except WRITE_ERRORS as e:  # the checks passed, the write did not (disk full)
+        raise cannot_write("--out", out_file, e) from None
     return out_file
+
+
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
+def cannot_write(flag: str, target: Path, e: Exception) -> ValueError:
+    """The one line for an export whose checks passed but whose write failed (a full disk)."""
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return ValueError(f"{flag} {target}: cannot write it ({why})")

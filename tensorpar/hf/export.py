@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from tensorpar.checkpoint.export import WRITE_ERRORS, cannot_write
 from tensorpar.checkpoint.format import make_readable
 from tensorpar.checkpoint.load import CheckpointReader
 
@@ -274,7 +275,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path,
     Raises ValueError (one line) for a target that is not a new or empty folder, a checkpoint
     that is missing or corrupted, a model the folder cannot express, or a failed write; nothing
     is left behind then."""
-    from safetensors import SafetensorError
 
     out = check_hf_target(out_dir)
     limit = max_shard_size if isinstance(max_shard_size, int) else \
@@ -292,7 +292,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path,
     write = EXPORTERS[kind](reader, limit, note or (lambda line: None))
     try:
         _write_folder(out, write)
-    except (OSError, SafetensorError) as e:  # the checks passed, the write did not (disk full)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ValueError(f"--hf-out {out}: cannot write it ({why})") from None
+    except WRITE_ERRORS as e:  # the checks passed, the write did not (disk full)
+        raise cannot_write("--hf-out", out, e) from None
     return out
