@@ -46,18 +46,22 @@ def rank_context(preload: list[str] | tuple[str, ...] = ()) -> mp.context.BaseCo
     return ctx
 
 
-def start_server(preload: list[str] | tuple[str, ...] = ()) -> None:
-    """Start the server now and return at once: it imports while the caller goes on. SIGINT and
-    SIGTERM are ignored in it (set here, inherited through its exec)."""
+def start_server(preload: list[str] | tuple[str, ...] = ()) -> mp.context.BaseContext:
+    """Start the server unless it runs already, return at once (it imports while the caller
+    goes on) with the context ranks start from. SIGINT and SIGTERM are ignored in the server
+    (set here, inherited through its exec), however it was started."""
     from multiprocessing import forkserver
 
-    rank_context(preload)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    ctx = rank_context(preload)
+    main = threading.current_thread() is threading.main_thread()  # signals: main thread only
+    previous = {s: signal.signal(s, signal.SIG_IGN)
+                for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         forkserver.ensure_running()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    return ctx
 
 
 def start_early(argv: list[str]) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 from tensorpar.runtime.checking import CHECK_HINT, checks_wanted, collectives_checked
 from tensorpar.runtime.failures import EXPECTED, RankError, RankFailure, collective_failure
-from tensorpar.runtime.forking import exit_with_launcher, rank_context
+from tensorpar.runtime.forking import exit_with_launcher, start_server
 from tensorpar.runtime.groups import DEVICE_ENV, check_device
 from tensorpar.runtime.stopping import forwarding, signal_name
 
@@ -122,7 +122,7 @@ class RankPool:
         self.checked = (checks_wanted(check_collectives)
                         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-        ctx = rank_context()
+        ctx = start_server()  # a no-op once it runs (python -m tensorpar starts it early)
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(nprocs)]
         port = free_port()
