@@ -11,6 +11,8 @@ Each contender is a ``setup(spec, state, group) -> step`` run on every rank of i
     tensorpar-c        tp     1        the TP pool         tensorpar under torch.compile
     tensorpar-tp1      1      1        a one-rank pool     GPT at TP=1 (vs dense-1t: its overhead)
     tensorpar-tp1-c    1      1        a one-rank pool     the same under torch.compile
+    hf-llama           tp     1        the TP pool         transformers' Llama via parallelize
+    hf-llama-sp        tp     1        the TP pool         the same with sequence parallelism
     dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
     dtensor-sp         tp     1        the TP pool         the same with SequenceParallel norms
     megatron           tp     1        a pool of its own   megatron-core (megatron_core.py)
@@ -46,6 +48,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from tensorpar.bench.dtensor_tp import setup_dtensor
+from tensorpar.bench.hf_llama import setup_hf_llama
 from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
 
@@ -101,6 +104,13 @@ def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
     module = importlib.import_module("tensorpar.bench.megatron_core")
     return module.setup_megatron(spec, state, group,
                                  make_optimizer=make_optimizer)
+
+
+def transformers_missing(spec: BenchSpec, tp: int) -> str | None:
+    """Why the hf-llama contenders cannot run here: transformers (the ``hf`` extra) missing."""
+    if importlib.util.find_spec("transformers") is None:
+        return "not installed (transformers: pip install tensorpar[hf])"
+    return None
 
 
 def check_megatron_fits(cfg, tp: int, sequence_parallel: bool = False) -> None:
@@ -189,6 +199,11 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="tensorpar GPT at TP=1, one process"),
     Contender("tensorpar-tp1-c", partial(setup_tensorpar), 1, compiled=True,
               about="tensorpar GPT at TP=1 under torch.compile"),
+    Contender("hf-llama", partial(setup_hf_llama), "tp", cannot_run=transformers_missing,
+              about="transformers' LlamaForCausalLM under tensorpar.parallelize"),
+    Contender("hf-llama-sp", partial(setup_hf_llama, sequence_parallel=True), "tp",
+              cannot_run=transformers_missing,
+              about="hf-llama with sequence parallelism"),
     Contender("dtensor", partial(setup_dtensor), "tp", ours=False,
               about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
     Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp", ours=False,
@@ -203,8 +218,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="plain PyTorch under torch.compile, one process, one thread per core"),
 ]}
 
-DEFAULT = ("tensorpar", "tensorpar-sp", "tensorpar-unfused", "tensorpar-tp1", "dtensor",
-           "dtensor-sp", "megatron", "dense-1t", "dense-Nt")
+DEFAULT = ("tensorpar", "tensorpar-sp", "tensorpar-unfused", "tensorpar-tp1", "hf-llama",
+           "dtensor", "dtensor-sp", "megatron", "dense-1t", "dense-Nt")
 COMPILED = ("tensorpar-c", "tensorpar-tp1-c", "dense-c")  # what --compile adds
 # on GPUs: the TP contenders (skipped with fewer GPUs than --tp), the one-GPU ones, both compiled
 DEFAULT_CUDA = ("tensorpar", "tensorpar-sp", "tensorpar-c", "dtensor", "tensorpar-tp1",

@@ -84,6 +84,8 @@ def table(results: dict) -> str:
                      "meter is a TorchDispatchMode, under which torch.compile runs eagerly)")
     for a, b, what in (("tensorpar", "dtensor", "target <= 0.70"),
                        ("tensorpar", "megatron", "target <= 1.00"),
+                       ("hf-llama", "dtensor", "target <= 0.78"),
+                       ("hf-llama", "tensorpar", "target <= 1.05"),
                        ("tensorpar", "dense-Nt", "target <= 1.00: the machine's floor"),
                        ("tensorpar-c", "dense-c", "target <= 1.00"),
                        ("tensorpar-tp1", "dense-1t", "target <= 1.01"),
@@ -144,6 +146,7 @@ def chart(results: dict, path: Path) -> None:
     low = [m - 1e3 * r["step_s"]["q1"] for m, r in zip(med, rows, strict=True)]
     high = [1e3 * r["step_s"]["q3"] - m for m, r in zip(med, rows, strict=True)]
     colors = ["tab:blue" if r["name"].startswith("tensorpar") else
+              "tab:purple" if r["name"].startswith("hf-") else
               "tab:orange" if r["name"].startswith("dtensor") else
               "tab:green" if r["name"].startswith("megatron") else "tab:gray" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.2))

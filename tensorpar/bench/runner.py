@@ -7,7 +7,8 @@
     round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, in an
                order shuffled every round (seeded by the spec's seed): no contender always goes
                first or always follows the same one; r = 0 .. repeats-1
-    profile    (optional) a few more steps of the tensorpar contender under torch.profiler
+    profile    (optional) a few more steps of the tensorpar contenders (and hf-llama) under
+               torch.profiler
 
 A pool is a set of spawned ranks: the TP pool (``tp`` ranks, one thread each) holds tensorpar and
 DTensor contenders, one-rank pools the unsharded ones (1 thread, or one per core), and a
@@ -206,8 +207,8 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                                                          strict=True)]
             log(f"round {r + 1}/{plan.repeats} done")
         profile = []
-        if plan.profile:  # tensorpar, and its plain layers: what the overlap hides
-            targets = [n for n in ("tensorpar", "tensorpar-unfused") if n in timed
+        if plan.profile:  # tensorpar, its plain layers (what the overlap hides), the HF Llama
+            targets = [n for n in ("tensorpar", "tensorpar-unfused", "hf-llama") if n in timed
                        and rows[n]["status"] == "ok"] or \
                 [n for n in ("tensorpar-sp", "tensorpar-tp1") if n in timed
                  and rows[n]["status"] == "ok"][:1]

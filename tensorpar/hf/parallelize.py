@@ -14,17 +14,22 @@ plan: a dict from module-name patterns to styles, so a model's whole layout fits
 - ``column`` / ``column_gather`` / ``row``: one ``nn.Linear`` (or GPT-2 ``Conv1D``) split on its
   output / its output, gathered after / its input (partial sums all-reduced, bias added once).
 - ``attention``: an attention module with ``q_proj, k_proj, v_proj, o_proj`` (Llama, Mistral,
-  Qwen) or ``c_attn, c_proj`` (GPT-2). Heads are dealt like ``tensor_split``; the module's input
-  enters the TP region once (a forward pre-hook applies f), and its head-count attributes are set
-  to the local values. With fewer KV heads than ranks, each rank holds the KV heads its query heads
-  read (their gradients summed over the ranks that share them); when a rank's query heads do not
-  map onto its KV heads as a uniform repeat, the KV heads are repeated per query head locally.
-- ``mlp``: an MLP whose linear children map D -> H (column, e.g. gate and up) and H -> D (row);
-  the input enters the TP region once, the activation runs on shards.
+  Qwen) or ``c_attn, c_proj`` (GPT-2). Heads are dealt like ``tensor_split``; q, k and v are one
+  fused op (``regions.py``: the input enters the TP region once, and the backward all-reduce
+  runs while the weight-gradient matmuls compute, as in tensorpar's GPT), the output projection
+  reduces its product in place, and the head-count attributes are set to the local values. With
+  fewer KV heads than ranks, each rank holds the KV heads its query heads read (their gradients
+  summed over the ranks that share them); when a rank's query heads do not map onto its KV heads
+  as a uniform repeat, the KV heads are repeated per query head locally.
+- ``mlp``: an MLP whose linear children map D -> H (column, e.g. gate and up, fused as above)
+  and H -> D (row); the activation runs on shards.
 - ``replicated``: left whole on every rank (the default for everything the plan does not name).
 
 Weights come from a *source*: the dense model itself (``parallelize``) or the safetensors files of
 a checkpoint, read slice by slice (``from_pretrained``), so the dense weights never need to exist.
+
+``sequence_parallel=True`` (Llama family): the residual stream between the blocks holds sequence
+shards, the norms run on them (``sequence.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.hf.dropout import install_region_streams
 from tensorpar.hf.plans import check_split, plan_for, tied_heads
+from tensorpar.hf.sequence import SequenceLength, check_sequence_parallel, split_at_first_layer
 from tensorpar.hf.styles import Converter, ModuleSource
 from tensorpar.parallel.collectives import all_reduce
 from tensorpar.parallel.sharding import REPLICATED
@@ -66,18 +72,34 @@ def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
     return matches
 
 
+def check_layout(model: nn.Module, plan: dict[str, str], n: int,
+                 sequence_parallel: bool = False) -> None:
+    """Raise ValueError, the same on every rank, for a plan (or sequence parallelism) that cannot
+    split ``model`` over ``n`` ranks: before any collective, before a byte is read."""
+    matches = check_plan(model, plan)
+    for pattern, names in matches.items():
+        for name in names:
+            check_split(model, name, plan[pattern], n)
+    if sequence_parallel:
+        styles = {name: plan[p] for p, names in matches.items() for name in names}
+        check_sequence_parallel(model, styles, _has_dropout(model))
+
+
 @torch.no_grad()
 def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | None = None,
                source=None, dtype: torch.dtype | None = None,
-               tied: dict[str, str] | None = None) -> nn.Module:
+               tied: dict[str, str] | None = None,
+               sequence_parallel: bool = False) -> nn.Module:
     """Swap the modules ``plan`` names for their tensor-parallel versions (see module doc).
 
     source: where dense weights are read (default: the model itself). tied: column module name ->
     embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
+    sequence_parallel: sequence shards between the blocks (checked by ``check_layout``).
     """
     matches = check_plan(model, plan)
     source = source or ModuleSource(model)
-    conv = Converter(source, group, dtype)  # dtype None: each layer keeps its own
+    seq = SequenceLength() if sequence_parallel else None
+    conv = Converter(source, group, dtype, seq)  # dtype None: each layer keeps its own
     tied, embeddings, regions = tied or {}, {}, []
     # embeddings first, so that a tied head finds its shard
     for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
@@ -112,6 +134,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
             setattr(model.get_submodule(owner), attr, p)
         if not hasattr(p, "tp_shard"):
             p.tp_shard = REPLICATED
+    if seq is not None:  # the norms see only this rank's tokens: their gradients are partial
+        conv.grad_sum += split_at_first_layer(model, seq, regions, group)
     if conv.n > 1:
         sum_grads_over_tp(model, conv.grad_sum, group)
     # dropout between f and g draws from a per-rank stream (hf/dropout.py)
@@ -180,15 +204,16 @@ def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> N
 
 
 def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
-                group: ProcessGroup | None = None) -> nn.Module:
+                group: ProcessGroup | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Convert a dense model in place to tensor parallelism over ``group`` and return it.
 
     Every rank must hold the same dense model (same seed or the same checkpoint); this is
     checked. ``plan`` defaults to the built-in plan of the model's family (module docstring).
+    sequence_parallel: the residual stream between the blocks holds this rank's sequence shard
+    (Llama family; for training and scoring, not ``generate()``: ``sequence.py``).
     """
     plan = plan or plan_for(model)
-    for pattern, names in check_plan(model, plan).items():  # before any collective
-        for name in names:
-            check_split(model, name, plan[pattern], tp_size(group))
+    check_layout(model, plan, tp_size(group), sequence_parallel)  # before any collective
     check_same_weights(model, group)
-    return apply_plan(model, plan, group, tied=tied_heads(model))
+    return apply_plan(model, plan, group, tied=tied_heads(model),
+                      sequence_parallel=sequence_parallel)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.hf.parallelize import apply_plan, check_plan
-from tensorpar.hf.plans import check_split, plan_for, tied_heads
+from tensorpar.hf.parallelize import apply_plan, check_layout
+from tensorpar.hf.plans import plan_for, tied_heads
 from tensorpar.runtime.groups import tp_size
 
 
@@ -86,14 +86,16 @@ def _renames(model: nn.Module) -> list[tuple[str, str]]:
 
 def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
                     dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
-                    attn_implementation: str | None = None) -> nn.Module:
+                    attn_implementation: str | None = None,
+                    sequence_parallel: bool = False) -> nn.Module:
     """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
 
     The model is built with its parameters on the meta device; each rank then reads only its own
     slices of the split weights (and the replicated ones whole), so per-rank memory is about 1/N
     of the split weights plus the replicated ones. A split the model cannot take (GPT-NeoX's
     per-head q|k|v over a TP size that does not divide its heads) is a ValueError naming the
-    module, raised on every rank before anything is read.
+    module, raised on every rank before anything is read. The converted layers are those of
+    ``parallelize`` (q/k/v and gate/up as one fused op each); ``sequence_parallel`` as there.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,11 +107,10 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     plan = plan or plan_for(model)
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
-    for pattern, names in check_plan(model, plan).items():
-        for name in names:
-            check_split(model, name, plan[pattern], tp_size(group))
+    check_layout(model, plan, tp_size(group), sequence_parallel)
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model))
-    apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model))
+    apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),
+               sequence_parallel=sequence_parallel)
     source.close()
     if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
         from transformers import GenerationConfig

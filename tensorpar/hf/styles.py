@@ -2,23 +2,25 @@
 
 A ``Converter`` reads dense weights from a *source*, slice by slice, and builds the tensorpar
 version of one module: ``column``, ``row`` and ``vocab`` for single layers; ``attention`` and
-``mlp`` for whole blocks, whose input enters the TP region once (a forward pre-hook applies f)
-and whose head-count attributes become local. Sources: the dense model itself
-(``ModuleSource``) or safetensors files (``hf.SafetensorsSource``).
+``mlp`` for whole blocks, whose column projections run as one fused op (``regions.py``: f, or
+the sequence all-gather, once; the backward collective overlapped with the weight-gradient
+matmuls), whose row layer reduces its product in place, and whose head-count attributes become
+local. Sources: the dense model itself (``ModuleSource``) or safetensors files
+(``hf.SafetensorsSource``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
+from tensorpar.hf.regions import FusedColumnLinear, InRegionColumn, Region
+from tensorpar.hf.sequence import SequenceLength
 from tensorpar.parallel.embedding import VocabParallelEmbedding
-from tensorpar.parallel.grad_sync import sum_shared_shard_grads
-from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.parallel.mappings import copy_to_tp, reduce_from_tp
+from tensorpar.parallel.linear import RowParallelLinear
+from tensorpar.parallel.mappings import reduce_from_tp
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.attention import head_layout
@@ -69,56 +71,22 @@ class _Reader:
         return (t.t() if self.conv and key == "weight" else t).to(self.dtype)
 
 
-class InRegionColumn(ColumnParallelLinear):
-    """A column projection inside a block whose input already entered the TP region (the block's
-    pre-hook applied f once for q, k and v, or gate and up): forward is the local matmul.
-
-    shared: this rank's rows are also held by other ranks (KV heads shared when there are fewer
-    than ranks): their gradients are summed over exactly those ranks in backward.
-    shard_spec: where this rank's rows sit in the dense weight (and bias), set by the converter.
-    forward reads it here, never ``self.weight.tp_shard``: under FSDP2 the weight seen in forward
-    is a gathered tensor without the tag.
-    expand: local head index per output head (KV heads repeated per local query head).
-    """
-
-    shared = False
-    shard_spec: ShardSpec | None = None
-    expand: torch.Tensor | None = None
-    head_dim = 0
-
-    def forward(self, x_tp: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if self.shared:
-            w, b = sum_shared_shard_grads([w, b], self.group, self.shard_spec)
-        y = F.linear(x_tp, w, b)
-        if self.expand is not None:  # (..., kv_local * hd) -> (..., h_local * hd)
-            y = y.unflatten(-1, (-1, self.head_dim)).index_select(-2, self.expand).flatten(-2)
-        return y
-
-
-def _enter_region_once(module: nn.Module, group) -> None:
-    """f (identity forward, all-reduce backward) on the module's input, applied once."""
-    def hook(mod, args, kwargs):
-        if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
-        else:
-            args = (copy_to_tp(args[0], group), *args[1:])
-        return args, kwargs
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 class Converter:
-    def __init__(self, source, group: ProcessGroup | None, dtype):
-        self.source, self.group, self.dtype = source, group, dtype
+    """seq: under sequence parallelism, the model's ``SequenceLength`` (None: off)."""
+
+    def __init__(self, source, group: ProcessGroup | None, dtype,
+                 seq: SequenceLength | None = None):
+        self.source, self.group, self.dtype, self.seq = source, group, dtype, seq
         self.n, self.rank = tp_size(group), tp_rank(group)
         self.model = getattr(source, "model", None)  # None: from_pretrained checked up front
         self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
 
-    def column(self, name, m, ranges=None, parts=1, gather=False, cls=ColumnParallelLinear,
+    def column(self, name, m, ranges=None, parts=1, gather=False, cls=FusedColumnLinear,
                weight=None):
         """ranges: output rows to hold, one range per block of a fused (``parts``) weight; their
-        positions within a block are the same. weight: an existing shard to use (tied head)."""
+        positions within a block are the same. weight: an existing shard to use (tied head).
+        cls: ``FusedColumnLinear`` for a layer of its own (under SP: the head, gathering the
+        sequence), ``InRegionColumn`` for a block's projection."""
         in_f, out_f = _features(m)
         if ranges is None:  # an even split of the features (a plan's column style, an MLP's)
             if self.model is not None:
@@ -134,15 +102,20 @@ class Converter:
         layer.bias = None if m.bias is None else \
             local_parameter(read.rows("bias", ranges), spec, m.bias.requires_grad)
         layer.shard_start, layer.shard_stop, layer.shard_spec = a, b, spec
+        if cls is FusedColumnLinear:
+            layer.seq, layer.sequence_parallel = self.seq, self.seq is not None
         return layer
 
-    def row(self, name, m, in_range=None):
+    def row(self, name, m, in_range=None, sequence_parallel=False):
+        """The product reduced in place (``fused_row``), or reduce-scattered onto sequence
+        shards (a block's row layer under SP)."""
         in_f, out_f = _features(m)
         if in_range is None and self.model is not None:
             check_split(self.model, name, "row", self.n)
         a, b = in_range or shard_range(in_f, self.n, self.rank)
         layer = RowParallelLinear(in_f, out_f, m.bias is not None, input_is_parallel=True,
-                                  group=self.group, device="meta", in_range=(a, b))
+                                  sequence_parallel=sequence_parallel, group=self.group,
+                                  device="meta", in_range=(a, b), fused=True)
         read = _Reader(self.source, name, m, self.dtype)
         layer.weight = local_parameter(read.cols(a, b), ShardSpec(1, a, b, in_f),
                                        m.weight.requires_grad)
@@ -191,7 +164,7 @@ class Converter:
         return m
 
     def attention(self, name, m):
-        cfg = getattr(m, "config", None)
+        cfg, sp = getattr(m, "config", None), self.seq is not None
         if self.model is not None:
             check_split(self.model, name, "attention", self.n)
         if hasattr(m, "c_attn"):  # GPT-2: fused q|k|v Conv1D, multi-head only
@@ -205,7 +178,8 @@ class Converter:
                                  "'attention' does not know this layout")
             m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
                                    ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
-            m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd))
+            m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd), sp)
+            columns = [m.c_attn]
             m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
         elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
                 any(hasattr(m, p) for p in OUT_PROJ):
@@ -226,7 +200,8 @@ class Converter:
                 if not uniform:
                     layer.expand = kv_index
                 setattr(m, proj, layer)
-            setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd)))
+            setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd), sp))
+            columns = [m.q_proj, m.k_proj, m.v_proj]
             m.num_key_value_groups = h_local // k_local if uniform else 1
             kv_local = k_local if uniform else h_local
             for attr, value in (("num_heads", h_local), ("num_attention_heads", h_local),
@@ -257,7 +232,7 @@ class Converter:
                                  f"({hd}): it mixes heads, so it cannot run on a rank's heads "
                                  "alone; this attention is not supported by style 'attention'")
         self.grad_sum += [pname for pname, _ in others]
-        _enter_region_once(m, self.group)
+        Region(m, columns, self.group, self.seq)
         return m
 
     def mlp(self, name, m):
@@ -270,10 +245,12 @@ class Converter:
             raise ValueError(f"{name}: style 'mlp' needs linear children D -> H and H -> D; "
                              f"found {shapes}")
         row = rows[-1]  # the down projection: registered last in every family
+        columns = []
         for c, sub in linears:
             if c == row:
-                setattr(m, c, self.row(f"{name}.{c}", sub))
+                setattr(m, c, self.row(f"{name}.{c}", sub, sequence_parallel=self.seq is not None))
             elif shapes[c][0] == shapes[row][1]:
-                setattr(m, c, self.column(f"{name}.{c}", sub, cls=InRegionColumn))
-        _enter_region_once(m, self.group)
+                columns.append(self.column(f"{name}.{c}", sub, cls=InRegionColumn))
+                setattr(m, c, columns[-1])
+        Region(m, columns, self.group, self.seq)
         return m

@@ -18,6 +18,7 @@ from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
 from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
 from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
+from tests_common import tensorpar_here  # noqa: E402
 from tp_check import assert_close  # noqa: E402
 
 OPT_PLAN = {  # a plan written by hand: OPT declares none
@@ -51,7 +52,9 @@ def _parity_body(path, how, plan=None):
     # one fine-tuning step: the same gradients and the same updated weights, shard by shard
     for m in (dense, model):
         m.train()
-        m(ids, labels=ids).loss.backward()
+        loss = m(ids, labels=ids).loss
+        with CollectiveCounter() as bwd:
+            loss.backward()
         torch.optim.SGD(m.parameters(), lr=0.5).step()
     dense_params = dict(dense.named_parameters())
     for name, p in model.named_parameters():
@@ -64,20 +67,29 @@ def _parity_body(path, how, plan=None):
         assert_close(f"grad {name}", p.grad, dense_shard(ref_g, p.tp_shard))
         assert_close(f"updated {name}", p, dense_shard(ref_p, p.tp_shard))
     local = sum(p.numel() for p in model.parameters())
-    return {"forward": dict(fwd.counts), "params": local,
+    return {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "params": local,
             "dense": sum(p.numel() for p in dense.parameters())}
+
+
+KV_HEADS = {"gpt2": 4, "llama": 2, "llama-mqa": 1, "qwen2-tied": 2, "qwen3": 2}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "llama-mqa", "qwen2-tied", "qwen3"])
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_from_pretrained_matches_dense(ranks, hf_dirs, family, n):
     """Logits and loss to 1e-5, identical greedy tokens, and after one SGD step every weight
-    shard equal to its slice of the dense model's; each rank holds about 1/n of the weights."""
+    shard equal to its slice of the dense model's; each rank holds about 1/n of the weights.
+    The blocks run the fused ops (``hf/regions.py``), with the collectives of tensorpar's GPT."""
     results = ranks(n).run(_parity_body, str(hf_dirs / family), "load")
     for r in results:
         assert r["params"] <= r["dense"] / n + 0.15 * r["dense"], r  # + replicated norms etc.
     if n > 1:  # the embedding's all-reduce and one per attention and MLP; the head's all-gather
         assert results[0]["forward"] == {"all_reduce": 1 + 2 * 2, "all_gather": 1}
+        # backward: one per fused q|k|v and gate|up op (overlapped), the head's; K and V shared
+        # by several ranks (more ranks than KV heads) in one more per layer; Qwen3's q/k norms
+        shared = n > KV_HEADS[family]
+        norms = 2 if family == "qwen3" else 0
+        assert results[0]["backward"] == {"all_reduce": (2 + shared + norms) * 2 + 1}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2-tied"])
@@ -156,10 +168,10 @@ def test_cli_verify_and_generate(hf_dirs):
     for text in ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
                  "rank 1: parameters", "all outputs, gradients and greedy tokens match"):
         assert text in out.stdout, out.stdout
-    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
+    gen = tensorpar_here("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
     assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
     gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 1, "--prompt-ids", "5,6,7",
                      "--max-new-tokens", 4)
     assert gen.returncode == 0 and gen.stdout.startswith("5 6 7 "), gen.stderr
-    bad = _tensorpar("verify", "--hf", hf_dirs, "--tp", 2)
+    bad = tensorpar_here("verify", "--hf", hf_dirs, "--tp", 2)
     assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
