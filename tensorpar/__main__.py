@@ -1,17 +1,31 @@
+"""``python -m tensorpar`` and the ``tensorpar`` command: what runs before the command line is
+parsed (and before torch is imported), then ``cli.main``."""
+
 import os
 import sys
 
-from tensorpar.runtime.forking import start_early
+from tensorpar.runtime.forking import COMMAND_MODULES, start_early
+from tensorpar.runtime.rank_guard import guard_rank, under_torchrun
 
-start_early(sys.argv[1:])  # the ranks' fork server imports torch while this process does too
-from tensorpar.cli import main  # noqa: E402
 
-code = main()
-if "TORCHELASTIC_RUN_ID" in os.environ:
-    # Under torchrun the process group is already destroyed here; leave without the interpreter's
-    # teardown, in which gloo's threads now and then abort the process ("terminate called without
-    # an active exception") after a run that succeeded. Everything is written and closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-sys.exit(code)
+def run() -> None:
+    argv = sys.argv[1:]
+    if under_torchrun():  # a parent that reports the rank's abort (runtime/rank_guard.py)
+        guard_rank(next((w for w in argv if w in COMMAND_MODULES), ""))
+    start_early(argv)  # the ranks' fork server imports torch while this process does too
+    from tensorpar.cli import main
+
+    code = main()
+    if under_torchrun():
+        # Under torchrun the process group is already destroyed here; leave without the
+        # interpreter's teardown, in which gloo's threads now and then abort the process
+        # ("terminate called without an active exception") after a run that succeeded.
+        # Everything is written and closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

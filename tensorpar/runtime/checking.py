@@ -32,15 +32,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.runtime.failures import CollectiveMismatch, collective_mismatch
+from tensorpar.runtime.rank_guard import HINT
 
 # "1" in a rank's environment: check every collective (``tensorpar --check-collectives``)
 CHECK_ENV = "TENSORPAR_CHECK_COLLECTIVES"
 
 # what the launcher says after a rank's abort when the ranks did not check their collectives
-CHECK_HINT = ("if the dead rank said \"Received data size doesn't match expected size\", ranks "
-              "fed a collective different shapes: run again with tensorpar --check-collectives "
-              "CMD (in code: TENSORPAR_CHECK_COLLECTIVES=1) to have the layer and each rank's "
-              "shape named")
+CHECK_HINT = HINT
 
 
 def checks_wanted(check_collectives: bool | None = None) -> bool:
