@@ -16,6 +16,7 @@ unchecked pools of their own.
 """
 
 import os
+import signal
 
 import pytest
 
@@ -23,6 +24,12 @@ from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.launch import RankPool
 
 from tests_common import WORLD_SIZES  # noqa: F401
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored, and every command it starts would too (an ignored signal stays ignored through exec):
+# the Ctrl-C tests' SIGINT would then reach no one. Ctrl-C as a terminal gives it, for all.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
