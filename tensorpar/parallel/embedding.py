@@ -52,7 +52,12 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel, self.group = sequence_parallel, group
         self.vocab_start, self.vocab_stop = shard_range(num_embeddings, n, tp_rank(group))
-        dense = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
+        # on the meta device nothing is drawn: nn.Embedding's normal_ there would import
+        # torch._dynamo (2-3 s of every rank's start with torch 2.13; meta ops run torch._refs)
+        empty = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype) \
+            if device is not None and torch.device(device).type == "meta" else None
+        dense = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype,
+                             _weight=empty)
         self.padding_idx = dense.padding_idx
         self.load_dense(dense.weight)
 

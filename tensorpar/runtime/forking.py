@@ -29,12 +29,15 @@ import time
 
 # what the server imports before it forks any rank: the rank's entry point, which brings torch
 PRELOAD = ["tensorpar.runtime.launch"]
-# modules a command's ranks run, imported by the server too (a name that fails is skipped)
+# modules a command's ranks run, imported by the server too (a name that fails is skipped).
+# Training ranks also import torch._dynamo (torch.optim's Optimizer does, 2-3 s) and rank 0 draws
+# loss.png (matplotlib's Agg backend, 0.7 s): once in the server, not in every rank.
+_TRAINING = ["torch._dynamo", "matplotlib.backends.backend_agg"]
 COMMAND_MODULES = {
-    "train": ["tensorpar.gpt.start"],
+    "train": ["tensorpar.gpt.start", *_TRAINING],
     "generate": ["tensorpar.gpt.generate", "tensorpar.hf.cli"],
     "verify": ["tensorpar.transformer.verify", "tensorpar.hf.cli"],
-    "bench": ["tensorpar.bench.ranks"],
+    "bench": ["tensorpar.bench.ranks", *_TRAINING],
 }
 
 
