@@ -39,6 +39,8 @@ COMMAND_MODULES = {
     "verify": ["tensorpar.transformer.verify", "tensorpar.hf.cli"],
     "bench": ["tensorpar.bench.ranks", *_TRAINING],
 }
+# and with --hf PATH: transformers' model and generation code (4 s), the HF trainer
+HF_MODULES = ["transformers.modeling_utils", "transformers.generation", "tensorpar.hf.train"]
 
 
 def rank_context(preload: list[str] | tuple[str, ...] = ()) -> mp.context.BaseContext:
@@ -76,7 +78,7 @@ def start_early(argv: list[str]) -> None:
         return
     command = next((word for word in argv if word in COMMAND_MODULES), None)
     if command is not None:
-        start_server(COMMAND_MODULES[command])
+        start_server(COMMAND_MODULES[command] + (HF_MODULES if "--hf" in argv else []))
 
 
 def exit_with_launcher(launcher: int) -> None:
