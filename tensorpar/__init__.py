@@ -9,7 +9,7 @@ The packages, and the one direction their imports flow (each imports only those 
     plan         memory and communication planner, memory meter                (core)
     scale        the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model    (core)
     gpt          the GPT, its data, trainer, report, generation  (core, checkpoint, plan, scale)
-    hf           Hugging Face plans, parallelize, from_pretrained      (core, checkpoint, ...)
+    hf           Hugging Face plans, parallelize, from_pretrained, train --hf  (all above)
     bench        tensorpar against DTensor, megatron-core and plain PyTorch    (all above)
     cli          ``tensorpar`` and every package's ``cli`` module: on top
 

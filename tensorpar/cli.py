@@ -1,6 +1,7 @@
 """The ``tensorpar`` command line (also ``python -m tensorpar``).
 
     tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see gpt/train.py)
+    tensorpar train --hf PATH --tp 2 --out runs/ft          fine-tune a HF model (hf/train.py)
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
     tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
     tensorpar export --ckpt runs/gpt --hf-out gpt-hf        a Hugging Face (Llama) folder
@@ -71,7 +72,12 @@ def _add_train(sub) -> None:
     from tensorpar.gpt.model import GPTConfig
     from tensorpar.gpt.train import TrainConfig
 
-    p = sub.add_parser("train", help="train the GPT with tensor parallelism")
+    p = sub.add_parser("train", help="train the GPT, or fine-tune a Hugging Face model, with "
+                       "tensor parallelism")
+    p.add_argument("--hf", metavar="PATH", help="fine-tune this local Hugging Face causal LM "
+                   "(config.json, safetensors, tokenizer) instead of the GPT, without model "
+                   "flags; --resume needs no --hf (the run copies the files to --out's hf/) "
+                   "(default: none, the GPT)")
     _add_dataclass_flags(p, TrainConfig, "training")
     _add_dataclass_flags(p, GPTConfig, "model (taken from the checkpoint on --resume)")
 
@@ -132,7 +138,8 @@ def _add_export(sub) -> None:
                    "(required: this or --hf-out)")
     p.add_argument("--hf-out", metavar="DIR", help="instead: a new or empty folder to write as "
                    "a Hugging Face model that transformers' AutoModelForCausalLM and "
-                   "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer); "
+                   "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer; "
+                   "a run of train --hf as its source model); "
                    "written next to it and renamed into place (required: this or --out)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="with --hf-out: the largest "
                    "safetensors file, with its unit (5GB, 500MB, 2GiB); above it the weights are "
@@ -154,19 +161,19 @@ def _run(args) -> int:
         return 0 if ok else 1
     if args.command == "train":
         from tensorpar.gpt.model import GPTConfig
-        from tensorpar.gpt.start import resolve, run_train
+        from tensorpar.gpt.recipe import GPTRecipe
+        from tensorpar.gpt.start import resolve, resumed_kind, run_train
         from tensorpar.gpt.train import TrainConfig
 
         pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
-        cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
-        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks
-            pass
-        elif cfg.resume and resume_from is None:
-            print(f"tensorpar train: no checkpoint in {cfg.out}; starting from step 0",
-                  file=sys.stderr)
-        elif resume_from is not None:
-            print(f"tensorpar train: resuming from {resume_from}", file=sys.stderr)
-        return run_train(cfg, model_cfg, resume_from)
+        if args.hf is not None or resumed_kind(pick(TrainConfig)) == "hf":
+            from tensorpar.hf.train import resolve_hf
+
+            cfg, recipe, resume_from = resolve_hf(pick(TrainConfig), pick(GPTConfig), args.hf)
+        else:
+            cfg, model_cfg, resume_from = resolve(pick(TrainConfig), pick(GPTConfig))
+            recipe = GPTRecipe(model_cfg)
+        return run_train(cfg, recipe, resume_from)
     if args.command == "generate" and args.hf:
         from tensorpar.hf.cli import run_generate_hf
 

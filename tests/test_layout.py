@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "plan": CORE,
     "scale": CORE,
     "gpt": CORE | {"checkpoint", "plan", "scale"},
-    "hf": CORE | {"checkpoint", "plan", "scale"},
+    "hf": CORE | {"checkpoint", "plan", "scale", "gpt"},
     "bench": CORE | {"checkpoint", "plan", "scale", "gpt", "hf"},
 }
 ENTRY = {"__init__.py", "__main__.py", "cli.py"}  # the only files at the top of the package

@@ -41,9 +41,9 @@ NOT_RUN = {
 STEP_SCALE = 100  # --steps 400 -> 4; runs/gpt/step-00000800 -> step-00000008
 DEFAULT_TRAIN_STEPS = 400  # a train line without --steps trains this many (tensorpar train)
 # flags appended to each tensorpar subcommand (argparse: the last value wins)
+SMALL_RUN = ["--seq-len", "32", "--batch-size", "2", "--warmup-steps", "1"]
 SMALL = {
-    "train": ["--n-layer", "1", "--dim", "32", "--n-head", "4", "--n-kv-head", "1",
-              "--seq-len", "32", "--batch-size", "2", "--warmup-steps", "1"],
+    "train": ["--n-layer", "1", "--dim", "32", "--n-head", "4", "--n-kv-head", "1", *SMALL_RUN],
     "generate": ["--max-new-tokens", "16"],
     "bench": ["--dim", "32", "--n-head", "4", "--n-kv-head", "2", "--n-layer", "1",
               "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2", "--repeats", "1",
@@ -127,6 +127,8 @@ def _small(sub: str, args: list[str]) -> list[str]:
             args += ["--steps", str(DEFAULT_TRAIN_STEPS // STEP_SCALE)]
         if "--resume" in args:  # the model and its settings come from the checkpoint
             return args
+        if "--hf" in args:  # the model comes from its directory: the run alone made small
+            return args + SMALL_RUN
     return args + SMALL.get(sub, [])
 
 

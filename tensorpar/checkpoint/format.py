@@ -54,6 +54,13 @@ def make_readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def model_kind(manifest: dict) -> str:
+    """What model a checkpoint holds. ``tensorpar train``'s GPT runs record no ``model_kind``
+    (they came first): "gpt". A run fine-tuned from a Hugging Face model (``train --hf``)
+    records "hf" (``hf/train.py``); ``hf/export.py`` picks the exporter by it."""
+    return str(manifest.get("model_kind", "gpt"))
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints (with a manifest) under ``run_dir``, oldest first."""
     run_dir = Path(run_dir)

@@ -1,8 +1,9 @@
 """Training text, tokenizer and a deterministic batch order; nothing to download.
 
 The default corpus is Python's own help text (``pydoc_data.topics``, about 465 KB of English that
-ships with every CPython). The tokenizer is byte-level UTF-8 (vocabulary 256), so any text file
-works with ``--data`` and generation can print any string.
+ships with every CPython). The GPT's tokenizer is byte-level UTF-8 (vocabulary 256), so any text
+file works with ``--data`` and generation can print any string; a fine-tuned Hugging Face model
+brings its own (``hf/train.py``).
 
 Batches depend only on (seed, step): the corpus is cut into windows of ``seq_len + 1`` tokens, each
 epoch visits them in a permutation seeded by (seed, epoch), and step s takes windows
@@ -58,6 +59,13 @@ def load_text(path: str | None) -> tuple[str, str]:
     return p.read_text(encoding="utf-8", errors="replace"), str(p)
 
 
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest dtype holding the ids 0 .. vocab_size - 1, for the corpus kept in memory."""
+    if vocab_size <= 2**8:
+        return torch.uint8
+    return torch.uint16 if vocab_size <= 2**16 else torch.int32  # GPT-2's 50257: 2 bytes
+
+
 class TokenBatches:
     """Batches of (input, target) windows, (B, T) each, in an order fixed by (seed, step)."""
 
@@ -73,9 +81,12 @@ class TokenBatches:
     @classmethod
     def from_text(cls, text: str, seq_len: int, batch_size: int, seed: int,
                   tokenizer: ByteTokenizer | None = None) -> TokenBatches:
+        """tokenizer: anything with ``encode(text) -> ids`` and ``vocab_size`` (default: bytes)."""
         tok = tokenizer or ByteTokenizer()
-        # bytes: one uint8 per token in memory (an eighth of int64); batches come out int64
-        return cls(torch.tensor(tok.encode(text), dtype=torch.uint8), seq_len, batch_size, seed)
+        # the smallest integer per token in memory (bytes: uint8, an eighth of int64); batches
+        # come out int64
+        return cls(torch.tensor(tok.encode(text), dtype=token_dtype(tok.vocab_size)), seq_len,
+                   batch_size, seed)
 
     def _window_order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tensorpar.checkpoint.format import model_kind
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.gpt.data import ByteTokenizer
 from tensorpar.gpt.model import GPT, GPTConfig
@@ -162,6 +163,10 @@ def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperatur
     reader = CheckpointReader(ckpt)
     reader.verify()
     manifest = reader.manifest
+    if model_kind(manifest) != "gpt":
+        raise ValueError(f"{reader.dir} holds a model fine-tuned by tensorpar train --hf: "
+                         f"export it (tensorpar export --ckpt {ckpt} --hf-out DIR), then "
+                         "generate --hf DIR")
     GPTConfig(**manifest["config"]).check(tp)
     if manifest.get("tokenizer", "bytes") != ByteTokenizer.name:
         raise ValueError(f"checkpoint tokenizer {manifest.get('tokenizer')!r} is not supported")

@@ -14,10 +14,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from tensorpar.gpt.spec import gpt_spec
 from tensorpar.plan.comm import predicted_comm
 from tensorpar.plan.data_parallel import dp_comm, dp_memory
 from tensorpar.plan.memory import tensorpar_memory
+from tensorpar.plan.zoo import ModelSpec
 from tensorpar.runtime.output import human_bytes, write_atomically
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
@@ -137,13 +137,14 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
-            optimizer: str = "fused") -> Table:
+def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, spec: ModelSpec,
+            optimizer: str = "fused", dropout: bool = False) -> Table:
     """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
     prediction) and the collectives of one step (measured against the analytic minimum).
-    optimizer: the trainer's AdamW implementation (``optim.implementation``), for the plan."""
+    spec: the model as the planner sees it (``recipe.spec()``; None: the planner cannot describe
+    it, the measured numbers alone); optimizer: the trainer's AdamW implementation
+    (``optim.implementation``); dropout: whether the model drops, for the plan."""
     tp, sp = cfg.tp, cfg.sequence_parallel
-    spec = gpt_spec(model_cfg)
     recompute = "full" if cfg.recompute else "none"
     how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
         + (", TF32" if getattr(cfg, "tf32", False) else "")
@@ -171,12 +172,14 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory"):
+        if s.get("peak_memory") and spec is None:
+            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
+        elif s.get("peak_memory"):
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
             planned = tensorpar_memory(spec, tp, cfg.batch_size // dp, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
-                                       dropout=model_cfg.dropout > 0, device=device)
+                                       dropout=dropout, device=device)
             planned = dp_memory(spec, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
                                 rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
                                 optimizer=optimizer)["total"]
@@ -189,29 +192,33 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, model_cfg,
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     if comm["counts"]:
-        minimum = predicted_comm(spec, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype,
-                                 recompute)
+        minimum = None if spec is None else predicted_comm(
+            spec, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype, recompute)
         _collective_rows(table, "", comm, minimum)
-        table.add_row("analytic count (payload)", _by_source(minimum, sp))
+        if minimum is not None:
+            table.add_row("analytic count (payload)", _by_source(minimum, sp))
     else:
         table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
-        expected = dp_comm(spec, tp, dp, cfg.dp_mode, rank=0)
+        expected = None if spec is None else dp_comm(spec, tp, dp, cfg.dp_mode, rank=0)
         _collective_rows(table, "dp ", comm["dp"], expected)
-        table.add_row("dp analytic count (payload)", " + ".join(
-            f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
+        if expected is not None:
+            table.add_row("dp analytic count (payload)", " + ".join(
+                f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
     return table
 
 
-def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict) -> None:
+def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:
     """A row per kind of collective: the calls, payload and ring bytes of one measured step
-    (``CollectiveCounter``'s), and whether they are the analytic count (``expected``)."""
-    for kind in sorted(set(measured.get("counts", {})) | set(expected["counts"])):
+    (``CollectiveCounter``'s), and whether they are the analytic count (``expected``; None:
+    there is none)."""
+    for kind in sorted(set(measured.get("counts", {})) | set((expected or {}).get("counts", {}))):
         got = (measured["counts"].get(kind, 0), measured["bytes"].get(kind, 0))
-        want = (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
-        verdict = "= the analytic count" if got == want else \
-            f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
+        want = (0, 0) if expected is None else \
+            (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
+        verdict = "no analytic count" if expected is None else "= the analytic count" \
+            if got == want else f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
         table.add_row(f"{prefix}{kind} per step",
                       f"{got[0]} calls, {human_bytes(got[1])} payload, "
                       f"{human_bytes(measured['ring_bytes'].get(kind, 0))} sent per rank "

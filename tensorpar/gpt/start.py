@@ -1,6 +1,6 @@
 """Starting a training run from the command line: the flags merged with the run being resumed
-(:func:`resolve`), the ranks launched (:func:`run_train`), and one line on how a run that was
-stopped early ended.
+(:func:`resolve_run`, for any model's recipe; :func:`resolve` for the GPT), the ranks launched
+(:func:`run_train`), and one line on how a run that was stopped early ended.
 
 Resuming keeps the run's settings, its learning-rate schedule included (``--lr-decay-steps``,
 stored in the manifest), so ``--steps 400`` then ``--resume --steps 800`` repeats one run of
@@ -16,31 +16,51 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.checkpoint.format import find_checkpoint, model_kind
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.checkpoint.save import remove_unfinished
-from tensorpar.gpt.data import ByteTokenizer, load_text
+from tensorpar.gpt.data import load_text
 from tensorpar.gpt.model import GPTConfig
+from tensorpar.gpt.recipe import GPTRecipe
 from tensorpar.gpt.report import Metrics
 from tensorpar.gpt.speedups import check_compile_device, tf32_note
-from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_rank
+from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_model_rank
 from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.launch import run_ranks
 from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, signal_name
 
 
 def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig, str | None]:
-    """Merge explicit flags with the checkpoint being resumed and the defaults; validate.
+    """The GPT's run (:func:`resolve_run`): its model from the model flags, or on resume from the
+    checkpoint (a model flag that disagrees is an error)."""
+    cfg, recipe, resume_from = resolve_run(train_args, partial(GPTRecipe.from_flags, model_args))
+    return cfg, recipe.model_cfg, resume_from
 
-    On resume, the model comes from the checkpoint (a model flag that disagrees is an error) and
-    training settings default to the checkpoint's, so the resumed run repeats the original.
-    Explicit flags still win for the settings that may change (steps, tp, ...).
+
+def resumed_kind(train_args: dict) -> str | None:
+    """The model_kind of the checkpoint that ``--resume`` would continue (None: not resuming,
+    or no checkpoint yet)."""
+    ckpt = find_checkpoint(train_args.get("out") or TrainConfig.out) \
+        if train_args.get("resume") else None
+    return None if ckpt is None else model_kind(CheckpointReader(ckpt).manifest)
+
+
+def resolve_run(train_args: dict, recipe_for: Callable) -> tuple[TrainConfig, object, str | None]:
+    """Merge explicit flags with the checkpoint being resumed and the defaults; validate.
+    Returns the training config, the model's recipe (``recipe.py``) and the checkpoint to resume.
+
+    recipe_for(manifest, ckpt): the recipe of the run, from its flags (manifest None: a new run)
+    or from the checkpoint being resumed. On resume, training settings default to the
+    checkpoint's, so the resumed run repeats the original. Explicit flags still win for the
+    settings that may change (steps, tp, ...).
     """
     explicit = {k: v for k, v in train_args.items() if v is not None}
-    resume_from = None
-    saved_train, saved_model = {}, {}
+    resume_from = manifest = ckpt = None
+    saved_train = {}
     out = explicit.get("out", TrainConfig.out)
     if explicit.get("resume"):
         if not Path(out).is_dir():
@@ -49,7 +69,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         ckpt = find_checkpoint(out)
         if ckpt is not None:
             manifest = CheckpointReader(ckpt).manifest
-            resume_from, saved_model = str(ckpt), manifest["config"]
+            resume_from = str(ckpt)
             scheme = manifest.get("rng", {}).get("scheme")
             if scheme != RNG_SCHEME:
                 _say(f"note: {ckpt} was written with random streams seeded by "
@@ -60,18 +80,13 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
             # runs saved before --lr-decay-steps existed decayed over their --steps
             saved_train["lr_decay_steps"] = saved_train.get("lr_decay_steps") \
                 or saved_train["steps"]
-            for k, v in model_args.items():
-                if k == "hidden_dim" and v == 0:  # 0 means "the default for dim"
-                    continue
-                if v is not None and saved_model.get(k) != v:
-                    raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
-                                     f"{ckpt} ({k}={saved_model.get(k)})")
     elif find_checkpoint(out) is not None:
         raise ValueError(f"{out} already holds checkpoints: pass --resume to continue that run, "
                          "or choose another --out")
     elif (Path(out) / "metrics.jsonl").exists():
         raise ValueError(f"{out} holds the metrics.jsonl of an earlier run (no checkpoint): "
                          "pass --resume to start that run over, or choose another --out")
+    recipe = recipe_for(manifest, ckpt)
     changed = [k for k in ("seed", "batch_size", "seq_len", "data", "lr", "dtype", "warmup_steps",
                            "lr_decay_steps", "tf32")
                if k in explicit and k in saved_train and explicit[k] != saved_train[k]]
@@ -87,17 +102,12 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
         _say(f"note: keeping the run's learning-rate schedule (cosine decay to "
              f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
              "change it")
-    model_cfg = GPTConfig(**(saved_model or {k: v for k, v in model_args.items()
-                                             if v is not None}))
     cfg.check()
-    model_cfg.check(cfg.tp)
-    if model_cfg.vocab_size != ByteTokenizer.vocab_size:
-        raise ValueError(f"--vocab-size {model_cfg.vocab_size}: the byte tokenizer needs "
-                         f"{ByteTokenizer.vocab_size}")
+    recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
     text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
-    if len(ByteTokenizer().encode(text)) < cfg.seq_len + 1:
+    if len(recipe.tokenizer().encode(text)) < cfg.seq_len + 1:
         raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
     if resume_from is not None:
         CheckpointReader(resume_from).verify()  # a corrupted file too
@@ -106,7 +116,7 @@ def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig,
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp * cfg.dp))
     if note := tf32_note(cfg.tf32, cfg.dtype, rank_device_type(local_world)):
         _say(f"note: {note}")
-    return cfg, model_cfg, resume_from
+    return cfg, recipe, resume_from
 
 
 def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
@@ -122,24 +132,27 @@ def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
     return world // cfg.tp
 
 
-def run_train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None) -> int:
-    """Spawn ``cfg.tp`` x ``cfg.dp`` local ranks, or, under torchrun, be one of its ranks.
-    Returns the exit status: 0, or 128 + the signal that stopped the run (SIGTERM: 143,
-    Ctrl-C: 130)."""
+def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
+    """Spawn ``cfg.tp`` x ``cfg.dp`` local ranks, or, under torchrun, be one of its ranks, to
+    train the model of ``recipe`` (``GPTRecipe(model_cfg)`` for the GPT). Returns the exit
+    status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
     ranks = cfg.tp * (cfg.dp or 1)
     world = int(os.environ.get("WORLD_SIZE", ranks))
     if "TORCHELASTIC_RUN_ID" in os.environ and world != ranks:
         raise ValueError(f"torchrun started {world} processes but --tp {cfg.tp} x --dp "
                          f"{cfg.dp or 1} is {ranks}: start {ranks} in all (torchrun "
                          f"--nnodes x --nproc-per-node), or change --tp / --dp")
-    if resume_from is not None:
+    if cfg.resume and resume_from is None:
+        _say(f"no checkpoint in {cfg.out}; starting from step 0")
+    elif resume_from is not None:
+        _say(f"resuming from {resume_from}")
         done = CheckpointReader(resume_from).manifest["step"]
         if done >= cfg.steps:
             _say(f"{cfg.out} is already at step {done} (--steps {cfg.steps}): nothing to train; "
                  "pass a larger --steps to continue it")
             return 0
     try:
-        results = run_ranks(train_rank, ranks, cfg, model_cfg, resume_from,
+        results = run_ranks(train_model_rank, ranks, cfg, recipe, resume_from,
                             forward_signals=STOP_SIGNALS)
     except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

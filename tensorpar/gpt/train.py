@@ -1,4 +1,4 @@
-"""Train the GPT of ``model.py`` with tensor parallelism.
+"""Train the GPT of ``model.py``, or fine-tune a Hugging Face model, with tensor parallelism.
 
 Local ranks, spawned by the command itself (gloo on CPU, NCCL when there is a GPU per rank)::
 
@@ -13,9 +13,14 @@ Under torchrun (one process per rank; multi-node through torchrun's rendezvous):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m tensorpar train --tp 16 ...
 
+A Hugging Face causal LM from a local directory, under the same flags (``hf/train.py``)::
+
+    tensorpar train --hf ./my-llama --tp 2 --steps 200 --data notes.txt --out runs/ft
+
 Every rank of the TP group sees the same batch; the randomness of a step (its batch, its dropout
 masks) derives from (seed, step), so a resumed run, at any TP size, repeats exactly what an
-uninterrupted one would have done.
+uninterrupted one would have done. The loop knows no model class: a *recipe* (``recipe.py``)
+builds the model and its loss.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.gpt.data import ByteTokenizer, TokenBatches, load_text
-from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.data import TokenBatches, load_text
+from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.optim import adamw, implementation
+from tensorpar.gpt.recipe import GPTRecipe
 from tensorpar.gpt.report import Metrics, ProgressLine, plot_loss, summary
-from tensorpar.gpt.speedups import loss_function, tf32_matmuls
+from tensorpar.gpt.speedups import tf32_matmuls
 from tensorpar.gpt.train_config import TrainConfig, learning_rate
-from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.runtime.checking import collectives_checked, naming_layers
@@ -55,8 +60,9 @@ RNG_SCHEME = "hashed"
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    """AdamW; no weight decay on the vectors: norms (the GPT's only ones) and biases."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}],
                  lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -64,7 +70,13 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
                group=None) -> dict:
-    """The training loop of one rank. Returns what the run measured (on every rank).
+    """The GPT's training loop on one rank: :func:`train_model_rank` with ``GPTRecipe``."""
+    return train_model_rank(cfg, GPTRecipe(model_cfg), resume_from, group)
+
+
+def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=None) -> dict:
+    """The training loop of one rank, for the model of ``recipe`` (``recipe.py``). Returns what
+    the run measured (on every rank).
 
     group: every rank of the run (tp x dp of them; default the whole world). With ``cfg.dp`` > 1
     they form a ("dp", "tp") mesh (``scale/mesh.py``) and each TP group trains on its slice of
@@ -74,11 +86,11 @@ def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
     flight (the first, if it came during setup) with a checkpoint (``runtime/stopping.py``)."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     with StopRequest(group, device_for(group)) as stop, ExitStack() as scope:
-        return _train(cfg, model_cfg, resume_from, group, stop, scope)
+        return _train(cfg, recipe, resume_from, group, stop, scope)
 
 
-def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_group,
-           stop: StopRequest, scope: ExitStack) -> dict:
+def _train(cfg: TrainConfig, recipe, resume_from: str | None, run_group, stop: StopRequest,
+           scope: ExitStack) -> dict:
     """run_group: every rank of the run; the TP group is all of it, or the mesh's "tp"."""
     dp = cfg.dp or 1
     mesh = init_parallel(tp=cfg.tp, dp=dp) if dp > 1 else None
@@ -86,35 +98,35 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
     rank, device = tp_rank(group), device_for(group)
     lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
     text, label = load_text(cfg.data)
-    batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed)
+    batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed,
+                                     recipe.tokenizer())
     rows = slice(dp_rank(mesh) * cfg.batch_size // dp, (dp_rank(mesh) + 1) * cfg.batch_size // dp)
-    rng = TensorParallelRNG(cfg.seed, group, dp_rank(mesh))  # dropout masks differ by dp rank
-    net = GPT(model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, rng=rng, device=device,
-              fused=cfg.fused, recompute=cfg.recompute)
+    net, at_step = recipe.build(cfg, group, dp_rank(mesh), device)
     if collectives_checked(group):  # a mismatch then names the layer (runtime/checking.py)
         scope.enter_context(naming_layers(net))
     scope.enter_context(tf32_matmuls(cfg.tf32, device))  # restored after: a pool's ranks go on
     layout = Layout.gather(net, group)
-    # ``net`` is the GPT (FSDP2 turns it into a sharded module in place); ``model`` what to call
+    # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what to call
     model = net if mesh is None else data_parallel(net, mesh, cfg.dp_mode)
-    forward = loss_function(model, cfg.compile, cfg.compile_backend)  # saves use net itself
+    forward = recipe.loss_fn(model, cfg, group)  # saves use net itself
     opt = make_optimizer(net, cfg)
     start = 0
     if resume_from is not None:
         # the files were hashed once by resolve(), before the ranks started
         start = load_checkpoint(resume_from, net, opt, check_hashes=False)["step"]
     out = Path(cfg.out)
-    meta = {"config": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg),
-            "tokenizer": ByteTokenizer.name,
-            "data": {"source": label, "sha256_16": batches.digest,
-                     "position": {"step": None, "sequences": None}},
-            "rng": {"scheme": RNG_SCHEME, "seed": cfg.seed,
-                    "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"},
-            "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
-                              "stored": "each TP rank's shard once, written by dp rank 0"}}
+    meta = recipe.manifest() | {
+        "train": dataclasses.asdict(cfg),
+        "data": {"source": label, "sha256_16": batches.digest,
+                 "position": {"step": None, "sequences": None}},
+        "rng": {"scheme": RNG_SCHEME, "seed": cfg.seed,
+                "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"},
+        "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
+                          "stored": "each TP rank's shard once, written by dp rank 0"}}
     metrics = progress = None
     if lead:
         out.mkdir(parents=True, exist_ok=True)
+        recipe.prepare(out)
         metrics = Metrics(out / "metrics.jsonl", start,
                           out / "tensorboard" if cfg.tensorboard else None)
         progress = ProgressLine(start, cfg.steps)
@@ -143,7 +155,7 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
             for g in opt.param_groups:
                 g["lr"] = learning_rate(cfg, step)
             x, y = (t[rows].to(device) for t in batches.batch(step))  # this dp rank's slice
-            net.rng.set_step(step)
+            at_step(step)
             measure = step == measured_step
             counter, meter = (CollectiveCounter(counted), MemoryMeter(device)) if measure \
                 else (None, None)
@@ -214,8 +226,8 @@ def _train(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None, run_
                   f"{stopped[1]}; saved {find_checkpoint(out)}; resume with: tensorpar train "
                   f"--resume --out {out}", file=sys.stderr, flush=True)
         else:
-            progress.console.print(summary(ran, sizes, comm, cfg, model_cfg,
-                                           implementation(opt)))
+            progress.console.print(summary(ran, sizes, comm, cfg, recipe.spec(),
+                                           implementation(opt), recipe.dropout))
             progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                                    f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}"
                                    + (f"   tensorboard: {out / 'tensorboard'}"

@@ -3,6 +3,10 @@ module, ``parallelize`` for a dense model in hand, ``from_pretrained`` for a mod
 ``tensorpar verify|generate --hf`` (``cli``), and ``export``: a checkpoint written as a model
 folder that transformers loads (``tensorpar export --hf-out``).
 
-Imports the core only (transformers lazily, inside the functions that need it). ``cli`` is a
-command-line module and sits on top.
+``train`` is the recipe of ``tensorpar train --hf`` (fine-tuning in the GPT's training loop) and
+``export_original`` writes such a run back as its source model.
+
+Imports the core, ``checkpoint``, ``plan``, ``scale`` and, for the trainer, ``gpt``
+(transformers lazily, inside the functions that need it). ``cli`` is a command-line module and
+sits on top.
 """

@@ -15,7 +15,9 @@ So inside each region the global generator is swapped for a stream of this rank'
 
 The stream's seed hashes (base seed, "hf-tp-region", dp rank, tp rank) (``runtime/seeds.py``);
 the base seed is ``torch.initial_seed()`` when ``parallelize`` runs, i.e. the seed the user gave
-every rank. The stream then runs on from step to step, as the global generator does.
+every rank. The stream then runs on from step to step, as the global generator does. The model
+keeps it as ``model.tp_region_stream``: ``tensorpar train --hf`` restarts both streams at each
+step from (seed, step, dp rank[, tp rank]) (``hf/train.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class RegionStream:
         self.seed = seed
         self._states: dict[torch.device, torch.Tensor] = {}
         self._outside: dict[torch.device, torch.Tensor] = {}  # the global state, while inside
+
+    def restart(self, seed: int) -> None:
+        """Start the stream over from ``seed`` (a trainer, once per step: the step's masks then
+        depend on the step alone, so a resumed run draws those of the uninterrupted one)."""
+        self.seed = seed
+        self._states.clear()
 
     def enter(self, device: torch.device) -> None:
         if device in self._outside:  # already inside (a region nested in another)

@@ -36,9 +36,11 @@ The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``gpt/data.py``'s
 so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does.
 
 The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
-writer; today only ``"gpt"``. Nothing half-written: the target is checked first (a new or empty
-folder in an existing directory), then the checkpoint (every file's sha256), its config and
-tensors; everything is written to a hidden folder next to the target, renamed into place.
+writer: ``"gpt"`` above; ``"hf"``, a run fine-tuned from a Hugging Face model (``train --hf``),
+is written back as that model (``export_original.py``). Nothing half-written: the target is
+checked first (a new or empty folder in an existing directory), then the checkpoint (every
+file's sha256), its config and tensors; everything is written to a hidden folder next to the
+target, renamed into place.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ from pathlib import Path
 import torch
 
 from tensorpar.checkpoint.export import WRITE_ERRORS, cannot_write
-from tensorpar.checkpoint.format import make_readable
+from tensorpar.checkpoint.format import make_readable, model_kind
 from tensorpar.checkpoint.load import CheckpointReader
+from tensorpar.hf.export_original import Note, Writer, check_tensors, original_model, save_model
 
 DEFAULT_SHARD_SIZE = "5GB"  # the Hub's usual shard (transformers' default was 5GB before v5)
 BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (gpt/data.py)
@@ -69,9 +72,6 @@ LLAMA_FIELDS = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "dim
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                **{f"attn.{p}_proj": f"self_attn.{p}_proj" for p in "qkvo"},
                **{f"mlp.{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")}}
-
-Note = Callable[[str], None]
-Writer = Callable[[Path], None]
 
 
 def parse_shard_size(text: str) -> int:
@@ -100,14 +100,6 @@ def check_hf_target(out_dir: str | Path) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--hf-out {out}: directory {parent} is not writable")
     return out
-
-
-def model_kind(manifest: dict) -> str:
-    """What model a checkpoint holds. ``tensorpar train``'s GPT runs record no ``model_kind``
-    (they came first): "gpt". A run fine-tuned from a Hugging Face model (``train --hf``)
-    records its own kind, and its exporter in ``EXPORTERS`` writes the source's architecture
-    and names back."""
-    return str(manifest.get("model_kind", "gpt"))
 
 
 def _llama_config(reader: CheckpointReader, note: Note) -> dict:
@@ -174,22 +166,6 @@ def llama_names(c: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return names
 
 
-def _check_tensors(reader: CheckpointReader, names: dict) -> None:
-    """The checkpoint's weights must be exactly the Llama's, shape for shape."""
-    have = {k: tuple(e["shape"]) for k, e in reader.tensors.items()
-            if not k.startswith("optimizer.")}
-    extra, missing = sorted(have.keys() - names.keys()), sorted(names.keys() - have.keys())
-    if extra:
-        raise ValueError(f"checkpoint {reader.dir}: {extra[0]} has no place in a Llama of its "
-                         f"config ({len(extra)} such tensor{'s' * (len(extra) > 1)})")
-    if missing:
-        raise ValueError(f"checkpoint {reader.dir} has no {missing[0]}, which its config needs")
-    for name, (_, shape) in names.items():
-        if have[name] != shape:
-            raise ValueError(f"checkpoint {reader.dir}: {name} is {have[name]}; its config "
-                             f"makes it {shape}")
-
-
 def byte_tokenizer():
     """A ``tokenizers.Tokenizer`` mapping text to its UTF-8 bytes, byte b -> id b: GPT-2's
     byte-level pre-tokenizer (each byte as one printable character, no regex split, no prefix
@@ -222,7 +198,7 @@ def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> 
 
     kwargs = _llama_config(reader, note)
     names = llama_names(kwargs)
-    _check_tensors(reader, names)
+    check_tensors(reader, names, "a Llama")
 
     def write(folder: Path) -> None:
         config = transformers.LlamaConfig(**kwargs)
@@ -232,20 +208,15 @@ def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> 
         if config.tie_word_embeddings:  # one tensor; save_pretrained writes it once
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()
-        try:
-            model.save_pretrained(folder, max_shard_size=max_shard_size)
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
+        save_model(model, folder, max_shard_size)
         _write_tokenizer(folder)
 
     return write
 
 
 # model_kind -> (reader, max shard bytes, note) -> writer, after every check has passed
-EXPORTERS: dict[str, Callable[[CheckpointReader, int, Note], Writer]] = {"gpt": _gpt_to_llama}
+EXPORTERS: dict[str, Callable[[CheckpointReader, int, Note], Writer]] = {
+    "gpt": _gpt_to_llama, "hf": original_model}
 
 
 def _write_folder(out: Path, write: Writer) -> None:

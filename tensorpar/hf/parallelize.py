@@ -82,7 +82,7 @@ def check_layout(model: nn.Module, plan: dict[str, str], n: int,
             check_split(model, name, plan[pattern], n)
     if sequence_parallel:
         styles = {name: plan[p] for p, names in matches.items() for name in names}
-        check_sequence_parallel(model, styles, _has_dropout(model))
+        check_sequence_parallel(model, styles, has_dropout(model))
 
 
 @torch.no_grad()
@@ -138,8 +138,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
         conv.grad_sum += split_at_first_layer(model, seq, regions, group)
     if conv.n > 1:
         sum_grads_over_tp(model, conv.grad_sum, group)
-    # dropout between f and g draws from a per-rank stream (hf/dropout.py)
-    install_region_streams(model, regions, tp_rank(group))
+    # dropout between f and g draws from a per-rank stream (hf/dropout.py), kept on the model
+    model.tp_region_stream = install_region_streams(model, regions, tp_rank(group))
     return model
 
 
@@ -164,7 +164,7 @@ def sum_grads_over_tp(model: nn.Module, names: list[str], group: ProcessGroup | 
         model.get_submodule(owner).register_forward_pre_hook(partial(hook_once, attr=attr))
 
 
-def _has_dropout(model: nn.Module) -> bool:
+def has_dropout(model: nn.Module) -> bool:
     """Whether the model drops anything: a dropout module or a config probability above 0."""
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
@@ -182,7 +182,7 @@ def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> N
     names = [n for n, p in model.named_parameters() if not p.is_meta] + ["<global RNG state>"]
     # the state's bytes weighted by position: equal sums mean equal states in practice
     state = torch.get_rng_state().double()
-    rng = (state * torch.arange(1, state.numel() + 1)).sum() if _has_dropout(model) else \
+    rng = (state * torch.arange(1, state.numel() + 1)).sum() if has_dropout(model) else \
         torch.zeros((), dtype=torch.float64)
     # on the group's device (a GPU under NCCL, which takes no CPU tensors), whatever device
     # the model is on

@@ -69,6 +69,23 @@ class SafetensorsSource:
         self._files.clear()  # unmaps the files
 
 
+class EmptySource:
+    """Zeros in the dense shape of each parameter of a model built on the meta device: the
+    weights of a model that a checkpoint fills next (``tensorpar train --hf``, resumed)."""
+
+    def __init__(self, model: nn.Module):
+        self.shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        shape = list(self.shapes[key])
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        return torch.zeros(shape)
+
+    def close(self) -> None:
+        pass
+
+
 def _renames(model: nn.Module) -> list[tuple[str, str]]:
     """The plain key renamings transformers applies when loading this model's checkpoints
     (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``). Other conversions (packed experts) are not
@@ -87,7 +104,7 @@ def _renames(model: nn.Module) -> list[tuple[str, str]]:
 def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
                     dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
                     attn_implementation: str | None = None,
-                    sequence_parallel: bool = False) -> nn.Module:
+                    sequence_parallel: bool = False, weights: bool = True) -> nn.Module:
     """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
 
     The model is built with its parameters on the meta device; each rank then reads only its own
@@ -96,6 +113,8 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     per-head q|k|v over a TP size that does not divide its heads) is a ValueError naming the
     module, raised on every rank before anything is read. The converted layers are those of
     ``parallelize`` (q/k/v and gate/up as one fused op each); ``sequence_parallel`` as there.
+    weights=False: the directory needs only its config; the parameters are zeros, for a
+    checkpoint to fill (``load_checkpoint``).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -108,7 +127,8 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
     check_layout(model, plan, tp_size(group), sequence_parallel)
-    source = SafetensorsSource(path, model.base_model_prefix, _renames(model))
+    source = SafetensorsSource(path, model.base_model_prefix, _renames(model)) if weights \
+        else EmptySource(model)
     apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),
                sequence_parallel=sequence_parallel)
     source.close()

@@ -11,7 +11,10 @@ The purposes tensorpar draws from (``README.md``, "Randomness", has the table)::
     data-order        (epoch)                          the permutation of the training windows
     dropout-replicated (step, dp rank)                 masks of activations every TP rank holds
     dropout-sharded   (step, dp rank, tp rank)         masks of activations split over TP ranks
-    hf-tp-region      (dp rank, tp rank)               HF dropout between f and g (heads, hidden)
+    hf-tp-region      (dp rank, tp rank)               HF dropout between f and g (heads, hidden);
+                      (step, dp rank, tp rank)         under ``tensorpar train --hf``
+    hf-dropout        (step, dp rank)                  ``train --hf``: torch's global generator,
+                                                       HF dropout outside the TP regions
     sampling          ()                               generation's Gumbel noise
 """
 
