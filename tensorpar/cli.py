@@ -128,24 +128,6 @@ def _prompts(args) -> list[str] | None:
     return prompts
 
 
-def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint's weights as one dense safetensors "
-                       "(--out) or as a Hugging Face model folder (--hf-out)")
-    p.add_argument("--ckpt", required=True, help="a run directory (its newest checkpoint) or a "
-                   "step-* checkpoint directory (required)")
-    p.add_argument("--out", help="the file to write: a name ending in .safetensors, in an "
-                   "existing writable directory; an existing file is replaced atomically "
-                   "(required: this or --hf-out)")
-    p.add_argument("--hf-out", metavar="DIR", help="instead: a new or empty folder to write as "
-                   "a Hugging Face model that transformers' AutoModelForCausalLM and "
-                   "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer; "
-                   "a run of train --hf as its source model); "
-                   "written next to it and renamed into place (required: this or --out)")
-    p.add_argument("--max-shard-size", metavar="SIZE", help="with --hf-out: the largest "
-                   "safetensors file, with its unit (5GB, 500MB, 2GiB); above it the weights are "
-                   "split into files named in model.safetensors.index.json (default 5GB)")
-
-
 def _run(args) -> int:
     if hasattr(args, "func"):  # subcommands that bring their own parser (plan, bench)
         return args.func(args)
@@ -189,23 +171,9 @@ def _run(args) -> int:
         return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,
                             args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p)
     if args.command == "export":
-        if (args.out is None) == (args.hf_out is None):
-            raise ValueError("give one of --out FILE.safetensors (one dense file) and --hf-out "
-                             "DIR (a Hugging Face model folder)")
-        if args.hf_out is not None:
-            from tensorpar.hf.export import DEFAULT_SHARD_SIZE, export_hf
+        from tensorpar.checkpoint.cli import run_export
 
-            note = lambda line: print(f"tensorpar export: note: {line}", file=sys.stderr)  # noqa: E731
-            path = export_hf(args.ckpt, args.hf_out, args.max_shard_size or DEFAULT_SHARD_SIZE,
-                             note)
-        elif args.max_shard_size is not None:
-            raise ValueError("--max-shard-size goes with --hf-out (--out writes one file)")
-        else:
-            from tensorpar.checkpoint.export import export_dense
-
-            path = export_dense(args.ckpt, args.out)
-        print(f"wrote {path}")
-        return 0
+        return run_export(args)
     return 2
 
 
@@ -216,6 +184,7 @@ SILENT_RANK_DELAY_S = 5.0
 def build_parser() -> argparse.ArgumentParser:
     """The ``tensorpar`` parser with every subcommand."""
     from tensorpar.bench import bench_cli
+    from tensorpar.checkpoint.cli import add_export
     from tensorpar.plan import cli as plan_cli
 
     parser = argparse.ArgumentParser(
@@ -253,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_generate(sub)
-    _add_export(sub)
+    add_export(sub)
     _add_verify(sub)
     plan_cli.add_parser(sub)
     bench_cli.add_parser(sub)

@@ -89,6 +89,12 @@ def test_every_package_states_its_place():
             f"tensorpar/{package}/__init__.py: say what it imports"
 
 
+def test_entry_files_stay_small():
+    for name in ENTRY:
+        lines = len((ROOT / name).read_text().splitlines())
+        assert lines <= 300, f"tensorpar/{name}: {lines} lines"
+
+
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
 def test_folders_and_files_stay_small(package):
     modules = [p for p in (ROOT / package).glob("*.py") if p.name != "__init__.py"]
