@@ -4,7 +4,8 @@ Every ```python block is a whole program whose first line says how to run it
 (``# NAME.py: run with `COMMAND` ``); it is saved as NAME.py in an empty directory and run with
 that command (``torchrun`` as ``python -m torch.distributed.run``). Every line of a ```bash block
 either runs here, in README order in one directory, so that resume, generate, export and plan
-find what train wrote, or is in ``NOT_RUN`` with the reason. A line that runs keeps its words;
+find what train wrote, or is in ``NOT_RUN`` with the reason; a ``tensorpar`` line runs through
+``cli.main`` in this process (``_run``), others as processes. A line that runs keeps its words;
 only flags that make it small are added (``SMALL``), step counts are divided by ``STEP_SCALE``
 (``--steps 800`` and ``step-00000800`` alike) and placeholder paths (``PLACEHOLDERS``) are
 filled in. Examples write under ``runs/`` only, never into the repository.
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests_common import char_tokenizer
+from tests_common import char_tokenizer, tensorpar_here
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -156,7 +157,18 @@ def _env() -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path, what: str) -> None:
-    out = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+    if argv[1:3] == ["-m", "tensorpar"] and "--hf" not in argv:
+        # ``tensorpar ARGS`` through the command's entry (``cli.main``) in this process, its
+        # ranks forked from the session's fork server, which has imported what they need
+        # (conftest.py): the 3-5 s a new Python spends importing torch and tensorpar, and its
+        # server the same again, are the cost of every real run (tests/gpt/test_train_cli.py,
+        # test_stop_resume.py, tests/test_cli.py run the commands as processes). A --hf line
+        # stays a process: its ranks import transformers, which the session's server does not
+        # hold (with it every MemoryMeter's scan of the live objects takes seconds).
+        out = tensorpar_here(*argv[3:], cwd=cwd)
+    else:
+        out = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+                             timeout=300)
     assert out.returncode == 0, (f"{what}\n$ {shlex.join(argv)}\nexit {out.returncode}\n"
                                  f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
 

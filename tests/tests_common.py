@@ -37,10 +37,12 @@ def tensorpar_cli(*args, timeout: float = 300, cwd=None):
 
 
 def tensorpar_here(*args, cwd=None):
-    """``tensorpar ARGS`` run in this process (``cli.main``), for requests refused before any rank
-    starts: what a user sees (exit status, stdout, stderr) without the 3-4 s a new Python spends
-    importing torch; in ``cwd`` if given. The environment and SIGTERM handler that ``main`` sets
-    are put back. A CompletedProcess, as ``tensorpar_cli`` returns."""
+    """``tensorpar ARGS`` run in this process (``cli.main``, what the ``tensorpar`` script runs
+    after starting its fork server): what a user sees (exit status, stdout, stderr) without the
+    3-5 s a new Python spends importing torch; in ``cwd`` if given. For requests refused before
+    any rank starts, and for runs beside a real process's run of the same command: their ranks
+    fork from the session's server (conftest.py). The environment and SIGTERM handler that
+    ``main`` sets are put back. A CompletedProcess, as ``tensorpar_cli`` returns."""
     import contextlib
     import io
     import os

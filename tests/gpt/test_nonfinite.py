@@ -7,7 +7,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
-from tests_common import TINY_GPT, read_metrics, tensorpar_cli
+from tests_common import TINY_GPT, read_metrics, tensorpar_cli, tensorpar_here
 
 DIVERGE = ["--tp", 2, "--lr", "1e6", "--grad-clip", 0, "--save-every", 1, "--steps", 8]
 
@@ -19,7 +19,7 @@ def _all_finite(run) -> bool:
 
 
 def test_nonfinite_step_stops_the_run(tmp_path):
-    out = tensorpar_cli("train", *DIVERGE, "--out", tmp_path, *TINY_GPT)
+    out = tensorpar_cli("train", *DIVERGE, "--out", tmp_path, *TINY_GPT)  # a process: all its output
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     line = re.search(r"step (\d+): loss \S+, gradient norm (nan|inf); first non-finite gradient: "
@@ -33,7 +33,7 @@ def test_nonfinite_step_stops_the_run(tmp_path):
 
 
 def test_skip_nonfinite_counts_and_then_stops(tmp_path):
-    out = tensorpar_cli("train", *DIVERGE, "--skip-nonfinite", 2, "--out", tmp_path, *TINY_GPT)
+    out = tensorpar_here("train", *DIVERGE, "--skip-nonfinite", 2, "--out", tmp_path, *TINY_GPT)
     assert out.returncode == 1 and "after skipping 2 such steps" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     rows = read_metrics(tmp_path)
