@@ -21,7 +21,7 @@ import signal
 import pytest
 
 from tensorpar.runtime.checking import CHECK_ENV
-from tensorpar.runtime.forking import COMMAND_MODULES, start_server
+from tensorpar.runtime.forking import COMMAND_MODULES, HF_MODULES, start_server
 from tensorpar.runtime.launch import RankPool
 
 from tests_common import WORLD_SIZES  # noqa: F401
@@ -34,10 +34,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Every rank this session forks, the pools' and those of commands run in this process
 # (tests_common.tensorpar_here), comes from one fork server that imports, once, what the
-# commands' ranks import (torch._dynamo, matplotlib, ...: 3 s a rank otherwise). Not
-# transformers: the HF tests' ranks import it themselves, for with it in every rank each
-# MemoryMeter's scan of the live objects takes seconds instead of a fifth of one.
-start_server(sorted({module for modules in COMMAND_MODULES.values() for module in modules}))
+# commands' ranks import (torch._dynamo and matplotlib: 3 s a rank otherwise; transformers' model
+# code for --hf: 4 s). With transformers in every rank a MemoryMeter's scan of the live objects
+# at entry takes 0.42 s instead of 0.33.
+start_server(sorted({module for modules in COMMAND_MODULES.values() for module in modules}
+                    | set(HF_MODULES)))
 
 
 @pytest.fixture(scope="session")

@@ -157,14 +157,12 @@ def _env() -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path, what: str) -> None:
-    if argv[1:3] == ["-m", "tensorpar"] and "--hf" not in argv:
+    if argv[1:3] == ["-m", "tensorpar"]:
         # ``tensorpar ARGS`` through the command's entry (``cli.main``) in this process, its
         # ranks forked from the session's fork server, which has imported what they need
         # (conftest.py): the 3-5 s a new Python spends importing torch and tensorpar, and its
         # server the same again, are the cost of every real run (tests/gpt/test_train_cli.py,
-        # test_stop_resume.py, tests/test_cli.py run the commands as processes). A --hf line
-        # stays a process: its ranks import transformers, which the session's server does not
-        # hold (with it every MemoryMeter's scan of the live objects takes seconds).
+        # test_stop_resume.py, tests/test_cli.py, tests/hf run the commands as processes)
         out = tensorpar_here(*argv[3:], cwd=cwd)
     else:
         out = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,

@@ -19,7 +19,8 @@ def _all_finite(run) -> bool:
 
 
 def test_nonfinite_step_stops_the_run(tmp_path):
-    out = tensorpar_cli("train", *DIVERGE, "--out", tmp_path, *TINY_GPT)  # a process: all its output
+    # a process: its whole output, the ranks' included, is one line
+    out = tensorpar_cli("train", *DIVERGE, "--out", tmp_path, *TINY_GPT)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     line = re.search(r"step (\d+): loss \S+, gradient norm (nan|inf); first non-finite gradient: "
