@@ -70,7 +70,7 @@ def guard_rank(command: str) -> None:
         pass
     for s in FORWARDED:
         signal.signal(s, lambda signum, frame: _forward(child, signum))
-    _, status = _wait(child)
+    _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     signum = os.WTERMSIG(status)
@@ -84,7 +84,7 @@ def guard_rank(command: str) -> None:
         signal.signal(s, signal.SIG_DFL)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # die as the rank died, for torchrun's report
-    os._exit(128 + signum)  # a signal that does not kill (SIGCHLD...): exit as the shells do
+    os._exit(128 + signum)  # not reached: the default action of those signals kills
 
 
 def _forward(child: int, signum: int) -> None:
@@ -93,10 +93,3 @@ def _forward(child: int, signum: int) -> None:
     except ProcessLookupError:
         pass
 
-
-def _wait(child: int) -> tuple[int, int]:
-    while True:
-        try:
-            return os.waitpid(child, 0)
-        except InterruptedError:  # a forwarded signal (Python retries, but be explicit)
-            continue
