@@ -51,6 +51,7 @@ from tensorpar.bench.dtensor_tp import setup_dtensor
 from tensorpar.bench.hf_llama import setup_hf_llama
 from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
+from tensorpar.gpt.speedups import loss_function
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device,
@@ -58,7 +59,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torc
     """The step every contender of ours runs; with ``compile_backend``, the forward and the loss
     under ``torch.compile`` (the compiled wrapper is only called: the optimizer has the model's
     own parameters)."""
-    forward = torch.compile(model, backend=compile_backend) if compile_backend else model
+    forward = loss_function(model, compile_backend is not None, compile_backend)
 
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         with mixed_precision(device):

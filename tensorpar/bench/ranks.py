@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -49,11 +50,14 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
     has its state, so it is a steady-state step. Memory is reported relative to what this process
     held before the contender was built (other contenders of the same pool live here too):
     ``state_bytes`` is what the contender keeps between steps (weights, AdamW moments),
-    ``peak_bytes`` the most it held at once during the step. A compiled contender's memory is
-    not measured on the CPU (None): there the meter is a TorchDispatchMode, under which dynamo
-    does not trace (the counted step runs eagerly), and the live tensors it scans include what
-    the compiler keeps (gigabytes at the default size). A GPU's meter reads the allocator's
-    statistics, and the compiled step runs compiled.
+    ``peak_bytes`` the most it held at once during the step.
+
+    A compiled contender counts its collectives one step earlier: the counter is a
+    TorchDispatchMode, under which the step runs the model eagerly (dynamo compiles nothing
+    under one, ``gpt/speedups.loss_function``), so that its last warmup step runs compiled. A
+    GPU's meter reads the allocator's statistics: the memory is the compiled step's. On the CPU
+    the meter is a TorchDispatchMode too, so a compiled contender's memory is not measured
+    there (None).
     """
     torch.manual_seed(spec.seed)
     device = device_for()
@@ -65,21 +69,21 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
     kwargs = {"compile_backend": compile_backend} if c.compiled else {}
     step = c.setup(spec, state, None, device, **kwargs)
     del state  # the contender keeps its own copy (or its shard) only
-    losses, comm, memory = [], {}, {}
+    counted_step = warmup - 2 if c.compiled else warmup - 1
+    metered = not (c.compiled and device.type == "cpu")
+    losses, comm, memory = [], {}, {"state_bytes": None, "peak_bytes": None}
     for s in range(warmup):
         ids_BT, targets_BT = _on(device, *batch(spec, s))
-        if s < warmup - 1:
+        counter = CollectiveCounter() if s == counted_step else None
+        meter = MemoryMeter(device) if s == warmup - 1 and metered else None
+        with counter or nullcontext(), meter or nullcontext():
             losses.append(step(ids_BT, targets_BT).item())
-            continue
-        with CollectiveCounter() as counter, MemoryMeter(device) as meter:
-            loss = step(ids_BT, targets_BT)
-        losses.append(loss.item())
-        comm = {"calls": dict(counter.counts), "payload_bytes": dict(counter.bytes),
-                "ring_bytes": dict(counter.ring_bytes)}
-        memory = {"state_bytes": meter.entry_bytes - before.entry_bytes,
-                  "peak_bytes": meter.peak_bytes - before.entry_bytes}
-        if c.compiled and device.type == "cpu":
-            memory = {"state_bytes": None, "peak_bytes": None}
+        if counter is not None:
+            comm = {"calls": dict(counter.counts), "payload_bytes": dict(counter.bytes),
+                    "ring_bytes": dict(counter.ring_bytes)}
+        if meter is not None:
+            memory = {"state_bytes": meter.entry_bytes - before.entry_bytes,
+                      "peak_bytes": meter.peak_bytes - before.entry_bytes}
     _LIVE.setdefault(run_id, {})[name] = step
     return {"losses": losses, "comm": comm, "memory": memory, "device": str(device),
             "n_params": n_params}

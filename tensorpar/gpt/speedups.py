@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def check_compile_backend(name: str) -> None:
@@ -54,8 +55,20 @@ def check_compile_device(tp: int, device: str | None) -> None:
 
 def loss_function(model: torch.nn.Module, compile: bool, backend: str) -> Callable:
     """What the step calls for the loss: ``model`` itself, or compiled (never saved: see the
-    module docstring)."""
-    return torch.compile(model, backend=backend) if compile else model
+    module docstring).
+
+    Compiled, a call made under a TorchDispatchMode (``CollectiveCounter``; ``MemoryMeter`` on
+    the CPU) runs ``model`` itself: dynamo compiles no frame entered under such a mode, and it
+    then marks the frame's code to be skipped for good (torch 2.13, ``ConvertFrameReturn``'s
+    default), so every later call, long after the mode has gone, would run eagerly too."""
+    if not compile:
+        return model
+    compiled = torch.compile(model, backend=backend)
+
+    def loss(*args, **kwargs):
+        return (model if is_in_torch_dispatch_mode() else compiled)(*args, **kwargs)
+
+    return loss
 
 
 def tf32_note(tf32: bool, dtype: str, device_type: str) -> str | None:

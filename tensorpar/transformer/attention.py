@@ -115,7 +115,13 @@ class ParallelSelfAttention(nn.Module):
         if device is not None and torch.device(device).type != "meta":
             kv_index = kv_index.to(device)
         self.register_buffer("kv_index", kv_index, persistent=False)
-        self._kv_identity = h1 - h0 == k1 - k0
+        # when every local KV head serves the same number of local query heads (the split falls
+        # on group boundaries, or inside one group), K and V are repeated like the dense model
+        # does (a broadcast copy; its backward a sum), not gathered by kv_index (whose backward
+        # is a scatter-add: atomics on a GPU)
+        reads = [(h // group_size - k0) for h in range(h0, h1)]
+        counts = {reads.count(j) for j in range(k1 - k0)}
+        self._kv_repeat = counts.pop() if len(counts) == 1 else None
         # where this rank's K/V rows sit in the dense K/V (kept here, not read off the
         # parameters: FSDP2's gathered parameters carry no tag)
         self.kv_spec = ShardSpec(0, k0 * hd, k1 * hd, kv_heads * hd)
@@ -188,8 +194,11 @@ class ParallelSelfAttention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)  # (B, kv_local, past + T, hd)
-        if not self._kv_identity:
+        if self._kv_repeat is None:  # uneven: some local KV heads serve more query heads
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+        elif self._kv_repeat > 1:  # (B, kv_local, S, hd) -> (B, h_local, S, hd)
+            k = k.repeat_interleave(self._kv_repeat, dim=1)
+            v = v.repeat_interleave(self._kv_repeat, dim=1)
         causal, mask = self.causal, None
         if attn_mask is not None:
             if attn_mask.shape[-2:] != (T, k.shape[2]):

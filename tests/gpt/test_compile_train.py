@@ -22,20 +22,40 @@ MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 4
 
 
+COMPILED_CALLS = [0]  # calls of the compiled forward graphs, in this process
+
+
+def _counting_aot_eager(gm, example_inputs):
+    """``aot_eager``, counting the calls of what it compiled."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiled = lookup_backend("aot_eager")(gm, example_inputs)
+
+    def run(*args):
+        COMPILED_CALLS[0] += 1
+        return compiled(*args)
+
+    return run
+
+
 def _train(out, tp, compile=False, resume_from=None, **flags):
-    """Train on every rank; rank 0 returns the losses and how many graphs dynamo compiled."""
+    """Train on every rank; rank 0 returns the losses, how many graphs dynamo compiled and how
+    many times a compiled graph ran."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    if "counting_aot_eager" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_counting_aot_eager, "counting_aot_eager")
     torch._dynamo.reset()  # a pool's ranks compile many models: no cache, no recompile limit
     counters.clear()
+    COMPILED_CALLS[0] = 0
     cfg = TrainConfig(tp=tp, steps=STEPS, batch_size=4, seq_len=32, warmup_steps=2, out=out,
-                      save_every=2, seed=1, compile=compile, compile_backend="aot_eager",
-                      **flags)
+                      save_every=2, seed=1, compile=compile,
+                      compile_backend="counting_aot_eager", **flags)
     rows = train_rank(cfg, GPTConfig(**MODEL), resume_from).get("rows")
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()  # the caches hold the model: the rank runs other tests next
-    return rows and [r["loss"] for r in rows], graphs
+    return rows and [r["loss"] for r in rows], graphs, COMPILED_CALLS[0]
 
 
 def _close(a, b, tol=1e-5):
@@ -55,18 +75,20 @@ def eager(ranks, tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiled_training_follows_eager(ranks, tmp_path, eager, tp):
     """4 AdamW steps (fp32) under torch.compile: the same losses as eager to fp32 rounding;
-    the checkpoint names the parameters as the eager run's does (no ``_orig_mod.``); resumed
-    eagerly from its step 2, it repeats its steps 3-4."""
-    losses, graphs = ranks(tp).run(_train, str(tmp_path / "c"), tp, True)[0]
-    assert graphs >= 1  # it did compile (the measured step 2 runs eagerly)
+    every step but the measured one (the second, under the collective counter and the memory
+    meter) runs the compiled graph, the steps after it too; the checkpoint names the parameters
+    as the eager run's does (no ``_orig_mod.``); resumed eagerly from its step 2, it repeats
+    its steps 3-4."""
+    losses, graphs, calls = ranks(tp).run(_train, str(tmp_path / "c"), tp, True)[0]
+    assert graphs >= 1 and calls == STEPS - 1, (graphs, calls)
     _close(losses, eager[tp][1])
     names = [json.loads((d / "step-00000004" / "manifest.json").read_text())["tensors"]
              for d in (tmp_path / "c", eager[tp][0])]
     assert list(names[0]) == list(names[1]) and not any("_orig_mod" in n for n in names[0])
     shutil.copytree(tmp_path / "c", tmp_path / "r")
     shutil.rmtree(tmp_path / "r" / "step-00000004")
-    resumed, _ = ranks(tp).run(_train, str(tmp_path / "r"), tp, False,
-                               str(tmp_path / "r" / "step-00000002"))[0]
+    resumed, _, _ = ranks(tp).run(_train, str(tmp_path / "r"), tp, False,
+                                  str(tmp_path / "r" / "step-00000002"))[0]
     _close(resumed, losses)
 
 
@@ -74,9 +96,9 @@ def test_eager_checkpoint_resumes_compiled(ranks, tmp_path, eager):
     """An eager run's step-2 checkpoint, resumed with --compile at TP=2: eager's steps 3-4."""
     shutil.copytree(eager[1][0], tmp_path / "r")
     shutil.rmtree(tmp_path / "r" / "step-00000004")
-    resumed, graphs = ranks(2).run(_train, str(tmp_path / "r"), 2, True,
-                                   str(tmp_path / "r" / "step-00000002"))[0]
-    assert graphs >= 1
+    resumed, graphs, calls = ranks(2).run(_train, str(tmp_path / "r"), 2, True,
+                                          str(tmp_path / "r" / "step-00000002"))[0]
+    assert graphs >= 1 and calls == 1  # step 3 compiled; step 4, the run's second, measured
     _close(resumed, eager[2][1], 1e-4)  # saved at TP=1: TP=2's rounding
 
 
