@@ -10,7 +10,8 @@ trace (a graph break), the graph is split and that part runs eagerly: the losses
 fp32 rounding either way (``tests/gpt/test_compile_train.py``). The first step compiles (with
 inductor, seconds on a GPU to a minute on a CPU; ``aot_eager`` generates no code: quick, what
 the CPU tests use). The step whose collectives and memory the summary reports (the run's second)
-runs eagerly: dynamo does not compile under their counters (TorchDispatchModes). Refused, in one
+runs eagerly, since its counters are TorchDispatchModes, and every other step runs compiled
+(see :func:`loss_function`: the wrapper must not hand dynamo a frame under one). Refused, in one
 line before any rank starts: TP > 1 in the GPU test mode (``--device cuda``), see
 :func:`check_compile_device`.
 
