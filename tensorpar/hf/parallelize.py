@@ -29,7 +29,8 @@ Weights come from a *source*: the dense model itself (``parallelize``) or the sa
 a checkpoint, read slice by slice (``from_pretrained``), so the dense weights never need to exist.
 
 ``sequence_parallel=True`` (Llama family): the residual stream between the blocks holds sequence
-shards, the norms run on them (``sequence.py``).
+shards, the norms run on them (``sequence.py``). The Llama family's RMSNorms run torch's fused
+kernel on float32 activations, as the GPT's do (``norms.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.dropout import install_region_streams
+from tensorpar.hf.norms import fuse_rms_norms
 from tensorpar.hf.plans import check_split, plan_for, tied_heads
 from tensorpar.hf.sequence import SequenceLength, check_sequence_parallel, split_at_first_layer
 from tensorpar.hf.styles import Converter, ModuleSource
@@ -140,6 +142,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
         sum_grads_over_tp(model, conv.grad_sum, group)
     # dropout between f and g draws from a per-rank stream (hf/dropout.py), kept on the model
     model.tp_region_stream = install_region_streams(model, regions, tp_rank(group))
+    fuse_rms_norms(model)  # the GPT's one-kernel RMSNorm (norms.py)
     return model
 
 
