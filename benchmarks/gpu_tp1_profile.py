@@ -115,8 +115,9 @@ def main() -> None:
     lines.append("| all aten ops | " + " | ".join(f"{sum(per_op[n].values()):.2f}"
                                                  for n in CONTENDERS) + " |")
     text = "\n".join(lines)
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     (out / "profile_diff.md").write_text(
-        f"shape {args.shape}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n\n"
+        f"shape {args.shape}, {where}, torch {torch.__version__}\n\n"
         + "\n".join(f"- {n}: {med[n]:.2f} ms" for n in CONTENDERS) + "\n\n" + text + "\n")
     print(text, flush=True)
 

@@ -249,14 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     speaks = os.environ.get("RANK", "0") == "0"
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
+    late = None  # a Ctrl-C or SIGTERM that came while the command ended
     try:
         check_device(wanted_device())  # --device cuda without a GPU: one line, no rank started
-        return _run(args)
+        code = _run(args)
     except RankError as e:  # spawned ranks failed: one line when expected, else the tracebacks
         if debug or not e.expected:
             traceback.print_exc()
         print(f"tensorpar {args.command}: {e.one_line()}", file=sys.stderr)
-        return 1
+        code = 1
     except EXPECTED as e:  # bad sizes, flags or checkpoints (2), or, raised on a rank under
         rank = getattr(e, "rank", None)  # torchrun (which says so itself), any expected error (1)
         if debug:
@@ -267,15 +268,25 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a silent rank that exits first makes torchrun stop rank 0 before it speaks:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # wait; torchrun's SIGTERM ends it
             time.sleep(SILENT_RANK_DELAY_S)
-        return 2 if isinstance(e, ValueError) and rank is None else 1
+        code = 2 if isinstance(e, ValueError) and rank is None else 1
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143): every rank is stopped
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        if speaks:
-            how = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
-            print(f"tensorpar {args.command}: interrupted ({how})", file=sys.stderr)
-        return 128 + signum
+        code = _interrupted(e, args.command, speaks)
     finally:  # the error's frames are gone now: free the process groups they held, while the
-        gc.collect()  # interpreter is whole (see launch._shut_down)
+        try:  # interpreter is whole (see launch._shut_down)
+            gc.collect()
+        except KeyboardInterrupt as e:
+            late = e
+    return code if late is None else _interrupted(late, args.command, speaks)
+
+
+def _interrupted(e: KeyboardInterrupt, command: str, speaks: bool) -> int:
+    """One line for a Ctrl-C or SIGTERM; the exit status is 128 + the signal's number."""
+    signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    if speaks:
+        how = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
+        print(f"tensorpar {command}: interrupted ({how})", file=sys.stderr)
+    return 128 + signum
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -104,7 +104,8 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
     """Ctrl-C while the ranks of ``generate`` or ``verify`` work: exit 130, one line."""
     args = {"generate": ["--ckpt", uninterrupted[1], "--prompt", "The", "--max-new-tokens",
                          "100000"],
-            "verify": ["--seq-len", "2048", "--dim", "256", "--hidden-dim", "1024"]}[command]
+            "verify": ["--seq-len", "2048", "--dim", "512", "--hidden-dim", "4096",
+                            "--batch-size", "8"]}[command]  # 20 s of work on 2 cores
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", command, "--tp", "2",
                              *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(), start_new_session=True)
