@@ -52,7 +52,7 @@ from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 from tensorpar.runtime.stopping import StopRequest, signal_name
-from tensorpar.scale.data_parallel import data_parallel
+from tensorpar.scale.data_parallel import data_parallel, dp_groups
 from tensorpar.scale.mesh import dp_group, dp_rank, dp_size, init_parallel
 
 # how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest
@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, recipe, resume_from: str | None, run_group, stop: S
     skipped = sum(1 for r in metrics.rows if r.get("skipped")) if metrics else 0
     if tp_size(run_group) > 1:  # rank 0 read them from metrics.jsonl: every rank counts alike
         skipped = _broadcast_int(skipped, run_group, device)
-    counted = {"tp": group} | ({} if mesh is None else {"dp": dp_group(mesh)})
+    counted = {"tp": group} | ({} if mesh is None else {"dp": dp_groups(model, mesh)})
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()

@@ -77,17 +77,17 @@ class CollectiveCounter(TorchDispatchMode):
     """Context manager; afterwards ``counts``, ``bytes`` and ``ring_bytes`` map each kind of
     collective to its call count, payload bytes and bytes sent per rank.
 
-    groups: {label: ProcessGroup} to count apart as well (``{"tp": ..., "dp": ...}``):
-    ``by_group[label]`` then holds ``counts``, ``bytes`` and ``ring_bytes`` of the collectives on
-    that group; those on other groups are under "other"."""
+    groups: {label: ProcessGroup, or a list of them} to count apart as well (``{"tp": ...,
+    "dp": ...}``): ``by_group[label]`` then holds ``counts``, ``bytes`` and ``ring_bytes`` of
+    the collectives on that label's groups; those on other groups are under "other"."""
 
-    def __init__(self, groups: dict[str, ProcessGroup | None] | None = None):
+    def __init__(self, groups: dict[str, ProcessGroup | list[ProcessGroup] | None] | None = None):
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
         self.ring_bytes: Counter[str] = Counter()
-        self._labels = {g.group_name: label for label, g in (groups or {}).items()
-                        if g is not None}
+        self._labels = {g.group_name: label for label, gs in (groups or {}).items()
+                        for g in (gs if isinstance(gs, list) else [gs]) if g is not None}
         self.by_group: dict[str, dict[str, Counter[str]]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -25,9 +25,12 @@ import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel  # loaded by ``import torch`` already
 
+from tensorpar.runtime.checking import collectives_checked
 from tensorpar.runtime.dtensors import is_dtensor
 
 if TYPE_CHECKING:  # torch's FSDP and DTensor modules take most of a second to import: on use
@@ -70,8 +73,10 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
         # broadcast of them before each forward (torch 2.13 renamed the switch)
         params = inspect.signature(DistributedDataParallel).parameters
         quiet = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-        return DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
-                                       **{quiet: False})
+        group = mesh["dp"].get_group()
+        if collectives_checked(group):
+            group = _unchecked_dp_group(mesh)
+        return DistributedDataParallel(model, process_group=group, **{quiet: False})
     from torch.distributed.fsdp import fully_shard
 
     specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
@@ -82,6 +87,37 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
         if name in specs:
             p.tp_shard = specs[name]
     return model
+
+
+def _unchecked_dp_group(mesh: DeviceMesh) -> ProcessGroup:
+    """This rank's dp group again, without the check mode's wrapper, for DDP.
+
+    torch 2.13's DDP crashes (SIGSEGV in its logger, while it is built) on a process group that
+    checks its collectives (``runtime/checking.py``). It needs no check: its collectives are its
+    gradient buckets, whose shapes come from the parameters, and it compares the parameters'
+    shapes across ranks itself when it is built. Every rank creates every dp group (column j of
+    the (dp, tp) mesh holds TP rank j of each replica), as ``new_group`` requires.
+    """
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)  # groups created now are not wrapped
+    try:
+        mine = None
+        for ranks in mesh.mesh.t().tolist():  # one dp group per TP rank
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    finally:
+        dist.set_debug_level(level)
+    return mine
+
+
+def dp_groups(model: nn.Module, mesh: DeviceMesh) -> list[ProcessGroup]:
+    """The groups ``model`` (what :func:`data_parallel` returned) runs its dp collectives on:
+    the mesh's dp group, and under the check mode DDP's own copy of it, to count both as dp."""
+    groups = [mesh["dp"].get_group()]
+    if isinstance(model, DistributedDataParallel) and model.process_group not in groups:
+        groups.append(model.process_group)
+    return groups
 
 
 def inner(model: nn.Module) -> nn.Module:

@@ -18,7 +18,7 @@ from tensorpar.plan.memory import plan_memory, tensorpar_memory
 from tensorpar.plan.meter import MemoryMeter
 from tensorpar.plan.zoo import preset
 from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.scale.data_parallel import data_parallel, inner
+from tensorpar.scale.data_parallel import data_parallel, dp_groups, inner
 from tensorpar.scale.mesh import init_parallel
 
 SMALL = {"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}
@@ -62,7 +62,7 @@ def _measure(tp, dp, cases):
         peaks = []
         for _ in range(3):
             with MemoryMeter() as mem, \
-                    CollectiveCounter({"tp": tp_group, "dp": dp_group}) as comm:
+                    CollectiveCounter({"tp": tp_group, "dp": dp_groups(wrapped, mesh)}) as comm:
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = wrapped(ids, ids)
                 loss.backward()
