@@ -148,7 +148,12 @@ def _run(args) -> int:
         from tensorpar.gpt.train import TrainConfig
 
         pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
-        if args.hf is not None or resumed_kind(pick(TrainConfig)) == "hf":
+        kind = resumed_kind(pick(TrainConfig))
+        if kind is None and args.resume and args.hf is None:  # a fine-tune with no checkpoint?
+            from tensorpar.hf.train import started_as_hf_run
+
+            kind = "hf" if started_as_hf_run(args.out) else None
+        if args.hf is not None or kind == "hf":
             from tensorpar.hf.train import resolve_hf
 
             cfg, recipe, resume_from = resolve_hf(pick(TrainConfig), pick(GPTConfig), args.hf)

@@ -205,6 +205,12 @@ def _read_config(path: str | Path, weights: bool) -> dict:
     return config
 
 
+def started_as_hf_run(out: str | None) -> bool:
+    """Whether ``out`` holds a fine-tune's copy of its model's files (written before its first
+    step): ``--resume`` of it before its first checkpoint is the fine-tune's, not a GPT run."""
+    return (Path(out or TrainConfig.out) / HF_FILES / "config.json").is_file()
+
+
 def hf_recipe(path: str | None, out: str, manifest: dict | None,
               ckpt: Path | None) -> HFRecipe:
     """The recipe of a new run from ``path``, or of the run whose checkpoint is resumed (its

@@ -295,3 +295,14 @@ def test_another_model_or_command_is_refused(runs, models, tmp_path):
     assert out.returncode == 2 and "config.json differs from the run's" in out.stderr, out.stderr
     out = tensorpar_here("generate", "--ckpt", run, "--prompt", "x")
     assert out.returncode == 2 and "fine-tuned by tensorpar train --hf: export it" in out.stderr
+
+
+def test_resume_before_the_first_checkpoint_is_the_fine_tunes(models, tmp_path):
+    """``--resume`` without ``--hf`` of a fine-tune stopped before its first checkpoint (its
+    RUN/hf/ copy of the model written, no step-*): one line asking for --hf, not a GPT run."""
+    run = tmp_path / "run"
+    shutil.copytree(models["llama"], run / "hf")
+    out = tensorpar_here("train", "--resume", "--out", run, "--steps", 2)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "has no checkpoint of its fine-tune yet; pass --hf PATH" in out.stderr, out.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["hf"]
