@@ -10,7 +10,8 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
                 and backward all-gathers again the N/t·D input shard attention's and the MLP's
                 column side kept instead of the gathered input (Megatron; payload N·D in the
                 matmuls' dtype), unless ``keep_gathered_input``
-    embedding   forward g (SP: reduce-scatter; its backward all-gather)
+    embedding   forward g (SP: reduce-scatter; its backward all-gather; a converted Hugging
+                Face model all-reduces it and splits at the first layer, ``hf/sequence.py``)
     LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter and the
                 re-gather of the kept shard backward)
     loss        1 all-gather of t·N fp32 statistics (logsumexp per token; the GPT passes the
@@ -91,8 +92,11 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
         if sp and not keep_gathered_input:  # the kept shard, cast to the matmuls' dtype
             add(source, "backward", "all_gather", calls, act * out_b)
 
-    exit_region("embedding", "forward", 1, 4)
-    exit_backward("embedding", 1, 4)
+    if sp and spec.sp_embedding_all_reduce:  # the whole (B, T, D), then split: no padding
+        add("embedding", "forward", "all_reduce", 1, N * D * 4)
+    else:
+        exit_region("embedding", "forward", 1, 4)
+    exit_backward("embedding", 1, 4)  # the split's backward all-gathers as the scatter's does
     for part in ("attention", "mlp"):
         enter_region(f"{part} (x{L} blocks)", "forward", L)
         exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)

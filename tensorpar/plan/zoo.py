@@ -30,6 +30,9 @@ class ModelSpec:
     tie_embeddings: bool = False
     learned_pos: int = 0  # positions of a learned position table (GPT-2: 1024); 0: rotary
     head_dim: int = 0  # 0: dim // n_head
+    # under SP the embedding's output is all-reduced and split at the first layer, as in a
+    # Hugging Face model converted by tensorpar (hf/sequence.py), not reduce-scattered (the GPT)
+    sp_embedding_all_reduce: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -109,7 +112,7 @@ def spec_from_hf_config(d: dict, name: str) -> ModelSpec:
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             # transformers' default differs by family: Gemma ties, Llama does not
             tie_embeddings=bool(d.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            head_dim=d.get("head_dim") or 0)
+            head_dim=d.get("head_dim") or 0, sp_embedding_all_reduce=True)
     except KeyError as e:
         raise ValueError(f"{name}: not a GPTConfig, tensorpar manifest or Hugging Face config "
                          f"(missing key {e})") from None

@@ -29,6 +29,7 @@ from tensorpar.gpt.model import GPTConfig  # noqa: E402
 from tensorpar.gpt.train import TrainConfig, train_model_rank  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.hf.train import resolve_hf  # noqa: E402
+from tensorpar.plan.comm import predicted_comm  # noqa: E402
 
 from tests_common import read_metrics, tensorpar_cli, tensorpar_here  # noqa: E402
 
@@ -91,10 +92,12 @@ def _resolve(path, **train):
                       None if path is None else str(path))
 
 
-def _train(ranks, path, out, tp, dp=None, **train):
-    """A run on the pool of tp x dp ranks; its metrics rows."""
+def _train(ranks, path, out, tp, dp=None, whole=False, **train):
+    """A run on the pool of tp x dp ranks; its metrics rows (whole: rank 0's result and the
+    run's recipe)."""
     cfg, recipe, resume_from = _resolve(path, out=str(out), tp=tp, dp=dp, **train)
-    return ranks(tp * (dp or 1)).run(train_model_rank, cfg, recipe, resume_from)[0]["rows"]
+    result = ranks(tp * (dp or 1)).run(train_model_rank, cfg, recipe, resume_from)[0]
+    return (result, recipe) if whole else result["rows"]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +106,12 @@ def runs(ranks, models, tmp_path_factory):
     made = {}
 
     def get(family: str, tp: int, sp: bool = False):
+        """(run directory, metrics rows, rank 0's result, the run's recipe)"""
         if (family, tp, sp) not in made:
             out = tmp_path_factory.mktemp(f"{family}-tp{tp}{'-sp' * sp}")
-            made[family, tp, sp] = out, _train(ranks, models[family], out, tp, **TRAIN,
-                                               sequence_parallel=sp, data=str(models["data"]))
+            result, recipe = _train(ranks, models[family], out, tp, whole=True, **TRAIN,
+                                    sequence_parallel=sp, data=str(models["data"]))
+            made[family, tp, sp] = out, result["rows"], result, recipe
         return made[family, tp, sp]
 
     return get
@@ -306,3 +311,13 @@ def test_resume_before_the_first_checkpoint_is_the_fine_tunes(models, tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "has no checkpoint of its fine-tune yet; pass --hf PATH" in out.stderr, out.stderr
     assert sorted(p.name for p in run.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_summary_counts_the_collectives_exactly(runs, sp):
+    """The summary's analytic count for a converted Llama at TP=2 equals what the run measured,
+    kind by kind, calls and bytes; under SP too (its embedding all-reduced, hf/sequence.py)."""
+    _, _, result, recipe = runs("llama", 2, sp)
+    predicted = predicted_comm(recipe.spec(), TRAIN["batch_size"], TRAIN["seq_len"], 2, sp)
+    assert result["comm"]["counts"] == dict(predicted["counts"])
+    assert result["comm"]["bytes"] == dict(predicted["bytes"])
