@@ -10,12 +10,18 @@ from tensorpar.runtime.rank_guard import guard_rank, under_torchrun
 
 def run() -> None:
     argv = sys.argv[1:]
+    command = next((w for w in argv if w in COMMAND_MODULES), "")
     if under_torchrun():  # a parent that reports the rank's abort (runtime/rank_guard.py)
-        guard_rank(next((w for w in argv if w in COMMAND_MODULES), ""))
-    start_early(argv)  # the ranks' fork server imports torch while this process does too
-    from tensorpar.cli import main
+        guard_rank(command)
+    try:
+        start_early(argv)  # the ranks' fork server imports torch while this process does too
+        from tensorpar.cli import main
 
-    code = main()
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling (importing torch)
+        who = f"tensorpar {command}" if command else "tensorpar"
+        print(f"{who}: interrupted (Ctrl-C)", file=sys.stderr)
+        code = 130
     if under_torchrun():
         # Under torchrun the process group is already destroyed here; leave without the
         # interpreter's teardown, in which gloo's threads now and then abort the process

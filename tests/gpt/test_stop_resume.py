@@ -211,3 +211,24 @@ def test_torchrun_with_the_wrong_size_says_so_once(tmp_path):
     line = "torchrun started 2 processes, which --tp 4 does not divide: start a multiple of 4 " \
            "in all (--nnodes x --nproc-per-node), or pass a --tp that divides 2"
     assert run.stderr.count(line) == 1, run.stderr
+
+
+def test_ctrl_c_while_torch_is_imported():
+    """Ctrl-C in the first second of a command, while ``python -m tensorpar`` still imports
+    torch and before any rank starts: exit 130 and one line, no Python traceback. (A Ctrl-C
+    while the launcher starts the fork server is ignored, as the server must inherit SIGINT
+    ignored: runtime/forking.py. So the test presses it again, as a user would.)"""
+    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "verify", "--tp", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), start_new_session=True)
+    time.sleep(0.3)
+    for _ in range(20):
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["tensorpar verify: interrupted (Ctrl-C)"], err
