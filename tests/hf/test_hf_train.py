@@ -102,11 +102,11 @@ def _train(ranks, path, out, tp, dp=None, whole=False, **train):
 
 @pytest.fixture(scope="module")
 def runs(ranks, models, tmp_path_factory):
-    """``runs(family, tp, sp)``: (run directory, metrics rows) of a STEPS-step run, made once."""
+    """``runs(family, tp, sp)``: (run directory, metrics rows, rank 0's result, the recipe) of a
+    STEPS-step run, made once."""
     made = {}
 
     def get(family: str, tp: int, sp: bool = False):
-        """(run directory, metrics rows, rank 0's result, the run's recipe)"""
         if (family, tp, sp) not in made:
             out = tmp_path_factory.mktemp(f"{family}-tp{tp}{'-sp' * sp}")
             result, recipe = _train(ranks, models[family], out, tp, whole=True, **TRAIN,
@@ -159,7 +159,7 @@ def test_resume_at_another_tp_from_the_runs_copy(ranks, runs, models, tmp_path):
     """The Llama run at TP=4 (KV heads shared by two ranks each), resumed from step 5 at TP=2 by
     ``--resume`` without ``--hf`` while its source directory is gone (the run's copy in
     RUN/hf, no weights in it): every step equals the uninterrupted run's to a relative 1e-5."""
-    whole, rows = runs("llama", 4)
+    whole, rows = runs("llama", 4)[:2]
     assert _interrupt(whole, tmp_path / "resumed", 5).name == "step-00000005"
     assert sorted(p.name for p in (tmp_path / "resumed" / "hf").iterdir()) == \
         ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
