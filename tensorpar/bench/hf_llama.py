@@ -78,7 +78,7 @@ def setup_hf_llama(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proce
         with mixed_precision(device):
             logits_BTV_local = model(input_ids=ids_BT, use_cache=False).logits
             loss = vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
-                                                vocab_size=vocab)
+                                                vocab_size=vocab, reuse_logits=True)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -241,4 +241,4 @@ class GPT(nn.Module):
         if targets_BT is None:
             return logits_BTV_local
         return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group,
-                                            vocab_size=self.cfg.vocab_size)
+                                            vocab_size=self.cfg.vocab_size, reuse_logits=True)

@@ -143,7 +143,7 @@ class HFRecipe:
         def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
             logits_BTV_local = model(input_ids=ids_BT, use_cache=False).logits
             return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
-                                                vocab_size=vocab)
+                                                vocab_size=vocab, reuse_logits=True)
 
         return loss
 

@@ -14,7 +14,10 @@ only per-token statistics cross the wire:
 2. one all-reduce of z[target], which only the owning rank can pick out.
 
 Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V, computed
-in place in one buffer of the logits' size. Statistics are computed in float32 whatever the
+in place in the one buffer of the logits' size that forward filled with exp(z_i - max z_i) and saved
+instead of the logits: one exp over the slice a step, not two. That buffer is the float32 copy of
+bf16 logits, or, with ``reuse_logits``, float32 logits' own: then the loss holds no second buffer of
+the logits' size, in forward or backward. Statistics are computed in float32 whatever the
 logits' dtype, as Megatron does. With one rank this is ``F.cross_entropy`` on float32 logits.
 """
 
@@ -34,11 +37,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """forward: all-gather of token statistics + all-reduce of target logits, backward: local."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, smoothing, vocab):
+    def forward(ctx, logits, target, group, ignore_index, smoothing, vocab, reuse_logits):
         n, rank = tp_size(group), tp_rank(group)
         z = logits.float()
-        lse_local = torch.logsumexp(z, dim=-1)
-        columns = [lse_local, z.sum(-1)] if smoothing > 0 else [lse_local]
+        valid = target != ignore_index
+        if vocab is not None:  # what only z can tell, taken before z's buffer may be reused
+            picked, local_t, mine = _pick_targets(z, target, valid, shard_sizes(vocab, n), rank)
+            z_sum = z.sum(-1) if smoothing > 0 else None
+        # logsumexp by hand, keeping exp(z - m) for backward, which builds the gradient in that
+        # buffer: one buffer of the logits' size and one exp a step (m: the local max, 0 where it
+        # is infinite, as torch.logsumexp does). z's own buffer is used where z is a private
+        # float32 copy, or where the caller gave the logits up (reuse_logits)
+        m = z.amax(-1, keepdim=True)
+        m.masked_fill_(m.abs() == float("inf"), 0.0)
+        in_place = vocab is not None and (
+            z is not logits or (reuse_logits and not torch.compiler.is_compiling()))
+        exp_shifted = (z.sub_(m) if in_place else torch.sub(z, m)).exp_()
+        lse_local = exp_shifted.sum(-1).log_().add_(m.squeeze(-1))
+        if vocab is None:
+            z_sum = z.sum(-1) if smoothing > 0 else None
+        columns = [lse_local, z_sum] if smoothing > 0 else [lse_local]
         stats = torch.stack(columns, dim=-1).reshape(-1)
         if vocab is None:  # the shard sizes travel with the statistics, read back on the host
             stats = torch.cat([stats, stats.new_tensor([float(z.shape[-1])])])
@@ -52,40 +70,49 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                  f"each, not the tensor_split shards {shard_sizes(vocab, n)} of "
                                  f"{vocab}")
             _check_targets_on_host(target, ignore_index, vocab, sizes)
-        else:  # known (and checked) by the caller: no host sync, nothing to break a graph
-            sizes = shard_sizes(vocab, n)
+            picked, local_t, mine = _pick_targets(z, target, valid, sizes, rank)
         per_rank = gathered.view(n, *lse_local.shape, len(columns))
-        start, v_local = sum(sizes[:rank]), sizes[rank]
-        valid = target != ignore_index
         lse = torch.logsumexp(per_rank[..., 0], dim=0)
-        local_t = target - start
-        mine = valid & (local_t >= 0) & (local_t < v_local)
-        picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(mine, picked, 0.0)  # not picked * mine: a -inf logit times 0 is NaN
         if n > 1:
             picked = start_all_reduce(picked, group)()  # in place (eager)
         loss = lse - picked
         if smoothing > 0:
             loss = (1 - smoothing) * loss + smoothing * (lse - per_rank[..., 1].sum(0) / vocab)
         loss = torch.where(valid, loss, 0.0)
-        ctx.save_for_backward(logits, lse, local_t, mine, valid)
-        ctx.smoothing, ctx.vocab = smoothing, vocab
+        ctx.save_for_backward(exp_shifted, m, lse, local_t, mine, valid)
+        ctx.smoothing, ctx.vocab, ctx.dtype, ctx.consumed = smoothing, vocab, logits.dtype, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, lse, local_t, mine, valid = ctx.saved_tensors
+        if ctx.consumed:  # its buffer became the first backward's gradient
+            raise RuntimeError("vocab_parallel_cross_entropy: backward through the same loss a "
+                               "second time (retain_graph=True) is not supported; compute the "
+                               "loss again")
+        ctx.consumed = True
+        exp_shifted, m, lse, local_t, mine, valid = ctx.saved_tensors
         e = ctx.smoothing
-        # one new buffer, then in place: softmax over the whole vocabulary, minus the one-hot of
-        # the target where this rank owns it, times the incoming gradient
-        grad = torch.sub(logits.float(), lse.unsqueeze(-1)).exp_()
+        # in place in the buffer saved by forward: softmax over the whole vocabulary
+        # (exp(z - m) exp(m - lse)), minus the one-hot of the target where this rank owns it,
+        # times the incoming gradient
+        grad = exp_shifted.mul_(torch.sub(m, lse.unsqueeze(-1)).exp_())
         if e > 0:
             grad.sub_(e / ctx.vocab)
         grad.scatter_add_(-1, torch.where(mine, local_t, 0).unsqueeze(-1),
                           mine.unsqueeze(-1).to(grad.dtype) * -(1 - e))
         # where, not a product: with every token ignored, "mean" divides by 0 and grad_loss is inf
         grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
-        return grad.to(logits.dtype), None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None
+
+
+def _pick_targets(z, target, valid, sizes, rank):
+    """This rank's logit of each target it owns (0 elsewhere), the targets as indices into its
+    slice, and where it owns them."""
+    start, v_local = sum(sizes[:rank]), sizes[rank]
+    local_t = target - start
+    mine = valid & (local_t >= 0) & (local_t < v_local)
+    picked = z.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(mine, picked, 0.0), local_t, mine  # not picked * mine: -inf * 0 is NaN
 
 
 def vocab_parallel_cross_entropy(
@@ -96,6 +123,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     vocab_size: int | None = None,
+    reuse_logits: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy`` over logits split on their last (vocabulary) dim across the group.
 
@@ -136,7 +164,7 @@ def vocab_parallel_cross_entropy(
                                reduction=reduction)
         return loss.view(target.shape) if reduction == "none" else loss
     loss = _VocabParallelCrossEntropy.apply(logits_local, target.long(), group, ignore_index,
-                                            float(label_smoothing), vocab_size)
+                                            float(label_smoothing), vocab_size, reuse_logits)
     if reduction == "none":
         return loss
     if reduction == "sum":

@@ -27,7 +27,8 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   product (4 hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v,
   the output and a logsumexp per query, never the s x s scores (so selective recomputation saves
   nothing); no dropout masks at dropout 0; under autocast each block casts the rotary tables to
-  bf16; the loss keeps the vocab-parallel logits (b·s·V/t) and a few per-token statistics. Two
+  bf16; the vocab-parallel loss keeps exp(logits - max) in one fp32 buffer (b·s·V/t: the fp32
+  logits' own, or the fp32 copy of bf16 ones) and a few per-token statistics. Two
   kernels keep different tensors on CPU and CUDA (``device``): RMSNorm keeps x·rstd and rstd on CPU,
   where ``F.rms_norm`` is composed of ops, and only rstd besides its input on CUDA (torch's
   fused kernel); CUDA's memory-efficient attention (fp32's) returns a view of a (b, s, a, h/a)
@@ -35,8 +36,9 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   cuDNN's, bf16's on an H100, the projection's input is a copy).
   ``benchmarks/saved_activations.py`` prints a block's terms next to the tensors a real forward
   saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of
-  the logits (one b·s·V/t fp32 buffer; two with one rank, where the loss is
-  ``F.cross_entropy``), or a block's backward, or the optimizer step. It is checked against
+  the logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank,
+  where the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or
+  the optimizer step. It is checked against
   ``MemoryMeter`` around real steps: within 10% on CPU (``tests/plan``), within 1% on an H100
   (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and
   recomputed; issue 15).
@@ -163,9 +165,9 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     head_copy = s["vocab"] * D * 2 if autocast else 0
     if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
         logits = N * s["vocab"] * 4
-    else:  # the vocab-parallel loss keeps this rank's logits
-        logits = N * s["vocab"] * act
-    loss = N * 14 + 12  # lse, local targets, two masks
+    else:  # the vocab-parallel loss keeps exp(logits - max) in fp32, in the logits' buffer
+        logits = N * s["vocab"] * 4
+    loss = N * 18 + 12  # local max, lse, local targets, two masks
     # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
     # ("rotary tables" in block_terms)
@@ -176,11 +178,11 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     else:
         blocks, copies = L * block, L * weight_copies + head_copy
     activations = embed + blocks + tail + rope
-    # the loss backward: the vocab-parallel loss builds its gradient in one fp32 buffer, in
-    # place; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
+    # the loss backward: the vocab-parallel loss builds its gradient in place in the buffer it
+    # kept; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
     # autocast the gradient is then cast to bf16 for the head's matmuls.
-    loss_bwd = (2 if tp == 1 else 1) * N * s["vocab"] * 4 + (N * s["vocab"] * 2 if autocast
-                                                               else 0)
+    loss_bwd = (2 * N * s["vocab"] * 4 if tp == 1 else 0) + (N * s["vocab"] * 2 if autocast
+                                                              else 0)
     peaks = {"loss backward": activations + loss_bwd}
     in_copies = {"activations": copies, "loss backward": copies, "optimizer step": 0}
     # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under

@@ -57,6 +57,13 @@ CE_CASES = [
 ]
 
 
+# how the caller passes the vocabulary: the ranks send their slice sizes (None), the caller
+# names it (no host read-back), and with that gives its float32 logits up (reuse_logits: their
+# buffer becomes exp(z - max), then the gradient)
+CE_MODES = {"sizes sent": {}, "vocab_size": {"vocab_size": V},
+            "reuse_logits": {"vocab_size": V, "reuse_logits": True}}
+
+
 def _cross_entropy_body(kwargs, shape):
     torch.manual_seed(0)
     logits = torch.randn(*shape, V) * 3
@@ -68,14 +75,19 @@ def _cross_entropy_body(kwargs, shape):
     ref = ref.view(shape) if kwargs.get("reduction") == "none" else ref
     grad_out = torch.randn_like(ref)
     ref.backward(grad_out)
-    local = leaf(shard(logits, -1))
-    with CollectiveCounter() as fwd:
-        loss = vocab_parallel_cross_entropy(local, target, **kwargs)
-    with CollectiveCounter() as bwd:
-        loss.backward(grad_out)
-    assert_close("loss", loss, ref)
-    assert_close("logits grad", local.grad, shard(dense_logits.grad, -1))
-    return {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+    counts = {}
+    for mode, how in CE_MODES.items():
+        local = leaf(shard(logits, -1))
+        given = local * 1  # not a leaf: what a model's head hands over
+        with CollectiveCounter() as fwd:
+            loss = vocab_parallel_cross_entropy(given, target, **kwargs, **how)
+        with CollectiveCounter() as bwd:
+            loss.backward(grad_out)
+        assert_close(f"loss ({mode})", loss, ref)
+        assert_close(f"logits grad ({mode})", local.grad, shard(dense_logits.grad, -1))
+        counts[mode] = {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+    assert counts["vocab_size"] == counts["reuse_logits"] == counts["sizes sent"], counts
+    return counts["vocab_size"]
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -83,8 +95,9 @@ def _cross_entropy_body(kwargs, shape):
                                                                    k.items()) or "default")
 def test_vocab_parallel_cross_entropy(ranks, n, kwargs):
     """Loss and logits gradient equal F.cross_entropy on the full logits (ignore_index, label
-    smoothing, every reduction) with one all-gather and one all-reduce of per-token statistics
-    in forward and no communication in backward: the logits are never gathered."""
+    smoothing, every reduction; the vocabulary sent by the ranks or given, the logits' buffer
+    reused or not) with one all-gather and one all-reduce of per-token statistics in forward and
+    no communication in backward: the logits are never gathered."""
     for shape in [(B, T), (B * T,)]:
         results = ranks(n).run(_cross_entropy_body, kwargs, shape)
         counts_ok(results, {} if n == 1 else {"all_gather": 1, "all_reduce": 1}, {})
@@ -105,6 +118,17 @@ def _cross_entropy_edge_body():
     assert torch.isfinite(loss), loss
     assert_close("loss with -inf columns", loss, ref)
     assert_close("grad with -inf columns", local.grad, shard(dense.grad, -1))
+    # the same with the logits' buffer reused
+    local = leaf(shard(logits, -1))
+    given = local * 1
+    loss = vocab_parallel_cross_entropy(given, target, vocab_size=V, reuse_logits=True)
+    loss.backward(retain_graph=True)
+    assert_close("loss with -inf columns, reused", loss, ref)
+    assert_close("grad with -inf columns, reused", local.grad, shard(dense.grad, -1))
+    if tp_size() > 1:  # the buffer the gradient was built in is gone: a clear error, not garbage
+        assert not torch.equal(given, shard(logits, -1))  # it held exp(z - max), then the grad
+        with pytest.raises(RuntimeError, match="backward through the same loss a second time"):
+            loss.backward()
     # every token ignored: torch's mean is NaN but its gradient is zero; ours too
     local = leaf(shard(logits, -1))
     loss = vocab_parallel_cross_entropy(local, torch.full((B, T), -100))
