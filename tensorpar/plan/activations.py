@@ -1,12 +1,12 @@
 """What one transformer block keeps for backward, tensor by tensor, per device.
 
-The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of
-the step), and Korthikanti et al.'s formula it is shown against (``paper_activations``).
-``block_terms`` names each term; ``benchmarks/saved_activations.py`` prints them next to the
-tensors a real forward saves (``saved_tensors_hooks``), on CPU or on a GPU. Two kernels keep
-different tensors on CPU and CUDA: RMSNorm (torch's fused CUDA kernel keeps its input and rstd
-only) and attention (CUDA's memory-efficient kernel, the one fp32 gets, hands the output
-projection a view of its own output instead of a copy).
+The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of the
+step), and Korthikanti et al.'s formula it is shown against (``paper_activations``). ``block_terms``
+names each term; ``benchmarks/saved_activations.py`` prints them next to the tensors a real forward
+saves (``saved_tensors_hooks``), on CPU or on a GPU. Two kernels keep different tensors on CPU and
+CUDA: RMSNorm (torch's fused CUDA kernel, and tensorpar's CPU one in fp32, keep its input and rstd
+only; under CPU autocast it is composed of ops) and attention (CUDA's memory-efficient kernel, the
+one fp32 gets, hands the output projection a view of its own output instead of a copy).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def block_terms(spec: ModelSpec, s: dict, N: int, Ns: int, B: int, act: int, fus
     t = {"residual": 2 * Ns * D * 4}  # the residual stream after attention and after the MLP
     if spec.norm == "layer":  # layer_norm: mean and rstd
         t["norms"] = 2 * (2 * Ns * 4)
-    elif device == "cuda":  # F.rms_norm is torch's fused kernel: the input (the residual) + rstd
-        t["norms"] = 2 * Ns * 4
-    else:  # F.rms_norm on CPU, composed of ops: x·rstd (fp32) and rstd
+    elif device == "cuda" or not autocast:  # torch's CUDA kernel, or on CPU in fp32 tensorpar's
+        t["norms"] = 2 * Ns * 4  # (parallel.norm.rms_norm): the input (the residual) + rstd
+    else:  # F.rms_norm on CPU under autocast, composed of ops: x·rstd (fp32) and rstd
         t["norms"] = 2 * (Ns * D * 4 + Ns * 4)
     # the column layers' input: the normed (SP: gathered) activations, in autocast's dtype; the
     # unfused path under autocast casts it once per projection

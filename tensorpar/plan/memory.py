@@ -24,24 +24,23 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
 
 - ``tensorpar``: the tensors tensorpar's GPT really keeps for backward, counted tensor by tensor
   (``activations.block_terms``): SwiGLU keeps gate and up pre-activations, silu(gate) and the
-  product (4 hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v,
-  the output and a logsumexp per query, never the s x s scores (so selective recomputation saves
+  product (4 hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v, the
+  output and a logsumexp per query, never the s x s scores (so selective recomputation saves
   nothing); no dropout masks at dropout 0; under autocast each block casts the rotary tables to
   bf16; the vocab-parallel loss keeps exp(logits - max) in one fp32 buffer (b·s·V/t: the fp32
-  logits' own, or the fp32 copy of bf16 ones) and a few per-token statistics. Two
-  kernels keep different tensors on CPU and CUDA (``device``): RMSNorm keeps x·rstd and rstd on CPU,
-  where ``F.rms_norm`` is composed of ops, and only rstd besides its input on CUDA (torch's
-  fused kernel); CUDA's memory-efficient attention (fp32's) returns a view of a (b, s, a, h/a)
-  output, which the output projection reads as it is (after the CPU kernel, CUDA's flash and
-  cuDNN's, bf16's on an H100, the projection's input is a copy).
+  logits' own, or the fp32 copy of bf16 ones) and a few per-token statistics. Two kernels keep
+  different tensors on CPU and CUDA (``device``): RMSNorm keeps only rstd besides its input on CUDA
+  (torch's fused kernel) and on CPU in fp32 (``parallel.norm.rms_norm``), and x·rstd too under CPU
+  autocast, where ``F.rms_norm`` is composed of ops; CUDA's memory-efficient attention (fp32's)
+  returns a view of a (b, s, a, h/a) output, which the output projection reads as it is (after the
+  CPU kernel, CUDA's flash and cuDNN's, bf16's on an H100, the projection's input is a copy).
   ``benchmarks/saved_activations.py`` prints a block's terms next to the tensors a real forward
-  saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of
-  the logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank,
-  where the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or
-  the optimizer step. It is checked against
-  ``MemoryMeter`` around real steps: within 10% on CPU (``tests/plan``), within 1% on an H100
-  (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and
-  recomputed; issue 15).
+  saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of the
+  logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank, where
+  the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or the
+  optimizer step. It is checked against ``MemoryMeter`` around real steps: within 10% on CPU
+  (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
+  T2048, fp32, bf16, unfused and recomputed; issue 15).
 
 Data parallelism (``plan_memory``'s dp and dp_mode: FSDP2's shards and gathered blocks, DDP's
 buckets) builds on these numbers in ``data_parallel.py``.
@@ -159,8 +158,8 @@ def tensorpar_memory(spec: ModelSpec, tp: int, batch: int, seq: int,
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
     if spec.norm == "layer":
         final_norm = 2 * Ns * 4
-    else:  # rstd; on CPU also x·rstd (see block_terms)
-        final_norm = Ns * 4 if device == "cuda" else Ns * D * 4 + Ns * 4
+    else:  # rstd; on CPU under autocast also x·rstd (see block_terms)
+        final_norm = Ns * 4 if device == "cuda" or not autocast else Ns * D * 4 + Ns * 4
     final_norm += (Ns if regather else N) * D * act  # the head's input
     head_copy = s["vocab"] * D * 2 if autocast else 0
     if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits

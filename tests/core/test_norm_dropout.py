@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import (
@@ -13,6 +14,7 @@ from tensorpar import (
     VocabParallelEmbedding,
 )
 from tensorpar.parallel.dropout import region_for
+from tensorpar.parallel.norm import rms_norm
 from tensorpar.transformer.reference import DenseAttention, DenseMLP
 
 from tests_common import WORLD_SIZES
@@ -41,6 +43,63 @@ def test_norms(ranks, n, kind, sp):
     together) in backward makes it the dense gradient. Without SP no communication at all."""
     results = ranks(n).run(_norm_body, kind, sp)
     counts_ok(results, {}, {"all_reduce": 1} if sp and n > 1 else {})
+
+
+def _saved(fn, *args):
+    """What ``fn(*args)``'s autograd graph keeps for backward: (shapes, result)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return shapes, out
+
+
+@pytest.mark.parametrize("shape", [(2, 13, 16), (5, 7), (2, 3, 4, 8)])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("grads", ["both", "x only", "weight only"])
+def test_rms_norm_cpu_path_equals_torch(shape, eps, grads):
+    """The float32 CPU RMSNorm (torch's forward kernel, a four-pass backward) gives F.rms_norm's
+    output bit for bit and its gradients to fp32 rounding, keeping only x and rstd (and the
+    weight) for backward where torch's composite keeps x·rstd too."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(*shape) * 3, torch.rand(shape[-1]) + 0.5, torch.randn(*shape)
+    runs = {}
+    for name, fn in (("torch", F.rms_norm), ("ours", rms_norm)):
+        xi = x.clone().requires_grad_(grads != "weight only")
+        wi = w.clone().requires_grad_(grads != "x only")
+        saved, y = _saved(fn, xi, [shape[-1]], wi, eps)
+        y.backward(g)
+        runs[name] = (y, xi.grad, wi.grad, saved)
+    (y0, gx0, gw0, saved0), (y1, gx1, gw1, saved1) = runs["torch"], runs["ours"]
+    assert torch.equal(y0, y1)
+    for ref, got in ((gx0, gx1), (gw0, gw1)):
+        assert (ref is None) == (got is None)
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert sorted(saved1) == sorted([shape, (shape[-1],), (*shape[:-1], 1)]), saved1
+    if grads != "weight only":  # torch's keeps x·rstd besides; ours, the input itself
+        assert len(saved0) > len(saved1), saved0
+
+
+def test_rms_norm_falls_back_to_torch():
+    """No gradient, autocast or another dtype: F.rms_norm itself; a second derivative through
+    the CPU path is refused with torch's error rather than computed wrong."""
+    x, w = torch.randn(3, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, [8], w, 1e-5), F.rms_norm(x, [8], w, 1e-5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "RMSNorm" not in type(rms_norm(x, [8], w, 1e-5).grad_fn).__name__
+    y = rms_norm(x.double(), [8], w.double(), 1e-5)
+    assert "RMSNorm" not in type(y.grad_fn).__name__
+    y = rms_norm(x, [8], w, 1e-5)
+    assert type(y.grad_fn).__name__ == "_CPURMSNormBackward"
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
 
 
 def _dropout_body():

@@ -253,12 +253,19 @@ def test_vocab_parallel_cross_entropy(ranks, c):
 
 @st.composite
 def norm_cases(draw) -> dict:
-    return draw(shapes()) | {"rms": draw(st.booleans()), "d": draw(width(1))}
+    # RMSNorm from width 2: at width 1 its input gradient is r w g eps r^2 (1 - x^2 r^2
+    # cancels), rounding alone in fp32: torch's own fp32 layer is 5-170% off fp64 there, and
+    # tensorpar's CPU norm (another order of the same operations) differs from it as much
+    rms = draw(st.booleans())
+    return draw(shapes()) | {"rms": rms, "d": draw(width(2 if rms else 1))}
 
 
 def _norm_body(c):
     torch.manual_seed(c["seed"])
-    dense = nn.RMSNorm(c["d"]) if c["rms"] else nn.LayerNorm(c["d"])
+    # RMSNorm's default eps is its dtype's: name fp32's, so that the fp64 copy the errors are
+    # measured against computes the same function
+    eps = torch.finfo(torch.float32).eps
+    dense = nn.RMSNorm(c["d"], eps=eps) if c["rms"] else nn.LayerNorm(c["d"])
     with torch.no_grad():  # affine parameters away from their initial ones and zeros
         for p in dense.parameters():
             p.uniform_(0.5, 1.5)
