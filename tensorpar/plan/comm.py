@@ -23,8 +23,10 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
                 when some KV head is held by several ranks (fewer KV heads than ranks)
     recompute   each block's forward runs again in backward up to its last saved tensor: the
                 attention's exit and the MLP's entry (SP: all-gather) run again, not the MLP's
-                exit (non-reentrant checkpointing stops once every saved tensor is recomputed);
-                under SP the recomputed column side still re-gathers its shard in its backward
+                exit (non-reentrant checkpointing stops once every saved tensor is recomputed;
+                a Hugging Face model's gradient checkpointing runs the MLP's exit again too:
+                ``ModelSpec.recompute_block_exit``); under SP the recomputed column side still
+                re-gathers its shard in its backward
 
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
@@ -107,6 +109,8 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
         enter_region("recompute: attention", "backward", L)
         exit_region("recompute: attention", "backward", L, out_b)
         enter_region("recompute: mlp entry", "backward", L)
+        if spec.recompute_block_exit:
+            exit_region("recompute: mlp exit", "backward", L, out_b)
     enter_region("LM head f", "forward", 1)
     enter_backward("LM head f", 1)
     regather("LM head input re-gather", 1)

@@ -33,6 +33,9 @@ class ModelSpec:
     # under SP the embedding's output is all-reduced and split at the first layer, as in a
     # Hugging Face model converted by tensorpar (hf/sequence.py), not reduce-scattered (the GPT)
     sp_embedding_all_reduce: bool = False
+    # recomputed, each layer runs to its end again, the MLP's exit (row all-reduce) included, as
+    # a Hugging Face model's gradient checkpointing does; the GPT's stops at its last saved tensor
+    recompute_block_exit: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -103,7 +106,7 @@ def spec_from_hf_config(d: dict, name: str) -> ModelSpec:
             return ModelSpec(name, d["vocab_size"], d["n_layer"], dim, d["n_head"], d["n_head"],
                              d.get("n_inner") or 4 * dim, gated_mlp=False, norm="layer",
                              bias=True, tie_embeddings=d.get("tie_word_embeddings", True),
-                             learned_pos=d.get("n_positions", 1024))
+                             learned_pos=d.get("n_positions", 1024), recompute_block_exit=True)
         heads = d["num_attention_heads"]
         return ModelSpec(
             name, d["vocab_size"], d["num_hidden_layers"], d["hidden_size"], heads,
@@ -112,7 +115,8 @@ def spec_from_hf_config(d: dict, name: str) -> ModelSpec:
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             # transformers' default differs by family: Gemma ties, Llama does not
             tie_embeddings=bool(d.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            head_dim=d.get("head_dim") or 0, sp_embedding_all_reduce=True)
+            head_dim=d.get("head_dim") or 0, sp_embedding_all_reduce=True,
+            recompute_block_exit=True)
     except KeyError as e:
         raise ValueError(f"{name}: not a GPTConfig, tensorpar manifest or Hugging Face config "
                          f"(missing key {e})") from None

@@ -272,6 +272,8 @@ BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; th
            "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
            "model_type='gpt2'"),
     "compile": (lambda m, t: m["llama"], ["--compile"], "--compile is not supported with --hf"),
+    "recompute with dropout": (lambda m, t: m["gpt2-dropout"], ["--recompute"],
+                               "--recompute is not supported with --hf for a model that drops"),
     "short data": (lambda m, t: m["llama"], ["--data", "SHORT"],
                    "has fewer than --seq-len 16 + 1 tokens"),
     "no plan": (lambda m, t: m["opt"], [], "no tensor-parallel plan for OPTForCausalLM"),
@@ -311,6 +313,23 @@ def test_resume_before_the_first_checkpoint_is_the_fine_tunes(models, tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "has no checkpoint of its fine-tune yet; pass --hf PATH" in out.stderr, out.stderr
     assert sorted(p.name for p in run.iterdir()) == ["hf"]
+
+
+def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):
+    """``--recompute`` (transformers' gradient checkpointing, each decoder layer keeping only
+    its input) on the Llama at TP=2: every step's loss and gradient norm equal the run without it
+    to 1e-6, the peak memory is lower, and the summary's analytic count (each layer's MLP exit
+    all-reduced again in backward) equals what ran."""
+    _, rows, result, _ = runs("llama", 2)
+    again, recipe = _train(ranks, models["llama"], tmp_path, 2, whole=True, **TRAIN,
+                           recompute=True, data=str(models["data"]))
+    _same(again["rows"], rows, 1e-6, "recomputed")
+    peak = [r["sizes"][0]["peak_memory"] for r in (result, again)]
+    assert peak[1] < 0.9 * peak[0], peak
+    predicted = predicted_comm(recipe.spec(), TRAIN["batch_size"], TRAIN["seq_len"], 2,
+                               recompute="full")
+    assert again["comm"]["counts"] == dict(predicted["counts"])
+    assert again["comm"]["bytes"] == dict(predicted["bytes"])
 
 
 @pytest.mark.parametrize("sp", [False, True])
