@@ -2,6 +2,7 @@
 parsed (and before torch is imported), then ``cli.main``."""
 
 import os
+import signal
 import sys
 
 from tensorpar.runtime.forking import COMMAND_MODULES, start_early
@@ -22,6 +23,12 @@ def run() -> None:
         who = f"tensorpar {command}" if command else "tensorpar"
         print(f"{who}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
+    if code == 130:
+        # Interrupted, and said so: a Ctrl-C pressed again while Python tears down (seconds on a
+        # loaded machine) is ignored. A Python handler would not do: Python resets it to the
+        # default action late in its finalization, and the process would die of the signal
+        # (status -2, not 130). SIGTERM still ends it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if under_torchrun():
         # Under torchrun the process group is already destroyed here; leave without the
         # interpreter's teardown, in which gloo's threads now and then abort the process
