@@ -41,9 +41,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n, rank = tp_size(group), tp_rank(group)
         z = logits.float()
         valid = target != ignore_index
-        if vocab is not None:  # what only z can tell, taken before z's buffer may be reused
+        # what only z can tell, taken before z's buffer may be reused
+        z_sum = z.sum(-1) if smoothing > 0 else None
+        if vocab is not None:
             picked, local_t, mine = _pick_targets(z, target, valid, shard_sizes(vocab, n), rank)
-            z_sum = z.sum(-1) if smoothing > 0 else None
         # logsumexp by hand, keeping exp(z - m) for backward, which builds the gradient in that
         # buffer: one buffer of the logits' size and one exp a step (m: the local max, 0 where it
         # is infinite, as torch.logsumexp does). z's own buffer is used where z is a private
@@ -54,8 +55,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z is not logits or (reuse_logits and not torch.compiler.is_compiling()))
         exp_shifted = (z.sub_(m) if in_place else torch.sub(z, m)).exp_()
         lse_local = exp_shifted.sum(-1).log_().add_(m.squeeze(-1))
-        if vocab is None:
-            z_sum = z.sum(-1) if smoothing > 0 else None
         columns = [lse_local, z_sum] if smoothing > 0 else [lse_local]
         stats = torch.stack(columns, dim=-1).reshape(-1)
         if vocab is None:  # the shard sizes travel with the statistics, read back on the host
