@@ -24,9 +24,10 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
     recompute   each block's forward runs again in backward up to its last saved tensor: the
                 attention's exit and the MLP's entry (SP: all-gather) run again, not the MLP's
                 exit (non-reentrant checkpointing stops once every saved tensor is recomputed;
-                a Hugging Face model's gradient checkpointing runs the MLP's exit again too:
-                ``ModelSpec.recompute_block_exit``); under SP the recomputed column side still
-                re-gathers its shard in its backward
+                a Hugging Face model's gradient checkpointing runs the MLP's exit again too, and
+                so does the GPT with dropout, whose last saved tensor is the mask after that
+                exit: ``ModelSpec.recompute_block_exit``); under SP the recomputed column side
+                still re-gathers its shard in its backward
 
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32

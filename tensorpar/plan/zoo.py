@@ -35,6 +35,7 @@ class ModelSpec:
     sp_embedding_all_reduce: bool = False
     # recomputed, each layer runs to its end again, the MLP's exit (row all-reduce) included, as
     # a Hugging Face model's gradient checkpointing does; the GPT's stops at its last saved tensor
+    # (the MLP's exit only with dropout: its mask, drawn after the exit, is saved last)
     recompute_block_exit: bool = False
 
     def __post_init__(self):

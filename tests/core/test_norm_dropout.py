@@ -132,6 +132,47 @@ def test_dropout_streams(ranks, n):
     assert region_for(True) == "sharded" and region_for(False) == "replicated"
 
 
+def test_a_site_mask_depends_on_its_number_alone():
+    """Site k's mask is a function of (stream seed, k): the same drawn out of order or again,
+    another for every other site, step and stream."""
+    rng = TensorParallelRNG(seed=5)
+    first = [rng.mask((64, 64), 0.5, "replicated") for _ in range(3)]  # sites 0, 1, 2
+    assert torch.equal(rng.mask((64, 64), 0.5, "replicated", site=1), first[1])
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+    assert not torch.equal(rng.mask((64, 64), 0.5, "sharded", site=1), first[1])
+    rng.set_step(1)
+    assert not torch.equal(rng.mask((64, 64), 0.5, "replicated", site=1), first[1])
+    rng.set_step(0)
+    assert torch.equal(rng.mask((64, 64), 0.5, "replicated"), first[0])
+    assert first[0].float().mean().item() == pytest.approx(0.5, abs=0.03)
+
+
+def test_checkpoint_contexts_replay_the_masks():
+    """A user's own block that numbers no sites, under ``torch.utils.checkpoint``: with
+    ``context_fn=rng.checkpoint_contexts`` the recomputation draws the first forward's masks
+    (the gradient of the run without checkpointing); without it, the next sites' masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    rng = TensorParallelRNG(seed=5)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def block(x):
+        h = rng.dropout(x @ w, 0.5, "replicated")
+        return rng.dropout(h @ w, 0.5, "replicated").square().sum()
+
+    def grad(checkpointed: bool, replay: bool = True):
+        rng.set_step(0)
+        w.grad = None
+        kw = {"context_fn": rng.checkpoint_contexts} if replay else {}
+        (checkpoint(block, x, use_reentrant=False, **kw) if checkpointed else block(x)).backward()
+        return w.grad
+
+    kept = grad(False)
+    assert torch.equal(grad(True), kept)
+    assert not torch.allclose(grad(True, replay=False), kept)
+
+
 def _composite_init_body():
     torch.manual_seed(3)
     mlp = ParallelMLP(D, 40, gated=True, bias=False)
