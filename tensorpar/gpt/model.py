@@ -113,15 +113,13 @@ class Block(nn.Module):
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
-    def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None, site=None):
+    def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None, key=None):
         """x: (B, T, D), or under SP this rank's (B, T_r, D) shard of the ``seq_len`` tokens.
-        site: the dropout site number of the attention branch (the MLP's is the next), or None:
-        the stream's next two."""
-        if site is None and self.drop.p > 0 and self.training:
-            site = self.drop.rng.reserve(self.drop.region, 2)
-        mlp_site = None if site is None else site + 1
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len), site)
-        return x + self.drop(self.mlp(self.mlp_norm(x), seq_len), mlp_site)
+        key: the dropout key of the block (its masks: sites 0 and 1), or None: a new one."""
+        if key is None and self.drop.p > 0 and self.training:
+            key = self.drop.rng.key(self.drop.region)
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len), key, 0)
+        return x + self.drop(self.mlp(self.mlp_norm(x), seq_len), key, 1)
 
 
 class GPT(nn.Module):
@@ -230,15 +228,15 @@ class GPT(nn.Module):
             attn_mask = padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            # the block's dropout sites, numbered here: a recomputed block draws the masks of
-            # its first forward, and a compiled checkpoint sees no side effect
-            site = block.drop.rng.reserve(block.drop.region, 2) \
+            # the block's dropout key, taken here: a recomputed block is handed it again (the
+            # masks of its first forward), and a compiled checkpoint sees no side effect
+            key = block.drop.rng.key(block.drop.region) \
                 if self.training and self.cfg.dropout > 0 else None
             if recompute:
-                x = checkpoint(block, x, rope, None, attn_mask, T, site, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, attn_mask, T, key, use_reentrant=False)
             else:
                 x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T,
-                          site)
+                          key)
         x = self.norm(x)
         # tied: the embedding's vocab rows are exactly a column-parallel head's shard
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight

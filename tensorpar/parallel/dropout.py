@@ -10,19 +10,20 @@ Two streams, as in Megatron's RNG tracker, but held by an object instead of a gl
   every shard.
 
 Each stream's seed hashes (seed, purpose, step, dp rank, and the TP rank for "sharded"), see
-``runtime/seeds.py``: no two ranks, steps or regions share a mask by accident. Within a step the
-dropout sites of a stream are numbered in the order they run (0, 1, 2, ...), and site k draws its
-mask from a generator seeded with the hash of (stream seed, k): each site has its own mask, and
-the mask is a function of the stream seed and k alone.
+``runtime/seeds.py``: no two ranks, steps or regions share a mask by accident. Within a step a
+stream hands out keys, (stream seed, c) for its c-th key since ``set_step``, and a mask is drawn
+for a (key, site) pair from a generator seeded with the hash of (stream seed, c, site): a
+dropout call without a key takes a new key (its own mask); the GPT takes one key per block and
+numbers the block's two sites 0 and 1.
 
-That makes the masks the same eager and under ``torch.compile``: the mask is drawn by one custom
-op, ``tensorpar::dropout_mask`` (seed tensor and site number in, bool mask out), which dynamo
-keeps in the graph as it is, where a ``torch.Generator`` would break it. The stream seed is a
-tensor updated in place by ``set_step``, so a new step does not recompile.
+A key is a tensor (int64 [2]) and the mask is drawn by one custom op, ``tensorpar::dropout_mask``
+(key and site in, bool mask out), so ``torch.compile`` keeps dropout in its graph (a
+``torch.Generator`` would break it), reads no Python counter (nothing to guard: a new step or
+another forward does not recompile) and draws eager's masks. A block recomputed by
+``torch.utils.checkpoint`` is handed its key again, so it draws the masks of its first forward,
+eager or compiled; ``checkpoint_contexts`` does the same for code that takes keys as it runs.
 
-``region_for(sequence_parallel)`` picks the right stream for the residual stream.
-``checkpoint_contexts`` makes a recomputed forward (``torch.utils.checkpoint``) draw exactly the
-masks of the first one (it numbers the sites from where the first forward did). A mask is kept
+``region_for(sequence_parallel)`` picks the right stream for the residual stream. A mask is kept
 for backward as one byte per element (a bool tensor).
 """
 
@@ -51,16 +52,18 @@ def region_for(sequence_parallel: bool) -> str:
 
 
 @torch.library.custom_op("tensorpar::dropout_mask", mutates_args=())
-def dropout_mask(shape: list[int], p: float, seed: torch.Tensor, site: int,
+def dropout_mask(shape: list[int], p: float, key: torch.Tensor, site: int,
                  device: torch.device) -> torch.Tensor:
     """A bool tensor of ``shape`` on ``device``, True with probability ``p``, drawn from a
-    generator seeded with the hash of (``seed``, an int64 scalar on the CPU, and ``site``)."""
-    g = torch.Generator(device).manual_seed(derive_seed(int(seed), "dropout-site", site))
+    generator seeded with the hash of (``key``: int64 [stream seed, key number] on the CPU,
+    ``site``)."""
+    seed, number = key.tolist()
+    g = torch.Generator(device).manual_seed(derive_seed(seed, "dropout-site", number, site))
     return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(p, generator=g)
 
 
 @dropout_mask.register_fake
-def _(shape, p, seed, site, device):
+def _(shape, p, key, site, device):
     return torch.empty(shape, dtype=torch.bool, device=device)
 
 
@@ -74,8 +77,10 @@ class TensorParallelRNG:
 
     def __init__(self, seed: int, group: ProcessGroup | None = None, dp_rank: int = 0):
         self.group, self.dp_rank = group, dp_rank
-        # the stream seeds as int64 scalars, updated in place: graph inputs under compile
+        # per stream, as int64 scalars updated in place (graph inputs under compile): its seed,
+        # and how many keys it has handed out since set_step
         self._seed_tensors = {r: torch.zeros((), dtype=torch.int64) for r in REGIONS}
+        self._keys_out = {r: torch.zeros((), dtype=torch.int64) for r in REGIONS}
         self.manual_seed(seed)
 
     def manual_seed(self, seed: int) -> None:
@@ -91,33 +96,30 @@ class TensorParallelRNG:
             "sharded": derive_seed(self.seed, "dropout-sharded", step, self.dp_rank,
                                    tp_rank(self.group)),
         }
-        for region, t in self._seed_tensors.items():
-            t.fill_(self.seeds[region])
-        self._sites = dict.fromkeys(REGIONS, 0)  # the next site's number, per stream
+        for region in REGIONS:
+            self._seed_tensors[region].fill_(self.seeds[region])
+            self._keys_out[region].zero_()
 
-    def reserve(self, region: str, count: int) -> int:
-        """Take the next ``count`` site numbers of stream ``region``; returns the first. A caller
-        that numbers its own sites (``site=`` below) keeps the counter out of code that runs
-        twice (a recomputed block) or under a compiler's checkpoint, which allows no side effect."""
+    def key(self, region: str) -> torch.Tensor:
+        """The next key of stream ``region``: int64 [stream seed, key number]. Each of its sites
+        (0, 1, ...) has a mask of its own."""
         _check_region(region)
-        first = self._sites[region]
-        self._sites[region] = first + count
-        return first
+        number = self._keys_out[region]
+        number.add_(1)
+        return torch.stack((self._seed_tensors[region], number))
 
     def mask(self, shape, p: float, region: str, device: torch.device | str = "cpu",
-             site: int | None = None):
-        """The bool mask of ``shape`` for site ``site`` of stream ``region`` (None: the next
-        site), True with probability ``p``."""
-        if site is None:
-            site = self.reserve(region, 1)
-        _check_region(region)
-        return dropout_mask(list(shape), p, self._seed_tensors[region], site,
-                            torch.device(device))
+             key: torch.Tensor | None = None, site: int = 0):
+        """The bool mask of ``shape`` for (``key``, ``site``) of stream ``region`` (key None: a
+        new key), True with probability ``p``."""
+        if key is None:
+            key = self.key(region)
+        return dropout_mask(list(shape), p, key, site, torch.device(device))
 
     def dropout(self, x: torch.Tensor, p: float, region: str, training: bool = True,
-                site: int | None = None):
-        """Inverted dropout of ``x`` with probability ``p``, the mask of site ``site`` of
-        ``region`` (None: the next site). Backward keeps the bool mask only (1 byte per
+                key: torch.Tensor | None = None, site: int = 0):
+        """Inverted dropout of ``x`` with probability ``p``, the mask of (``key``, ``site``) of
+        ``region`` (key None: a new key). Backward keeps the bool mask only (1 byte per
         element)."""
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability p={p} must be in [0, 1]")
@@ -125,28 +127,31 @@ class TensorParallelRNG:
             return x
         if p == 1.0:
             return torch.zeros_like(x)
-        drop = self.mask(x.shape, p, region, x.device, site)
+        drop = self.mask(x.shape, p, region, x.device, key, site)
         return x.masked_fill(drop, 0.0) * (1.0 / (1.0 - p))
 
     def checkpoint_contexts(self):
-        """For ``torch.utils.checkpoint(fn, ..., use_reentrant=False, context_fn=...)``: the
-        forward notes each stream's next site; the recomputation in backward numbers its sites
-        from there (so it draws the same masks) and puts the counters back after."""
+        """For ``torch.utils.checkpoint(fn, ..., use_reentrant=False, context_fn=...)`` around
+        code that takes keys as it runs (``dropout`` without ``key``): the forward notes how many
+        keys each stream has handed out; the recomputation in backward hands out the same keys
+        again (so it draws the same masks) and puts the counts back after."""
         saved: dict = {}
 
         @contextlib.contextmanager
         def forward():
-            saved.update(self._sites)
+            saved.update({r: t.clone() for r, t in self._keys_out.items()})
             yield
 
         @contextlib.contextmanager
         def recompute():
-            now = dict(self._sites)
-            self._sites.update(saved)
+            now = {r: t.clone() for r, t in self._keys_out.items()}
+            for r, t in saved.items():
+                self._keys_out[r].copy_(t)
             try:
                 yield
             finally:
-                self._sites.update(now)
+                for r, t in now.items():
+                    self._keys_out[r].copy_(t)
 
         return forward(), recompute()
 
@@ -159,9 +164,10 @@ class ParallelDropout(nn.Module):
         _check_region(region)
         self.p, self.rng, self.region = p, rng, region
 
-    def forward(self, x: torch.Tensor, site: int | None = None) -> torch.Tensor:
-        """site: which site of the stream this call is (None: the next one)."""
-        return self.rng.dropout(x, self.p, self.region, self.training, site)
+    def forward(self, x: torch.Tensor, key: torch.Tensor | None = None,
+                site: int = 0) -> torch.Tensor:
+        """key, site: which mask of the stream (key None: a new key's)."""
+        return self.rng.dropout(x, self.p, self.region, self.training, key, site)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, region={self.region}"

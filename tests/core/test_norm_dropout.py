@@ -1,5 +1,7 @@
 """Sequence-parallel norms, the dropout RNG streams, and seeded init of the composite layers."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,25 +134,31 @@ def test_dropout_streams(ranks, n):
     assert region_for(True) == "sharded" and region_for(False) == "replicated"
 
 
-def test_a_site_mask_depends_on_its_number_alone():
-    """Site k's mask is a function of (stream seed, k): the same drawn out of order or again,
-    another for every other site, step and stream."""
+def test_a_mask_depends_on_its_key_and_site_alone():
+    """The mask of (key, site) is the same drawn again; every other key, site, step and stream
+    has another; a call without a key takes the next key."""
     rng = TensorParallelRNG(seed=5)
-    first = [rng.mask((64, 64), 0.5, "replicated") for _ in range(3)]  # sites 0, 1, 2
-    assert torch.equal(rng.mask((64, 64), 0.5, "replicated", site=1), first[1])
-    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
-    assert not torch.equal(rng.mask((64, 64), 0.5, "sharded", site=1), first[1])
+    key0, key1 = rng.key("replicated"), rng.key("replicated")
+    masks = {(k, s): rng.mask((64, 64), 0.5, "replicated", key=key, site=s)
+             for k, key in enumerate((key0, key1)) for s in (0, 1)}
+    assert torch.equal(rng.mask((64, 64), 0.5, "replicated", key=key1, site=0), masks[1, 0])
+    for a, b in itertools.combinations(masks.values(), 2):
+        assert not torch.equal(a, b)
+    assert torch.equal(rng.mask((64, 64), 0.5, "replicated"), rng.mask(
+        (64, 64), 0.5, "replicated", key=torch.stack((key0[0], torch.tensor(3)))))  # key 3
+    assert not torch.equal(rng.mask((64, 64), 0.5, "sharded", key=rng.key("sharded")),
+                           masks[0, 0])  # the sharded stream's first key
     rng.set_step(1)
-    assert not torch.equal(rng.mask((64, 64), 0.5, "replicated", site=1), first[1])
+    assert not torch.equal(rng.mask((64, 64), 0.5, "replicated"), masks[0, 0])
     rng.set_step(0)
-    assert torch.equal(rng.mask((64, 64), 0.5, "replicated"), first[0])
-    assert first[0].float().mean().item() == pytest.approx(0.5, abs=0.03)
+    assert torch.equal(rng.mask((64, 64), 0.5, "replicated"), masks[0, 0])
+    assert masks[0, 0].float().mean().item() == pytest.approx(0.5, abs=0.03)
 
 
 def test_checkpoint_contexts_replay_the_masks():
-    """A user's own block that numbers no sites, under ``torch.utils.checkpoint``: with
+    """A user's own block that takes keys as it runs, under ``torch.utils.checkpoint``: with
     ``context_fn=rng.checkpoint_contexts`` the recomputation draws the first forward's masks
-    (the gradient of the run without checkpointing); without it, the next sites' masks."""
+    (the gradient of the run without checkpointing); without it, the next keys' masks."""
     from torch.utils.checkpoint import checkpoint
 
     rng = TensorParallelRNG(seed=5)

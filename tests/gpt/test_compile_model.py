@@ -48,7 +48,7 @@ def test_one_graph_no_breaks(ranks, n, modes):
     assert, the cross-entropy's vocabulary split is static (``vocab_size``), the collectives
     (in forward and in the autograd Functions' backwards, which dynamo traces too) are
     functional ones, and a dropout mask is one custom op (``tensorpar::dropout_mask``: no
-    ``torch.Generator`` in the graph; the recomputed blocks' sites are numbered outside the
+    ``torch.Generator`` in the graph; a recomputed block's key is taken outside the
     checkpoint, which allows no side effect)."""
     for mode, (graphs, breaks, reasons) in ranks(n).run(_breaks_body, modes)[0].items():
         assert (graphs, breaks) == (1, 0), (mode, reasons)
@@ -111,6 +111,35 @@ def _compiled_dropout_body(sp, recompute, steps=2):
 @pytest.mark.parametrize("n,sp,recompute", [(1, False, True), (2, False, False), (2, True, True)])
 def test_compiled_dropout_draws_eager_masks(ranks, n, sp, recompute):
     assert all(ranks(n).run(_compiled_dropout_body, sp, recompute))
+
+
+def _compiles_once_body():
+    from torch._dynamo.utils import counters
+
+    dynamo.reset()
+    counters.clear()
+    model = GPT(GPTConfig(**TINY | {"dropout": 0.5}), None, seed=3)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids, targets = _batch()
+    try:
+        losses = [compiled(ids, targets).item() for _ in range(3)]
+        model.rng.set_step(1)
+        losses.append(compiled(ids, targets).item())
+        model.rng.set_step(0)
+        again = compiled(ids, targets).item()
+        return counters["stats"]["unique_graphs"], losses, again
+    finally:
+        dynamo.reset()
+
+
+def test_dropout_compiles_once(ranks):
+    """The dropout keys are tensors, not Python counters that dynamo would guard on: forwards
+    with and without ``rng.set_step`` in between run the first compiled graph, and each draws
+    new masks (step 0's first forward again after ``set_step(0)``)."""
+    graphs, losses, again = ranks(1).run(_compiles_once_body)[0]
+    assert graphs == 1
+    assert len(set(losses)) == 4, losses
+    assert again == pytest.approx(losses[0], rel=1e-6)
 
 
 def test_inductor_at_tp2_with_uneven_sp(ranks):
