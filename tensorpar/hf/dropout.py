@@ -22,6 +22,8 @@ step from (seed, step, dp rank[, tp rank]) (``hf/train.py``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -68,6 +70,33 @@ class RegionStream:
             return
         self._states[device] = _global_state(device)
         _set_global_state(device, self._outside.pop(device))
+
+    def checkpoint_contexts(self):
+        """For ``torch.utils.checkpoint(..., context_fn=...)`` (``tensorpar train --hf
+        --recompute``, through transformers' gradient checkpointing): the forward notes where
+        the stream stands; the recomputation in backward starts it there, so the recomputed
+        layer draws the masks of its first forward inside its TP regions, and puts it back
+        after. (Outside them the layer draws from torch's global generator, which the
+        checkpoint itself restores: ``preserve_rng_state``.)"""
+        saved: dict = {}
+
+        @contextlib.contextmanager
+        def forward():
+            saved.update(self._states)  # get_state() tensors, replaced (never changed) later
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            now = dict(self._states)
+            self._states.clear()
+            self._states.update(saved)
+            try:
+                yield
+            finally:
+                self._states.clear()
+                self._states.update(now)
+
+        return forward(), recompute()
 
 
 def _device(module: nn.Module) -> torch.device:

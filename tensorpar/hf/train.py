@@ -25,11 +25,12 @@ from the model's per-rank stream (``hf/dropout.py``), restarted each step from (
 Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
 safetensors weights; a model no plan covers (the error lists its linear layers); a split the
 model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
-model flags; --compile, --no-fused, and --recompute for a model with dropout (not supported
-here yet); on --resume, a --hf whose config.json is not the run's.
+model flags; --compile and --no-fused (not supported here yet); on --resume, a --hf whose
+config.json is not the run's.
 
 ``--recompute`` turns on transformers' gradient checkpointing (non-reentrant): each decoder layer
-keeps only its input and runs again in backward, its collectives included.
+keeps only its input and runs again in backward, its collectives included, and draws the
+dropout masks of its first forward (``RegionStream.checkpoint_contexts``).
 """
 
 from __future__ import annotations
@@ -115,10 +116,6 @@ class HFRecipe:
             if used:
                 raise ValueError(f"{flag} is not supported with --hf yet (the converted blocks "
                                  "always run the fused ops, eagerly)")
-        if cfg.recompute and self.dropout:
-            raise ValueError(f"--recompute is not supported with --hf for a model that drops "
-                             f"(dropout in {self.origin}'s config): the recomputed forward would "
-                             "not replay the per-rank dropout stream yet")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
             check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
@@ -135,11 +132,13 @@ class HFRecipe:
         _transformers()
         model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
                                 sequence_parallel=cfg.sequence_parallel).to(device).train()
+        stream, rank = model.tp_region_stream, tp_rank(group)
         if cfg.recompute:  # transformers' own: each decoder layer keeps its input only
             enable = getattr(model, "activation_checkpointing_enable", None) or \
                 model.gradient_checkpointing_enable  # its name before transformers 5.x
-            enable({"use_reentrant": False})
-        stream, rank = model.tp_region_stream, tp_rank(group)
+            # the recomputed layer replays its dropout masks: torch's global generator by the
+            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts
+            enable({"use_reentrant": False, "context_fn": stream.checkpoint_contexts})
 
         def at_step(step: int) -> None:  # this step's dropout masks, from (seed, step) alone
             torch.manual_seed(derive_seed(cfg.seed, "hf-dropout", step, dp_rank))

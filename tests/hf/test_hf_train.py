@@ -168,15 +168,19 @@ def test_resume_at_another_tp_from_the_runs_copy(ranks, runs, models, tmp_path):
     _same(resumed, rows, 1e-5, "resumed at TP=2")
 
 
-def test_dropout_masks_repeat_on_resume(ranks, runs, models, tmp_path):
-    """GPT-2 with dropout 0.1 at TP=2, resumed at TP=2 from step 5: the same losses (the masks of
-    step s derive from (seed, s)); the dropout was on (the losses differ from the same weights'
-    without it)."""
+def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_path):
+    """GPT-2 with dropout 0.1 at TP=2, resumed at TP=2 from step 5, and again with
+    ``--recompute``: the same losses (the masks of step s derive from (seed, s), and a
+    recomputed layer draws those of its first forward, in its TP regions and outside); the
+    dropout was on (the losses differ from the same weights' without it)."""
     whole = _train(ranks, models["gpt2-dropout"], tmp_path / "whole", 2, **TRAIN,
                    data=str(models["data"]))
     _interrupt(tmp_path / "whole", tmp_path / "resumed", 5)
     resumed = _train(ranks, None, tmp_path / "resumed", 2, resume=True)
     _same(resumed, whole, 1e-6, "resumed with dropout")
+    recomputed = _train(ranks, models["gpt2-dropout"], tmp_path / "recomputed", 2, **TRAIN,
+                        recompute=True, data=str(models["data"]))
+    _same(recomputed, whole, 1e-6, "recomputed with dropout")
     assert abs(runs("gpt2", 2)[1][0]["loss"] - whole[0]["loss"]) > 1e-4
 
 
@@ -272,8 +276,6 @@ BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; th
            "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
            "model_type='gpt2'"),
     "compile": (lambda m, t: m["llama"], ["--compile"], "--compile is not supported with --hf"),
-    "recompute with dropout": (lambda m, t: m["gpt2-dropout"], ["--recompute"],
-                               "--recompute is not supported with --hf for a model that drops"),
     "short data": (lambda m, t: m["llama"], ["--data", "SHORT"],
                    "has fewer than --seq-len 16 + 1 tokens"),
     "no plan": (lambda m, t: m["opt"], [], "no tensor-parallel plan for OPTForCausalLM"),
