@@ -140,8 +140,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
         conv.grad_sum += split_at_first_layer(model, seq, regions, group)
     if conv.n > 1:
         sum_grads_over_tp(model, conv.grad_sum, group)
-    # dropout between f and g draws from a per-rank stream (hf/dropout.py), kept on the model
-    model.tp_region_stream = install_region_streams(model, regions, tp_rank(group))
+    # dropout between f and g draws from a per-rank stream (hf/dropout.py), kept on the model;
+    # a model that drops nothing swaps no generator states (nor breaks a compiled graph there)
+    model.tp_region_stream = install_region_streams(
+        model, regions if has_dropout(model) else [], tp_rank(group))
     fuse_rms_norms(model)  # the GPT's one-kernel RMSNorm (norms.py)
     return model
 

@@ -25,8 +25,11 @@ from the model's per-rank stream (``hf/dropout.py``), restarted each step from (
 Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
 safetensors weights; a model no plan covers (the error lists its linear layers); a split the
 model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
-model flags; --compile and --no-fused (not supported here yet); on --resume, a --hf whose
-config.json is not the run's.
+model flags; --no-fused, and --compile for a model with dropout (not supported here yet); on
+--resume, a --hf whose config.json is not the run's.
+
+``--compile`` compiles the converted model as the GPT's (``gpt/speedups.py``): one graph, no
+break, with and without sequence parallelism, the loss outside it.
 
 ``--recompute`` turns on transformers' gradient checkpointing (non-reentrant): each decoder layer
 keeps only its input and runs again in backward, its collectives included, and draws the
@@ -47,6 +50,7 @@ import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
+from tensorpar.gpt.speedups import loss_function
 from tensorpar.gpt.start import resolve_run
 from tensorpar.gpt.train_config import TrainConfig
 from tensorpar.hf.parallelize import check_layout, has_dropout
@@ -112,10 +116,13 @@ class HFRecipe:
     kind = "hf"
 
     def check(self, cfg: TrainConfig) -> None:
-        for flag, used in (("--compile", cfg.compile), ("--no-fused", not cfg.fused)):
-            if used:
-                raise ValueError(f"{flag} is not supported with --hf yet (the converted blocks "
-                                 "always run the fused ops, eagerly)")
+        if not cfg.fused:
+            raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
+                             "always run the fused ops)")
+        if cfg.compile and self.dropout:
+            raise ValueError(f"--compile is not supported with --hf for a model that drops "
+                             f"(dropout in {self.origin}'s config) yet: its TP regions swap "
+                             "generator states, which torch.compile cannot trace")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
             check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
@@ -149,8 +156,10 @@ class HFRecipe:
     def loss_fn(self, model: nn.Module, cfg: TrainConfig, group) -> Callable:
         vocab = self.config["vocab_size"]
 
+        forward = loss_function(model, cfg.compile, cfg.compile_backend)  # or compiled
+
         def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-            logits_BTV_local = model(input_ids=ids_BT, use_cache=False).logits
+            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False).logits
             return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
                                                 vocab_size=vocab, reuse_logits=True)
 

@@ -275,7 +275,8 @@ BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; th
     "SP": (lambda m, t: m["gpt2"], ["--tp", 2, "--sequence-parallel"],
            "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
            "model_type='gpt2'"),
-    "compile": (lambda m, t: m["llama"], ["--compile"], "--compile is not supported with --hf"),
+    "compile with dropout": (lambda m, t: m["gpt2-dropout"], ["--compile"],
+                             "--compile is not supported with --hf for a model that drops"),
     "short data": (lambda m, t: m["llama"], ["--data", "SHORT"],
                    "has fewer than --seq-len 16 + 1 tokens"),
     "no plan": (lambda m, t: m["opt"], [], "no tensor-parallel plan for OPTForCausalLM"),
@@ -332,6 +333,41 @@ def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):
                                recompute="full")
     assert again["comm"]["counts"] == dict(predicted["counts"])
     assert again["comm"]["bytes"] == dict(predicted["bytes"])
+
+
+def _compiled_graphs(path, sp):
+    """(graphs, breaks, reasons) of dynamo's trace of the converted Llama's forward and loss."""
+    import torch._dynamo as dynamo
+
+    from tensorpar.hf.plans import LLAMA_PLAN
+    from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    model = from_pretrained(path, None, plan=LLAMA_PLAN | {"lm_head": "column"},
+                            sequence_parallel=sp).train()  # the head as train --hf splits it
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss(ids):
+        logits = model(input_ids=ids, use_cache=False).logits
+        return vocab_parallel_cross_entropy(logits, ids, vocab_size=VOCAB)
+
+    try:
+        ex = dynamo.explain(loss)(ids)
+        return ex.graph_count, ex.graph_break_count, [str(b.reason)[:200] for b in
+                                                      ex.break_reasons]
+    finally:
+        dynamo.reset()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_compile_is_one_graph_and_equals_eager(ranks, runs, models, tmp_path, sp):
+    """``--compile`` (aot_eager) on the Llama at TP=2: dynamo traces the converted model in one
+    graph, no break (its blocks' hooks and fused ops, the collectives), and every step equals
+    the eager run's to a relative 1e-6."""
+    for graphs, breaks, reasons in ranks(2).run(_compiled_graphs, str(models["llama"]), sp):
+        assert (graphs, breaks) == (1, 0), reasons
+    rows = _train(ranks, models["llama"], tmp_path, 2, **TRAIN, sequence_parallel=sp,
+                  compile=True, compile_backend="aot_eager", data=str(models["data"]))
+    _same(rows, runs("llama", 2, sp)[1], 1e-6, "compiled")
 
 
 @pytest.mark.parametrize("sp", [False, True])
