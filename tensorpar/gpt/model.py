@@ -116,7 +116,7 @@ class Block(nn.Module):
     def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None, key=None):
         """x: (B, T, D), or under SP this rank's (B, T_r, D) shard of the ``seq_len`` tokens.
         key: the dropout key of the block (its masks: sites 0 and 1), or None: a new one."""
-        if key is None and self.drop.p > 0 and self.training:
+        if key is None and self.drop.p > 0 and self.drop.training:
             key = self.drop.rng.key(self.drop.region)
         x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len), key, 0)
         return x + self.drop(self.mlp(self.mlp_norm(x), seq_len), key, 1)
@@ -230,8 +230,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             # the block's dropout key, taken here: a recomputed block is handed it again (the
             # masks of its first forward), and a compiled checkpoint sees no side effect
-            key = block.drop.rng.key(block.drop.region) \
-                if self.training and self.cfg.dropout > 0 else None
+            key = (self.rng.key(block.drop.region)
+                   if block.drop.training and self.cfg.dropout > 0 else None)
             if recompute:
                 x = checkpoint(block, x, rope, None, attn_mask, T, key, use_reentrant=False)
             else:

@@ -19,7 +19,8 @@ from tensorpar.plan.zoo import ModelSpec, spec_from_hf_config
 def gpt_spec(cfg: GPTConfig, name: str = "tensorpar-gpt") -> ModelSpec:
     """The spec of ``GPT(cfg)``: RMSNorm, rotary, SwiGLU, no biases. With dropout a block's
     last saved tensor is the MLP branch's mask, drawn after the MLP's exit: a recomputed block
-    runs that exit again."""
+    runs that exit again (eagerly: under torch.compile the partitioner picks what it
+    recomputes)."""
     return ModelSpec(name, cfg.vocab_size, cfg.n_layer, cfg.dim, cfg.n_head, cfg.n_kv_head,
                      cfg.hidden_dim, tie_embeddings=cfg.tie_embeddings,
                      recompute_block_exit=cfg.dropout > 0)

@@ -71,7 +71,14 @@ def resolve_run(train_args: dict, recipe_for: Callable) -> tuple[TrainConfig, ob
             manifest = CheckpointReader(ckpt).manifest
             resume_from = str(ckpt)
             scheme = manifest.get("rng", {}).get("scheme")
-            if scheme != RNG_SCHEME:
+            if scheme == "hashed" and RNG_SCHEME == "hashed-keys":
+                if manifest.get("model_kind") != "hf" and \
+                        manifest.get("config", {}).get("dropout", 0) > 0:
+                    _say(f"note: {ckpt} was written when the dropout masks of a step were drawn "
+                         "one after another from one generator; this version seeds each mask "
+                         "on its own, so the resumed run draws other dropout masks than the "
+                         "original would have (the same batches)")
+            elif scheme != RNG_SCHEME:
                 _say(f"note: {ckpt} was written with random streams seeded by "
                      f"the {scheme!r} scheme, this version hashes them; the resumed run draws "
                      "other batches and dropout masks than the original would have")

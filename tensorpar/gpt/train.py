@@ -55,8 +55,10 @@ from tensorpar.runtime.stopping import StopRequest, signal_name
 from tensorpar.scale.data_parallel import data_parallel, dp_groups
 from tensorpar.scale.mesh import dp_group, dp_rank, dp_size, init_parallel
 
-# how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest
-RNG_SCHEME = "hashed"
+# how every random stream's seed is derived (runtime/seeds.py); recorded in the manifest.
+# "hashed-keys" (2026-11-26): a dropout mask's seed hashes (stream seed, key, site); under
+# "hashed" the sites of a step drew one after another from one generator per stream
+RNG_SCHEME = "hashed-keys"
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

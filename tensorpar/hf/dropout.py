@@ -77,7 +77,8 @@ class RegionStream:
         the stream stands; the recomputation in backward starts it there, so the recomputed
         layer draws the masks of its first forward inside its TP regions, and puts it back
         after. (Outside them the layer draws from torch's global generator, which the
-        checkpoint itself restores: ``preserve_rng_state``.)"""
+        checkpoint itself restores: ``preserve_rng_state``.) Eager mode only: dynamo traces no
+        ``context_fn``."""
         saved: dict = {}
 
         @contextlib.contextmanager

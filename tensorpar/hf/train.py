@@ -144,8 +144,10 @@ class HFRecipe:
             enable = getattr(model, "activation_checkpointing_enable", None) or \
                 model.gradient_checkpointing_enable  # its name before transformers 5.x
             # the recomputed layer replays its dropout masks: torch's global generator by the
-            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts
-            enable({"use_reentrant": False, "context_fn": stream.checkpoint_contexts})
+            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts (eager
+            # only, as --compile is with a model that drops: dynamo traces no context_fn)
+            replay = {"context_fn": stream.checkpoint_contexts} if self.dropout else {}
+            enable({"use_reentrant": False} | replay)
 
         def at_step(step: int) -> None:  # this step's dropout masks, from (seed, step) alone
             torch.manual_seed(derive_seed(cfg.seed, "hf-dropout", step, dp_rank))

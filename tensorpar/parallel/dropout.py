@@ -132,7 +132,8 @@ class TensorParallelRNG:
 
     def checkpoint_contexts(self):
         """For ``torch.utils.checkpoint(fn, ..., use_reentrant=False, context_fn=...)`` around
-        code that takes keys as it runs (``dropout`` without ``key``): the forward notes how many
+        code that takes keys as it runs (``dropout`` without ``key``), in eager mode (dynamo
+        traces no ``context_fn``; hand the code its keys instead): the forward notes how many
         keys each stream has handed out; the recomputation in backward hands out the same keys
         again (so it draws the same masks) and puts the counts back after."""
         saved: dict = {}

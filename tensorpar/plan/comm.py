@@ -27,7 +27,8 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
                 a Hugging Face model's gradient checkpointing runs the MLP's exit again too, and
                 so does the GPT with dropout, whose last saved tensor is the mask after that
                 exit: ``ModelSpec.recompute_block_exit``); under SP the recomputed column side
-                still re-gathers its shard in its backward
+                still re-gathers its shard in its backward. These are eager counts (what the
+                trainer's summary measures): compiled, the partitioner picks what it recomputes
 
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32

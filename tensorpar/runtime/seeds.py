@@ -11,6 +11,8 @@ The purposes tensorpar draws from (``README.md``, "Randomness", has the table)::
     data-order        (epoch)                          the permutation of the training windows
     dropout-replicated (step, dp rank)                 masks of activations every TP rank holds
     dropout-sharded   (step, dp rank, tp rank)         masks of activations split over TP ranks
+    dropout-site      (key number, site), under one    one dropout mask: the stream's key c,
+                      of the two streams' seeds         site k (parallel/dropout.py)
     hf-tp-region      (dp rank, tp rank)               HF dropout between f and g (heads, hidden);
                       (step, dp rank, tp rank)         under ``tensorpar train --hf``
     hf-dropout        (step, dp rank)                  ``train --hf``: torch's global generator,

@@ -12,6 +12,8 @@ from tensorpar.gpt.train import TrainConfig, train_rank
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.runtime.seeds import derive_seed
 
+from tests_common import TINY_GPT, tensorpar_here
+
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64,
          "vocab_size": 256, "dropout": 0.1}
 
@@ -107,3 +109,26 @@ def test_dropout_keeps_one_byte_per_element():
     kept = y.detach() != 0
     assert torch.allclose(x.grad[kept], torch.full_like(x.grad[kept], 1 / 0.9))
     assert torch.all(x.grad[~kept] == 0)
+
+
+def test_a_run_saved_under_the_sequential_dropout_scheme_resumes_with_a_note(tmp_path):
+    """A --dropout checkpoint whose manifest records the "hashed" scheme (before each mask was
+    seeded on its own) resumes, with one note that its dropout masks differ from the original
+    run's (its batches do not)."""
+    import json
+
+    from tensorpar.checkpoint.format import find_checkpoint
+
+    run = tmp_path / "run"
+    out = tensorpar_here("train", "--tp", 1, "--steps", 2, "--save-every", 2, "--dropout", 0.1,
+                         "--out", run, *TINY_GPT)
+    assert out.returncode == 0, out.stderr
+    manifest = find_checkpoint(run) / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    assert saved["rng"]["scheme"] == "hashed-keys"
+    saved["rng"]["scheme"] = "hashed"
+    manifest.write_text(json.dumps(saved))
+    out = tensorpar_here("train", "--resume", "--steps", 3, "--out", run)
+    assert out.returncode == 0, out.stderr
+    assert "draws other dropout masks than the original would have (the same batches)" in \
+        out.stdout + out.stderr
