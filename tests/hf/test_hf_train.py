@@ -92,11 +92,26 @@ def _resolve(path, **train):
                       None if path is None else str(path))
 
 
+def _train_rank(cfg, recipe, resume_from):
+    """``train_model_rank``; after a compiled run dynamo's caches are emptied: they hold the
+    model, and the pool's rank runs other tests (memory measurements) next."""
+    try:
+        return train_model_rank(cfg, recipe, resume_from)
+    finally:
+        if cfg.compile:
+            import gc
+
+            import torch._dynamo
+
+            torch._dynamo.reset()
+            gc.collect()  # the compiled graphs' reference cycles: freed now, not mid-measurement
+
+
 def _train(ranks, path, out, tp, dp=None, whole=False, **train):
     """A run on the pool of tp x dp ranks; its metrics rows (whole: rank 0's result and the
     run's recipe)."""
     cfg, recipe, resume_from = _resolve(path, out=str(out), tp=tp, dp=dp, **train)
-    result = ranks(tp * (dp or 1)).run(train_model_rank, cfg, recipe, resume_from)[0]
+    result = ranks(tp * (dp or 1)).run(_train_rank, cfg, recipe, resume_from)[0]
     return (result, recipe) if whole else result["rows"]
 
 
@@ -355,7 +370,10 @@ def _compiled_graphs(path, sp):
         return ex.graph_count, ex.graph_break_count, [str(b.reason)[:200] for b in
                                                       ex.break_reasons]
     finally:
+        import gc
+
         dynamo.reset()
+        gc.collect()  # as in _train_rank
 
 
 @pytest.mark.parametrize("sp,recompute", [(False, False), (True, True)])
