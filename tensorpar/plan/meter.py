@@ -185,7 +185,12 @@ class MemoryMeter:
             self._peak = -1  # read from the allocator until exit
             return self
         tracker = _StorageTracker(self.device.type)
-        gc.collect()  # what is already garbage is not alive
+        # what is already garbage is not alive: collected until a pass frees nothing, since
+        # some garbage (dynamo's traced graphs and the autograd nodes of their Functions) is
+        # only freed a layer at a time, one pass each
+        for _ in range(16):
+            if not gc.collect():
+                break
         for t in _live_tensors():
             tracker.add(t)
         tracker.peak_bytes = tracker.live_bytes
