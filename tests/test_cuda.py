@@ -117,15 +117,23 @@ def test_train_and_generate_on_gpus_with_nccl(tmp_path):
 
 @gpu
 def test_compile_and_tf32_on_a_gpu(tmp_path):
-    """fp32 at TP=1 on the GPU: ``--compile`` (inductor) follows eager to fp32 rounding;
-    ``--tf32`` moves the losses by TF32's rounding, well under 1e-2 relative. At TP > 1 in the
-    test mode ``--compile`` is refused: torch's functional all-gather crashes over gloo on CUDA
-    (gpt/speedups.py)."""
+    """fp32 at TP=1 on the GPU: ``--compile`` (inductor) follows eager to fp32 rounding, with
+    ``--dropout --recompute`` too (the masks: ``tensorpar::dropout_mask`` on CUDA, its key on
+    the CPU); ``--tf32`` moves the losses by TF32's rounding, well under 1e-2 relative. At TP > 1
+    in the test mode ``--compile`` is refused: torch's functional all-gather crashes over gloo
+    on CUDA (gpt/speedups.py)."""
     eager = _train(tmp_path / "eager", 1, 6, dtype="fp32")
     compiled = _train(tmp_path / "compiled", 1, 6, "--compile", dtype="fp32")
     tf32 = _train(tmp_path / "tf32", 1, 6, "--tf32", dtype="fp32")
-    for name, losses, tol in (("--compile", compiled, 1e-5), ("--tf32", tf32, 1e-2)):
-        errors = [abs(a - b) / abs(b) for a, b in zip(losses, eager, strict=True)]
+    drop = ("--dropout", "0.1", "--recompute")
+    dropped = _train(tmp_path / "dropped", 1, 6, *drop, dtype="fp32")
+    dropped_compiled = _train(tmp_path / "dropped-compiled", 1, 6, *drop, "--compile",
+                              dtype="fp32")
+    assert abs(dropped[0] - eager[0]) > 1e-4 * abs(eager[0])  # the masks change the loss
+    for name, losses, ref, tol in (("--compile", compiled, eager, 1e-5),
+                                   ("--tf32", tf32, eager, 1e-2),
+                                   ("--compile --dropout", dropped_compiled, dropped, 1e-5)):
+        errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)]
         assert max(errors) <= tol, f"{name}: {errors}"
     r = tensorpar_cli("--device", "cuda", "train", "--tp", 2, "--compile", "--out",
                       tmp_path / "refused", *TINY, timeout=120)
