@@ -112,6 +112,7 @@ class TensorParallelRNG:
              key: torch.Tensor | None = None, site: int = 0):
         """The bool mask of ``shape`` for (``key``, ``site``) of stream ``region`` (key None: a
         new key), True with probability ``p``."""
+        _check_region(region)
         if key is None:
             key = self.key(region)
         return dropout_mask(list(shape), p, key, site, torch.device(device))

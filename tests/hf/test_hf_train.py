@@ -94,17 +94,14 @@ def _resolve(path, **train):
 
 def _train_rank(cfg, recipe, resume_from):
     """``train_model_rank``; after a compiled run dynamo's caches are emptied: they hold the
-    model, and the pool's rank runs other tests (memory measurements) next."""
+    model, and the pool's rank runs other tests next (as tests/gpt/test_compile_train.py)."""
     try:
         return train_model_rank(cfg, recipe, resume_from)
     finally:
         if cfg.compile:
-            import gc
-
             import torch._dynamo
 
             torch._dynamo.reset()
-            gc.collect()  # the compiled graphs' reference cycles: freed now, not mid-measurement
 
 
 def _train(ranks, path, out, tp, dp=None, whole=False, **train):
@@ -370,10 +367,7 @@ def _compiled_graphs(path, sp):
         return ex.graph_count, ex.graph_break_count, [str(b.reason)[:200] for b in
                                                       ex.break_reasons]
     finally:
-        import gc
-
         dynamo.reset()
-        gc.collect()  # as in _train_rank
 
 
 @pytest.mark.parametrize("sp,recompute", [(False, False), (True, True)])
