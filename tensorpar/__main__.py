@@ -1,9 +1,11 @@
 """``python -m tensorpar`` and the ``tensorpar`` command: what runs before the command line is
 parsed (and before torch is imported), then ``cli.main``."""
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 
 from tensorpar.runtime.forking import COMMAND_MODULES, start_early
 from tensorpar.runtime.rank_guard import guard_rank, under_torchrun
@@ -15,9 +17,9 @@ def run() -> None:
     if under_torchrun():  # a parent that reports the rank's abort (runtime/rank_guard.py)
         guard_rank(command)
     try:
-        start_early(argv)  # the ranks' fork server imports torch while this process does too
-        from tensorpar.cli import main
-
+        with _ctrl_c_held():
+            start_early(argv)  # the ranks' fork server imports torch while this process does too
+            from tensorpar.cli import main
         code = main()
     except KeyboardInterrupt:  # Ctrl-C before the command's own handling (importing torch)
         who = f"tensorpar {command}" if command else "tensorpar"
@@ -25,10 +27,15 @@ def run() -> None:
         code = 130
     if code == 130:
         # Interrupted, and said so: a Ctrl-C pressed again while Python tears down (seconds on a
-        # loaded machine) is ignored. A Python handler would not do: Python resets it to the
-        # default action late in its finalization, and the process would die of the signal
-        # (status -2, not 130). SIGTERM still ends it.
+        # loaded machine) is ignored (the commands' own handling ignores SIGTERM as well then:
+        # stopping.ignore_stops). A Python handler would not do: Python resets it to the default
+        # action late in its finalization, and the process would die of the signal (status -2).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # CPython 3.11 marks a KeyboardInterrupt that passed through code run from a string (the
+        # exec of namedtuple and dataclasses, as a module imports) as unhandled even once caught,
+        # and then ends the process by SIGINT (status -2) in place of 130: measured 6 of 25
+        # Ctrl-Cs pressed 1.1-1.6 s into ``verify``. Running a string clears the mark.
+        exec("")
     if under_torchrun():
         # Under torchrun the process group is already destroyed here; leave without the
         # interpreter's teardown, in which gloo's threads now and then abort the process
@@ -38,6 +45,29 @@ def run() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Ctrl-C held back while the block runs, then raised: for the imports of torch and of the
+    library (a second or two). A KeyboardInterrupt raised inside them can abort the process (in
+    a C++ extension's initialisation: "terminate called after throwing an instance of
+    'pybind11::error_already_set'"), or, raised in code an import runs through ``exec``
+    (dataclasses, namedtuple), make CPython 3.11 end by SIGINT although it was caught (status -2,
+    not 130; see ``run``). Of 30 Ctrl-Cs pressed in the first 2.5 s of ``verify``, one aborted
+    and two ended by SIGINT before this."""
+    if (signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # ignored, or a
+            or threading.current_thread() is not threading.main_thread()):  # caller's own
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import traceback
 from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.failures import EXPECTED, RankError, describe
 from tensorpar.runtime.groups import DEVICE_ENV, TIMEOUT_ENV, check_device, wanted_device
-from tensorpar.runtime.stopping import Interrupted, raise_interrupted, signal_name
+from tensorpar.runtime.stopping import Interrupted, ignore_stops, raise_interrupted, signal_name
 from tensorpar.transformer.reference import BlockConfig
 
 
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupted(e: KeyboardInterrupt, command: str, speaks: bool) -> int:
     """One line for a Ctrl-C or SIGTERM; the exit status is 128 + the signal's number."""
     signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    ignore_stops()  # one line: a signal that comes while the process leaves is ignored
     if speaks:
         how = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
         print(f"tensorpar {command}: interrupted ({how})", file=sys.stderr)

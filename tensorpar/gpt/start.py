@@ -31,7 +31,7 @@ from tensorpar.gpt.speedups import check_compile_device, tf32_note
 from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_model_rank
 from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.launch import run_ranks
-from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, signal_name
+from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 
 
 def resolve(train_args: dict, model_args: dict) -> tuple[TrainConfig, GPTConfig, str | None]:
@@ -162,13 +162,21 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
         results = run_ranks(train_model_rank, ranks, cfg, recipe, resume_from,
                             forward_signals=STOP_SIGNALS)
     except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
+        ignore_stops()  # one line: a signal that comes while this process leaves is ignored
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if os.environ.get("RANK", "0") == "0":
             remove_unfinished(cfg.out)
             _say(_interrupted(signum, Path(cfg.out)))
         return 128 + signum
     stopped = results[0]["stopped"] if results else None
-    return 128 + stopped["signum"] if stopped else 0
+    if stopped is None:
+        return 0
+    # said here, once the ranks are done: a second signal while they save or leave stops them at
+    # once (above) and that line is the only one; one that comes after this line is ignored
+    ignore_stops()
+    _say(f"stopped by {stopped['signal']} after step {stopped['step']}; saved "
+         f"{find_checkpoint(Path(cfg.out))}; resume with: tensorpar train --resume --out {cfg.out}")
+    return 128 + stopped["signum"]
 
 
 def _say(line: str) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -223,11 +222,7 @@ def _train(cfg: TrainConfig, recipe, resume_from: str | None, run_group, stop: S
                       f"{f' x DP={dp} ({cfg.dp_mode})' if dp > 1 else ''}, {label}")
         result["rows"] = metrics.rows
         ran = [r for r in metrics.rows if r["step"] > start]
-        if stopped is not None:
-            print(f"tensorpar train: stopped by {signal_name(stopped[0])} after step "
-                  f"{stopped[1]}; saved {find_checkpoint(out)}; resume with: tensorpar train "
-                  f"--resume --out {out}", file=sys.stderr, flush=True)
-        else:
+        if stopped is None:  # a stopped run's line is said by the launcher (gpt/start.py)
             progress.console.print(summary(ran, sizes, comm, cfg, recipe.spec(),
                                            implementation(opt), recipe.dropout))
             progress.console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "

@@ -78,6 +78,17 @@ class StopRequest:
         return int(flag.item())
 
 
+def ignore_stops() -> None:
+    """For a command that has said how it ended (a stop or an interrupt): a Ctrl-C or SIGTERM
+    that comes while the process leaves is ignored, so the user reads one line and the exit
+    status stays that of the first signal. (Ignored, not handled in Python: Python resets its own
+    handlers to the default action late in its finalization, and the process would then die of
+    the signal.) Main thread only; elsewhere it does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, *STOP_SIGNALS):
+            signal.signal(s, signal.SIG_IGN)
+
+
 def signal_name(signum: int) -> str:
     """'SIGTERM' for 15."""
     try:

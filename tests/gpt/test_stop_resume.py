@@ -17,7 +17,15 @@ from tensorpar.gpt.start import resolve
 from tensorpar.gpt.train import TrainConfig, train_rank
 from tensorpar.runtime.stopping import StopRequest
 
-from tests_common import TINY_GPT, cli_env, rank_pids, read_metrics, tensorpar_cli, tensorpar_here
+from tests_common import (
+    TINY_GPT,
+    checkout_env,
+    cli_env,
+    rank_pids,
+    read_metrics,
+    tensorpar_cli,
+    tensorpar_here,
+)
 
 STEPS = 60
 
@@ -38,13 +46,15 @@ def _start(run, *flags):
                             env=cli_env(), start_new_session=True)
 
 
-def _signal_after(proc, run, rows: int, signals, group: bool = False, gap: float = 0.0):
-    """Wait until the run has written ``rows`` metrics rows, then send ``signals``, ``gap``
-    seconds apart (two of a kind sent at once would arrive as one)."""
+def _signal_after(proc, run, rows: int, signals, group: bool = False, gap: float = 0.0,
+                  wait: float = 0.0):
+    """Wait until the run has written ``rows`` metrics rows, and ``wait`` seconds more, then send
+    ``signals``, ``gap`` seconds apart (two of a kind sent at once would arrive as one)."""
     deadline = time.monotonic() + 120
     while len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < rows:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.02)
+    time.sleep(wait)
     for i, s in enumerate(signals):
         time.sleep(gap if i else 0)
         (os.killpg if group else os.kill)(proc.pid, s)
@@ -121,13 +131,41 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
 
 
 def test_second_signal_stops_at_once(tmp_path):
-    """A second SIGTERM while the first waits for its step: stop at once (steps of ~1 s)."""
+    """A second SIGTERM while the first waits for its step: stop at once, one line (steps of
+    ~1 s). Both are sent inside step 2: a row is written just before the ranks agree on a stop,
+    so a signal sent as row 1 appears could still stop the run after step 1, and the second one
+    would then come after it had ended."""
     wide = ["--dim", "256", "--n-layer", "4", "--seq-len", "256", "--batch-size", "8"]
     rc, err, took = _signal_after(_start(tmp_path, *wide), tmp_path, 1, [signal.SIGTERM] * 2,
-                                  gap=0.3)
-    assert rc == 143 and "interrupted (SIGTERM) after step" in err, err
+                                  gap=0.3, wait=0.2)
+    assert rc == 143, err
+    assert "interrupted (SIGTERM) after step 1, before the first checkpoint" in err, err
     _quiet(err)
     assert took < 10
+
+
+def test_signal_after_the_stop_changes_nothing(tmp_path):
+    """A SIGTERM that comes once the run has stopped and said so (a cluster's repeated signal,
+    or the user's): still one line, still exit 143, nothing more removed."""
+    proc = _start(tmp_path)
+    deadline = time.monotonic() + 120
+    while len(read_metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < 5:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    said = proc.stderr.readline()
+    assert said.startswith("tensorpar train: stopped by SIGTERM after step"), said
+    for _ in range(10):  # while the launcher leaves (tenths of a second)
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    out, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and rest == "", said + rest
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert said.strip().endswith(f"saved {tmp_path}/step-{last:08d}; resume with: tensorpar "
+                                 f"train --resume --out {tmp_path}"), said
 
 
 def _usr1_on(rank_to_signal: int) -> tuple[int, int]:
@@ -234,3 +272,34 @@ def test_ctrl_c_while_torch_is_imported():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.splitlines() == ["tensorpar verify: interrupted (Ctrl-C)"], err
+
+
+def _entry_point(tmp_path, patch: str) -> subprocess.CompletedProcess:
+    """``python -m tensorpar`` with no command, its start patched by ``patch``: run with ``-m``
+    as well, since CPython ends ``-c`` and script runs by another path."""
+    (tmp_path / "entry.py").write_text(
+        f"import os, signal, sys, tensorpar.__main__ as m, tensorpar.cli\n{patch}\n"
+        "sys.argv = ['tensorpar']\nm.run()\n")
+    env = checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    return subprocess.run([sys.executable, "-m", "entry"], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_ctrl_c_caught_in_code_run_from_a_string_exits_130(tmp_path):
+    """A Ctrl-C that lands in code an import runs through ``exec`` (namedtuple, dataclasses):
+    CPython 3.11 would end the process by SIGINT (status -2) though it was caught and said."""
+    run = _entry_point(tmp_path, "def main():\n    exec('raise KeyboardInterrupt')\n"
+                       "tensorpar.cli.main = main")
+    assert run.returncode == 130, run
+    assert run.stderr.splitlines() == ["tensorpar: interrupted (Ctrl-C)"], run.stderr
+
+
+def test_ctrl_c_while_importing_is_held_until_the_imports_end(tmp_path):
+    """A Ctrl-C while torch and the library import is raised once they have (a KeyboardInterrupt
+    inside a C++ extension's start can abort the process): the import finishes, then 130."""
+    run = _entry_point(tmp_path, "def start(argv):\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                       "    print('imports went on')\nm.start_early = start\n"
+                       "tensorpar.cli.main = lambda: print('the command ran')")
+    assert run.returncode == 130 and run.stdout == "imports went on\n", run
+    assert run.stderr.splitlines() == ["tensorpar: interrupted (Ctrl-C)"], run.stderr
