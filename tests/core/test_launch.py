@@ -16,6 +16,22 @@ def _whoami():
     return tp_rank(), tp_size(), dist.get_backend()
 
 
+def _collect_after_a_cycle():
+    import gc
+
+    cycle = [torch.ones(1)]
+    cycle.append(cycle)
+    del cycle
+    return gc.get_freeze_count(), gc.collect()
+
+
+def test_ranks_freeze_what_they_imported():
+    """A rank's imports (torch, ...) are frozen out of garbage collection (runtime/launch.py);
+    what it allocates afterwards is still collected."""
+    for frozen, freed in launch(_collect_after_a_cycle, 2):
+        assert frozen > 100_000 and freed >= 2, (frozen, freed)
+
+
 def _fail_on_rank_one_while_others_wait():
     if dist.get_rank() == 1:
         raise RuntimeError("boom on rank one")
