@@ -131,11 +131,11 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
 
 
 def test_second_signal_stops_at_once(tmp_path):
-    """A second SIGTERM while the first waits for its step: stop at once, one line (steps of
-    ~1 s). Both are sent inside step 2: a row is written just before the ranks agree on a stop,
-    so a signal sent as row 1 appears could still stop the run after step 1, and the second one
-    would then come after it had ended."""
-    wide = ["--dim", "256", "--n-layer", "4", "--seq-len", "256", "--batch-size", "8"]
+    """A second SIGTERM while the first waits for its step: stop at once, one line. Both are
+    sent inside step 2 (steps of 1.5 s here; 0.4 s at batch 8 was too short: the second signal
+    came during the save): a row is written just before the ranks agree on a stop, so a signal
+    sent as row 1 appears could still stop the run after step 1."""
+    wide = ["--dim", "256", "--n-layer", "4", "--seq-len", "256", "--batch-size", "32"]
     rc, err, took = _signal_after(_start(tmp_path, *wide), tmp_path, 1, [signal.SIGTERM] * 2,
                                   gap=0.3, wait=0.2)
     assert rc == 143, err
