@@ -29,16 +29,20 @@ def run() -> None:
         who = f"tensorpar {command}" if command else "tensorpar"
         print(f"{who}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
+    if code > 128:
+        # Ended by a signal, and said so: a Ctrl-C or stop signal that comes while Python tears
+        # down (seconds on a loaded machine) is ignored (cli.main's commands ignore them from
+        # the moment they speak; this is for a Ctrl-C said above). A Python handler would not
+        # do: Python resets it to the default action late in its finalization, and the process
+        # would die of the signal (status -2).
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, signal.SIG_IGN)
     if code == 130:
-        # Interrupted, and said so: a Ctrl-C pressed again while Python tears down (seconds on a
-        # loaded machine) is ignored (the commands' own handling ignores SIGTERM as well then:
-        # stopping.ignore_stops). A Python handler would not do: Python resets it to the default
-        # action late in its finalization, and the process would die of the signal (status -2).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # CPython 3.11 marks a KeyboardInterrupt that passed through code run from a string (the
-        # exec of namedtuple and dataclasses, as a module imports) as unhandled even once caught,
-        # and then ends the process by SIGINT (status -2) in place of 130: measured 6 of 25
-        # Ctrl-Cs pressed 1.1-1.6 s into ``verify``. Running a string clears the mark.
+        # CPython (3.11 here) marks a KeyboardInterrupt that passed through code run from a
+        # string (the exec of namedtuple and dataclasses, as a module imports) as unhandled even
+        # once caught, and then ends a ``python -m`` run by SIGINT (status -2) in place of 130:
+        # measured 6 of 25 Ctrl-Cs pressed 1.1-1.6 s into ``verify``. Running a string clears
+        # the mark.
         exec("")
     if under_torchrun():
         # Under torchrun the process group is already destroyed here; leave without the

@@ -41,7 +41,7 @@ def tensorpar_here(*args, cwd=None):
     after starting its fork server): what a user sees (exit status, stdout, stderr) without the
     3-5 s a new Python spends importing torch; in ``cwd`` if given. For requests refused before
     any rank starts, and for runs beside a real process's run of the same command: their ranks
-    fork from the session's server (conftest.py). The environment and SIGTERM handler that
+    fork from the session's server (conftest.py). The environment and the signal handlers that
     ``main`` sets are put back. A CompletedProcess, as ``tensorpar_cli`` returns."""
     import contextlib
     import io
@@ -52,7 +52,8 @@ def tensorpar_here(*args, cwd=None):
     from tensorpar.cli import main
 
     argv = list(map(str, args))
-    env, term = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in signums}
     out, err = io.StringIO(), io.StringIO()
     try:
         with (contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out),
@@ -64,7 +65,8 @@ def tensorpar_here(*args, cwd=None):
     finally:
         os.environ.clear()
         os.environ.update(env)
-        signal.signal(signal.SIGTERM, term)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     return subprocess.CompletedProcess(["tensorpar", *argv], code, out.getvalue(), err.getvalue())
 
 

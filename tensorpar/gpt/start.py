@@ -161,6 +161,9 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
     try:
         results = run_ranks(train_model_rank, ranks, cfg, recipe, resume_from,
                             forward_signals=STOP_SIGNALS)
+        stopped = results[0]["stopped"] if results else None
+        if stopped is not None:  # saved and said below: a signal from now on changes nothing
+            ignore_stops()
     except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
         ignore_stops()  # one line: a signal that comes while this process leaves is ignored
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
@@ -168,12 +171,10 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
             remove_unfinished(cfg.out)
             _say(_interrupted(signum, Path(cfg.out)))
         return 128 + signum
-    stopped = results[0]["stopped"] if results else None
     if stopped is None:
         return 0
     # said here, once the ranks are done: a second signal while they save or leave stops them at
-    # once (above) and that line is the only one; one that comes after this line is ignored
-    ignore_stops()
+    # once (above), and that line is the only one
     _say(f"stopped by {stopped['signal']} after step {stopped['step']}; saved "
          f"{find_checkpoint(Path(cfg.out))}; resume with: tensorpar train --resume --out {cfg.out}")
     return 128 + stopped["signum"]

@@ -46,14 +46,19 @@ def _start(run, *flags):
                             env=cli_env(), start_new_session=True)
 
 
-def _signal_after(proc, run, rows: int, signals, group: bool = False, gap: float = 0.0,
-                  wait: float = 0.0):
-    """Wait until the run has written ``rows`` metrics rows, and ``wait`` seconds more, then send
-    ``signals``, ``gap`` seconds apart (two of a kind sent at once would arrive as one)."""
+def _wait_rows(proc, run, rows: int) -> None:
+    """Until the run has written ``rows`` metrics rows."""
     deadline = time.monotonic() + 120
     while len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < rows:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.02)
+
+
+def _signal_after(proc, run, rows: int, signals, group: bool = False, gap: float = 0.0,
+                  wait: float = 0.0):
+    """Wait until the run has written ``rows`` metrics rows, and ``wait`` seconds more, then send
+    ``signals``, ``gap`` seconds apart (two of a kind sent at once would arrive as one)."""
+    _wait_rows(proc, run, rows)
     time.sleep(wait)
     for i, s in enumerate(signals):
         time.sleep(gap if i else 0)
@@ -132,12 +137,16 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
 
 def test_second_signal_stops_at_once(tmp_path):
     """A second SIGTERM while the first waits for its step: stop at once, one line. Both are
-    sent inside step 2 (steps of 1.5 s here; 0.4 s at batch 8 was too short: the second signal
-    came during the save): a row is written just before the ranks agree on a stop, so a signal
-    sent as row 1 appears could still stop the run after step 1."""
+    sent inside step 2, at a fifth and two fifths of step 1's time after its row (1.5 s here):
+    a row is written just before the ranks agree on a stop, so a signal sent as row 1 appears
+    could still stop the run after step 1; and sent after a fixed delay, the second signal came
+    during the save on a machine with quicker steps."""
     wide = ["--dim", "256", "--n-layer", "4", "--seq-len", "256", "--batch-size", "32"]
-    rc, err, took = _signal_after(_start(tmp_path, *wide), tmp_path, 1, [signal.SIGTERM] * 2,
-                                  gap=0.3, wait=0.2)
+    proc = _start(tmp_path, *wide)
+    _wait_rows(proc, tmp_path, 1)
+    step = read_metrics(tmp_path)[0]["step_time_s"]
+    rc, err, took = _signal_after(proc, tmp_path, 1, [signal.SIGTERM] * 2, gap=step / 5,
+                                  wait=step / 5)
     assert rc == 143, err
     assert "interrupted (SIGTERM) after step 1, before the first checkpoint" in err, err
     _quiet(err)
@@ -148,10 +157,7 @@ def test_signal_after_the_stop_changes_nothing(tmp_path):
     """A SIGTERM that comes once the run has stopped and said so (a cluster's repeated signal,
     or the user's): still one line, still exit 143, nothing more removed."""
     proc = _start(tmp_path)
-    deadline = time.monotonic() + 120
-    while len(read_metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < 5:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
+    _wait_rows(proc, tmp_path, 5)
     os.kill(proc.pid, signal.SIGTERM)
     said = proc.stderr.readline()
     assert said.startswith("tensorpar train: stopped by SIGTERM after step"), said
