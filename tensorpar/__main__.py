@@ -29,14 +29,15 @@ def run() -> None:
         who = f"tensorpar {command}" if command else "tensorpar"
         print(f"{who}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
-    if code > 128:
-        # Ended by a signal, and said so: a Ctrl-C or stop signal that comes while Python tears
-        # down (seconds on a loaded machine) is ignored (cli.main's commands ignore them from
-        # the moment they speak; this is for a Ctrl-C said above). A Python handler would not
-        # do: Python resets it to the default action late in its finalization, and the process
-        # would die of the signal (status -2).
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, signal.SIG_IGN)
+    # The command has ended and said how: a Ctrl-C that comes while Python tears down (tenths of
+    # a second; seconds on a loaded machine) is ignored, so the status is the command's (a run
+    # that had finished as Ctrl-C was pressed ended 0, or by SIGINT within Python's finalization:
+    # 1 of 7 presses at the end of a ``verify``); after a signal's end, SIGTERM and SIGUSR1
+    # too (cli.main's commands ignore them from the moment they speak). A Python handler would
+    # not do: Python resets it to the default action late in its finalization.
+    ends = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) if code > 128 else (signal.SIGINT,)
+    for s in ends:
+        signal.signal(s, signal.SIG_IGN)
     if code == 130:
         # CPython (3.11 here) marks a KeyboardInterrupt that passed through code run from a
         # string (the exec of namedtuple and dataclasses, as a module imports) as unhandled even

@@ -227,9 +227,10 @@ class RankPool:
             self.ask_to_stop()
             for p in self._procs:
                 p.join(timeout=10)
-        for p in self._procs:
-            if p.is_alive():
+        for p in self._procs:  # every rank, then wait: a rank that outlived another by the
+            if p.is_alive():  # time a join takes could report the lost peer (gloo's log line)
                 p.kill()
+        for p in self._procs:
             p.join(timeout=10)
 
     def __enter__(self) -> RankPool:
