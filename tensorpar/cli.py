@@ -235,10 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``tensorpar`` command: its exit status. It acts for the whole process: SIGTERM unwinds
-    it (the ranks are stopped cleanly), and once a command has said how a signal ended it,
-    further Ctrl-Cs and stop signals are ignored (``stopping.ignore_stops``). A program that
-    calls it in-process and goes on puts its handlers back (``tests_common.tensorpar_here``)."""
+    """The ``tensorpar`` command's exit status. It sets the process's signal handlers (SIGTERM
+    unwinds; ``stopping.ignore_stops`` once a signal's end is said): see tensorpar_here."""
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("TENSORPAR_DEBUG", "0") not in ("", "0")
     if args.timeout is not None:  # every rank started from here reads it (runtime/groups.py)

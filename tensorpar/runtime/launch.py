@@ -88,18 +88,14 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
 
 
 def _freeze_imports() -> None:
-    """Exempt what a rank holds when it starts (torch and the command's modules, imported by the
-    fork server: about 390,000 objects with transformers) from every later garbage collection
-    (``gc.freeze``). They live as long as the rank, yet each full collection walked them: 0.25 s
-    here (0.5 s on a loaded machine), paid by every ``MemoryMeter`` pass and by Python's own
-    full collections, a pause one rank takes while the others wait at the next collective (the
-    stall Megatron's ``--manual-gc`` and torchtitan's ``gc_freq`` address). Frozen, a full
-    collection takes milliseconds; what the rank allocates afterwards is collected as before.
-    The plan and HF-training tests took 67 s instead of 121; the bench's step did not change
-    (its steps allocate few Python objects). Once per process (``python -m tensorpar`` froze
-    its imports already under torchrun): what the process built since is left to the collector.
-    Frozen objects are not in ``gc.get_objects()``, which ``MemoryMeter`` scans: a rank holds no
-    tensor yet when it freezes."""
+    """Exempt what a rank holds when it starts (torch and the command's modules, from the fork
+    server: about 390,000 objects with transformers) from later garbage collections
+    (``gc.freeze``): each full collection walked them, 0.25-0.5 s here, paid by every
+    ``MemoryMeter`` pass and by Python's own collections (a pause the other ranks wait out: the
+    stall Megatron's ``--manual-gc`` addresses). The plan and HF-training tests took 67 s in
+    place of 121; the bench's step did not change. Once per process (under torchrun
+    ``python -m tensorpar`` froze already). ``MemoryMeter`` scans ``gc.get_objects()``, which
+    leaves frozen objects out: a rank holds no tensor yet when it freezes."""
     if not gc.get_freeze_count():
         gc.freeze()
 
