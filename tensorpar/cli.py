@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``tensorpar`` command's exit status. It sets the process's signal handlers (SIGTERM
-    unwinds; ``stopping.ignore_stops`` once a signal's end is said): see tensorpar_here."""
+    """The ``tensorpar`` command's exit status. It sets this process's signal handlers (SIGTERM
+    unwinds, ``ignore_stops`` after a signal's end): a caller that goes on restores them."""
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("TENSORPAR_DEBUG", "0") not in ("", "0")
     if args.timeout is not None:  # every rank started from here reads it (runtime/groups.py)
