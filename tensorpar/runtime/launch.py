@@ -93,11 +93,11 @@ def _freeze_imports() -> None:
     (``gc.freeze``): each full collection walked them, 0.25-0.5 s here, paid by every
     ``MemoryMeter`` pass and by Python's own collections (a pause the other ranks wait out: the
     stall Megatron's ``--manual-gc`` addresses). The plan and HF-training tests took 67 s in
-    place of 121; the bench's step did not change. Once per process (under torchrun
-    ``python -m tensorpar`` froze already). ``MemoryMeter`` scans ``gc.get_objects()``, which
-    leaves frozen objects out: a rank holds no tensor yet when it freezes."""
-    if not gc.get_freeze_count():
-        gc.freeze()
+    place of 121; the bench's step did not change. Only in processes tensorpar owns: these ranks
+    and ``python -m tensorpar`` (which is the rank under torchrun), not a user's own process.
+    ``MemoryMeter`` scans ``gc.get_objects()``, which leaves frozen objects out: a rank holds
+    no tensor yet when it freezes."""
+    gc.freeze()
 
 
 def _shut_down() -> None:
@@ -266,7 +266,6 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
     from tensorpar.runtime.groups import init_tensor_parallel, tp_rank, tp_size
 
     group = init_tensor_parallel(nprocs)
-    _freeze_imports()
     try:
         try:
             result = fn(*args, group=group)
