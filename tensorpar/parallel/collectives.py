@@ -41,6 +41,12 @@ def _pg(group: ProcessGroup | None) -> ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
+def group_name(group: ProcessGroup | None) -> str:
+    """The name torch registered the group under (the world's for None): what a custom op takes
+    in place of the group (``torch.distributed.distributed_c10d._resolve_process_group``)."""
+    return _pg(group).group_name
+
+
 def all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The sum of ``x`` over the ranks, in a fresh tensor."""
     if is_compiling():

@@ -27,6 +27,11 @@ The matmuls themselves stay separate: concatenating the weights into one GEMM wa
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
+Under ``torch.compile`` a traced backward would wait for each functional collective at once
+(``wait_tensor`` right after it in the AOT graph), so without SP the backward is one custom op,
+``tensorpar::column_backward``: opaque to the compiler, it runs the eager code above, overlap
+included. Under SP the compiled backward keeps the traced functional collectives.
+
 The collectives write into fresh tensors that nothing else references (``dx``, the re-gathered
 input), which keeps the rule that collectives never mutate what autograd holds.
 
@@ -40,10 +45,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tensorpar.parallel.collectives import (
     SEQ_DIM,
     all_gather,
+    group_name,
     sequence_sizes,
     stacked_shards,
     start_all_reduce,
@@ -51,6 +58,7 @@ from tensorpar.parallel.collectives import (
     trim_shard,
 )
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.runtime.asserts import is_compiling
 from tensorpar.runtime.groups import tp_size
 
 
@@ -103,6 +111,10 @@ class _FusedColumn(torch.autograd.Function):
             regathered = None  # frees the unordered buffer it held
             wait = start_reduce_scatter(dx_parts.new_empty((B, sizes[0], D)),
                                         dx_parts.flatten(0, 1), ctx.group)
+        elif ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
+            dx, *dws = column_backward(list(dys), x_saved, weights, ctx.x_dtype,
+                                       group_name(ctx.group))
+            return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
         else:
             dx, x_full = _input_grad(dys, weights, ctx.x_dtype), x_saved  # (B, T, D)
             if ctx.n > 1:
@@ -141,6 +153,24 @@ class _RegatheringColumn(torch.autograd.Function):
         return (dx, None, None, None, None, *dws, *dbs)
 
 
+@torch.library.custom_op("tensorpar::column_backward", mutates_args=())
+def column_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
+                    x_dtype: torch.dtype, group: str) -> list[torch.Tensor]:
+    """[dx, dW_0, dW_1, ...]: ``_FusedColumn``'s backward without SP, for compiled graphs. The
+    all-reduce of dx (over the group named ``group``) runs while the weight gradients
+    compute, as in eager; the biases' gradients are left to the caller."""
+    dx = _input_grad(dys, weights, x_dtype)
+    wait = start_all_reduce(dx, _resolve_process_group(group))
+    dws, _ = _weight_grads(dys, x, (False,) * len(dys))
+    return [wait(), *dws]
+
+
+@column_backward.register_fake
+def _(dys, x, weights, x_dtype, group):
+    return [x.new_empty(x.shape, dtype=x_dtype),
+            *(dy.new_empty((dy.shape[-1], x.shape[-1])) for dy in dys)]
+
+
 def _autocast_cast(device: str):
     """A function casting a tensor (or None) to autocast's dtype on ``device`` when autocast is
     on there, and returning it unchanged otherwise. Custom ops run their matmuls in the dtype
@@ -169,9 +199,12 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
 def _weight_grads(dys, x_full, has_bias):
     """dW_i = dy_i^T x_full (out_i, D) and, where a bias is, db_i = sum of dy_i over tokens."""
     x_2d = x_full.reshape(-1, x_full.shape[-1])
-    dys_2d = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
-    return ([dy.t().mm(x_2d) for dy in dys_2d],
-            [dy.sum(0) for dy, h in zip(dys_2d, has_bias, strict=True) if h])
+    return ([dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) for dy in dys],
+            _bias_grads(dys, has_bias))
+
+
+def _bias_grads(dys, has_bias):
+    return [dy.reshape(-1, dy.shape[-1]).sum(0) for dy, h in zip(dys, has_bias, strict=True) if h]
 
 
 def _flat_params(weights, biases, n_weights: int):

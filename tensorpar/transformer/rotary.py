@@ -15,9 +15,27 @@ import torch
 
 def rotary_table(head_dim: int, start: int, length: int, theta: float = 10000.0,
                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (length, head_dim // 2), for positions ``start .. start + length - 1``."""
+    """cos and sin, each (length, head_dim // 2), for positions ``start .. start + length - 1``.
+
+    One op to ``torch.compile`` (``tensorpar::rotary_table``), so the table is made once per
+    forward: inlined, inductor computes the float64 powers, cosines and sines again for every
+    element of q and k that it rotates, in every block, forward and backward."""
+    _check_even(head_dim)
+    device = torch.get_default_device() if device is None else torch.device(device)
+    return _rotary_table_op(head_dim, start, length, theta, device)
+
+
+@torch.library.custom_op("tensorpar::rotary_table", mutates_args=())
+def _rotary_table_op(head_dim: int, start: int, length: int, theta: float,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(start, start + length, device=device, dtype=torch.float64)
     return _table(head_dim, pos, theta)
+
+
+@_rotary_table_op.register_fake
+def _(head_dim, start, length, theta, device):
+    return (torch.empty((length, head_dim // 2), device=device),
+            torch.empty((length, head_dim // 2), device=device))
 
 
 def rotary_table_at(head_dim: int, positions_BT: torch.Tensor, theta: float = 10000.0
@@ -28,9 +46,13 @@ def rotary_table_at(head_dim: int, positions_BT: torch.Tensor, theta: float = 10
     return cos[:, None], sin[:, None]
 
 
-def _table(head_dim: int, pos: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_even(head_dim: int) -> None:
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+
+
+def _table(head_dim: int, pos: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_even(head_dim)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device,
                                             dtype=torch.float64) / head_dim)
     angles = pos[..., None] * inv_freq  # (..., head_dim/2); float64 keeps far positions exact

@@ -77,6 +77,53 @@ def test_compiled_equals_one_device(ranks, n, sp):
     assert all(ranks(n).run(_compiled_body, "aot_eager", sp, 2))
 
 
+def _graph_ops_body(sp):
+    """The call_function targets of the compiled model's AOT forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops = {"forward": [], "backward": []}
+
+    def keeping(graph):
+        def compiler(gm, example_inputs):
+            ops[graph] += [str(node.target) for node in gm.graph.nodes
+                           if node.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    model = GPT(GPTConfig(**TINY), None, sequence_parallel=sp, seed=3)
+    backend = aot_autograd(fw_compiler=keeping("forward"), bw_compiler=keeping("backward"))
+    try:
+        torch.compile(model, backend=backend)(*_batch()).backward()
+    finally:
+        dynamo.reset()
+    return ops
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_compiled_column_backward_keeps_its_overlap(ranks, n):
+    """Compiled, a fused column op's backward without SP is one opaque op
+    (``tensorpar::column_backward``) that all-reduces dx while it computes the weight
+    gradients, as in eager: the traced graph would wait for each functional all-reduce at once.
+    So at TP=2 the backward graph holds one such op per column op (Q/K/V and gate/up in each
+    block, the LM head) and no functional collective; at TP=1 there is nothing to reduce."""
+    ops = ranks(n).run(_graph_ops_body, False)[0]["backward"]
+    column_ops = ops.count("tensorpar.column_backward.default")
+    assert column_ops == (2 * TINY["n_layer"] + 1 if n > 1 else 0), ops
+    assert not [op for op in ops if "c10d" in op], ops
+
+
+def test_compiled_rotary_table_is_made_once(ranks):
+    """The rotary table is one op in the compiled forward (``tensorpar::rotary_table``), made
+    once for every block: inlined, inductor computed float64 cosines and sines again for each
+    element it rotated, in every block and again in backward."""
+    ops = ranks(2).run(_graph_ops_body, True)[0]
+    assert ops["forward"].count("tensorpar.rotary_table.default") == 1, ops["forward"]
+    trig = [op for op in ops["forward"] + ops["backward"]
+            if op.startswith(("aten.cos", "aten.sin"))]
+    assert not trig, trig
+
+
 def _compiled_dropout_body(sp, recompute, steps=2):
     """Compiled and eager, both with dropout at this TP size, step by step as a trainer runs
     them (``rng.set_step`` before each forward): the same masks, so the same losses and
@@ -143,10 +190,12 @@ def test_dropout_compiles_once(ranks):
     assert again == pytest.approx(losses[0], rel=1e-6)
 
 
-def test_inductor_at_tp2_with_uneven_sp(ranks):
-    """inductor's code, functional collectives lowered, T=13 split 7 + 6 over two ranks (one
-    block: inductor's compile time grows with the graph, and one block has every kind of op)."""
-    assert all(ranks(2).run(_compiled_body, "inductor", True, 1, 1))
+@pytest.mark.parametrize("sp", [True, False])
+def test_inductor_at_tp2(ranks, sp):
+    """inductor's code at TP=2: with SP its functional collectives lowered, T=13 split 7 + 6
+    over two ranks; without, the column ops' backward custom op called from it (one block:
+    inductor's compile time grows with the graph, and one block has every kind of op)."""
+    assert all(ranks(2).run(_compiled_body, "inductor", sp, 1, 1))
 
 
 def test_bad_ids_under_compile_are_a_device_side_assert():
