@@ -11,7 +11,9 @@ decides::
                               and the self time of a Python-level range that directly issues
                               one (an autograd Function waiting on its asynchronous work)
     optimizer                 everything under the optimizer's step
-    elementwise/norm          the other aten ops: adds, silu, rms_norm, copies, views ...
+    elementwise/norm          the other aten ops: adds, silu, rms_norm, copies, views ...; and
+                              the self time of a compiled graph's call (``## Call
+                              CompiledFxGraph ...``), which is inductor's fused kernels
     framework                 what is not an aten op: autograd engine, Python-level ranges
 """
 
@@ -26,6 +28,7 @@ _COLLECTIVE = ("c10d", "gloo", "allreduce", "all_reduce", "allgather", "all_gath
                "nccl")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
            "aten::linear", "aten::_addmm_activation", "aten::addmv", "aten::mv")
+_COMPILED_GRAPH = "## Call CompiledFxGraph"
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_attention")
 
 
@@ -41,6 +44,8 @@ def category(name: str, in_optimizer: bool, issues_collective: bool = False) -> 
     if in_optimizer:
         return "optimizer"
     low = name.lower()
+    if name.startswith(_COMPILED_GRAPH):
+        return "elementwise/norm"
     if _is_collective(name) or (issues_collective and not name.startswith("aten::")):
         return "collectives and waiting"
     if name.startswith(_MATMUL):

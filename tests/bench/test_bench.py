@@ -132,3 +132,18 @@ def test_gpu_table_has_tflops_and_mfu():
     assert "| 440.0 | 44.0% |" in body[0] and body[2].count("|") == head.count("|")
     assert "bf16 matmul peak measured on this GPU: 1,000 TFLOP/s" in md
     assert "tensorpar-tp1-c / dense-c step time: 1.010 (target <= 1.00)" in md
+
+
+def test_profile_categories():
+    """Self CPU time by name; a Python-level range that issues a collective waits for it, but a
+    compiled graph's call (which issues its functional collectives) spends its self time in
+    inductor's fused kernels."""
+    from tensorpar.bench.profiling import category
+
+    assert category("aten::mm", False) == "matmul"
+    assert category("aten::mul", True) == "optimizer"
+    assert category("_FusedRow", False, issues_collective=True) == "collectives and waiting"
+    assert category("_c10d_functional::wait_tensor", False) == "collectives and waiting"
+    assert category("## Call CompiledFxGraph fabc ##", False, issues_collective=True) == \
+        "elementwise/norm"
+    assert category("CompiledFunction", False) == "framework"
