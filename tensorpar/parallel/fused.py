@@ -153,20 +153,27 @@ class _RegatheringColumn(torch.autograd.Function):
         return (dx, None, None, None, None, *dws, *dbs)
 
 
-@torch.library.custom_op("tensorpar::column_backward", mutates_args=())
+# an eager collective inside: a CUDA graph would replay the op without communicating
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t)
+
+
+@torch.library.custom_op("tensorpar::column_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def column_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
                     x_dtype: torch.dtype, group: str) -> list[torch.Tensor]:
     """[dx, dW_0, dW_1, ...]: ``_FusedColumn``'s backward without SP, for compiled graphs. The
     all-reduce of dx (over the group named ``group``) runs while the weight gradients
-    compute, as in eager; the biases' gradients are left to the caller."""
-    dx = _input_grad(dys, weights, x_dtype)
-    wait = start_all_reduce(dx, _resolve_process_group(group))
-    dws, _ = _weight_grads(dys, x, (False,) * len(dys))
-    return [wait(), *dws]
+    compute, as in eager; the biases' gradients are left to the caller. The inputs are cast
+    already (forward did), so autocast is off inside: the dtypes are the fake's."""
+    with torch.autocast(x.device.type, enabled=False):
+        dx = _input_grad(dys, weights, x_dtype)
+        wait = start_all_reduce(dx, _resolve_process_group(group))
+        dws, _ = _weight_grads(dys, x, (False,) * len(dys))
+        return [wait(), *dws]
 
 
 @column_backward.register_fake
 def _(dys, x, weights, x_dtype, group):
+    """dx like x in the input's dtype; each dW (out_i, D) in the matmuls' dtype."""
     return [x.new_empty(x.shape, dtype=x_dtype),
             *(dy.new_empty((dy.shape[-1], x.shape[-1])) for dy in dys)]
 

@@ -20,7 +20,7 @@ def rotary_table(head_dim: int, start: int, length: int, theta: float = 10000.0,
     One op to ``torch.compile`` (``tensorpar::rotary_table``), so the table is made once per
     forward: inlined, inductor computes the float64 powers, cosines and sines again for every
     element of q and k that it rotates, in every block, forward and backward."""
-    _check_even(head_dim)
+    _check_even(head_dim)  # here, where it is raised eagerly, even under torch.compile
     device = torch.get_default_device() if device is None else torch.device(device)
     return _rotary_table_op(head_dim, start, length, theta, device)
 
@@ -28,14 +28,16 @@ def rotary_table(head_dim: int, start: int, length: int, theta: float = 10000.0,
 @torch.library.custom_op("tensorpar::rotary_table", mutates_args=())
 def _rotary_table_op(head_dim: int, start: int, length: int, theta: float,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 table of ``rotary_table`` (computed in float64)."""
     pos = torch.arange(start, start + length, device=device, dtype=torch.float64)
     return _table(head_dim, pos, theta)
 
 
 @_rotary_table_op.register_fake
 def _(head_dim, start, length, theta, device):
-    return (torch.empty((length, head_dim // 2), device=device),
-            torch.empty((length, head_dim // 2), device=device))
+    shape = (length, head_dim // 2)
+    return (torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device))
 
 
 def rotary_table_at(head_dim: int, positions_BT: torch.Tensor, theta: float = 10000.0

@@ -120,3 +120,67 @@ def test_sequence_parallel_column_ops(ranks, n, batch, keep):
         want = (({}, {}) if n == 1 else
                 ({"all_gather": 1}, {"reduce_scatter": 1} | ({} if keep else {"all_gather": 1})))
         assert counts == {"fused": want, "plain": want}, counts
+
+
+def _compiled_column_body(autocast):
+    """fused_column compiled (aot_eager: dynamo and AOT autograd as inductor uses them) against
+    eager, on this rank's uneven shards, biases on some weights; and, profiled, the order of
+    the compiled backward's work inside ``tensorpar::column_backward``."""
+    import torch._dynamo as dynamo
+
+    torch.manual_seed(0)
+    x, ws = torch.randn(2, 5, 8), [torch.randn(o, 8) for o in (7, 5)]
+    bias, grads = torch.randn(5), [torch.randn(2, 5, o) for o in (7, 5)]
+    my_ws, my_b = [shard(w, 0) for w in ws], shard(bias, 0)
+    compiled = torch.compile(fused_column, backend="aot_eager", fullgraph=True)
+    out = {}
+    try:
+        for name, op in (("eager", fused_column), ("compiled", compiled)):
+            leaves = [leaf(x), *(leaf(w) for w in my_ws), leaf(my_b)]
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                ys = op(leaves[0], leaves[1:3], [None, leaves[3]])
+            with torch.profiler.profile() as prof:
+                torch.autograd.backward(ys, [shard(g, -1).to(ys[0].dtype) for g in grads])
+            out[name] = [*ys, *(t.grad for t in leaves)]
+    finally:
+        dynamo.reset()
+    for i, (a, b) in enumerate(zip(out["compiled"], out["eager"], strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), (i, a.dtype, b.dtype)
+    ops = [e for e in prof.events() if e.name == "tensorpar::column_backward"]
+    if tp_size() == 1:
+        return ops == []
+    (op,) = ops  # its all-reduce is started before the weight gradients' matmuls run
+    inside = [e.name for e in sorted(op.cpu_children, key=lambda e: e.time_range.start)]
+    return inside.index("c10d::allreduce_") < max(i for i, n in enumerate(inside)
+                                                  if n == "aten::mm")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_fused_column_equals_eager(ranks, n, autocast):
+    """Compiled, the fused column op's backward (without SP) is one custom op that runs the
+    eager backward: outputs and every gradient equal eager's bit for bit and in the same dtypes
+    (fp32, and bf16 autocast, whose input gradient is fp32 and weight gradients bf16 products),
+    uneven shards and a bias included; and inside it the all-reduce of the input gradient is
+    started before the weight gradients' matmuls run (the wait for it, after them, leaves no
+    event of its own to check)."""
+    assert all(ranks(n).run(_compiled_column_body, autocast))
+
+
+def _opcheck_body():
+    from tensorpar.parallel.collectives import group_name
+    from tensorpar.transformer.rotary import _rotary_table_op
+
+    torch.manual_seed(0)
+    dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
+    x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
+    torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
+                          (dys, x, [w.bfloat16() for w in ws], torch.float32, group_name(None)))
+    torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
+    return True
+
+
+def test_custom_ops_pass_torch_opcheck(ranks):
+    """The compiled path's custom ops are what torch.compile assumes: schema, fake tensors
+    (shapes, dtypes, strides: bf16 products with an fp32 input gradient) and AOT dispatch."""
+    assert ranks(1).run(_opcheck_body)[0]

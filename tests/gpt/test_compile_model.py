@@ -101,12 +101,13 @@ def _graph_ops_body(sp):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_compiled_column_backward_keeps_its_overlap(ranks, n):
+def test_compiled_column_backward_is_one_op(ranks, n):
     """Compiled, a fused column op's backward without SP is one opaque op
     (``tensorpar::column_backward``) that all-reduces dx while it computes the weight
-    gradients, as in eager: the traced graph would wait for each functional all-reduce at once.
-    So at TP=2 the backward graph holds one such op per column op (Q/K/V and gate/up in each
-    block, the LM head) and no functional collective; at TP=1 there is nothing to reduce."""
+    gradients, as in eager (``tests/core/test_fused.py``): the traced graph would wait for each
+    functional all-reduce at once. So at TP=2 the backward graph holds one such op per column
+    op (Q/K/V and gate/up in each block, the LM head) and no functional collective; at TP=1
+    there is nothing to reduce."""
     ops = ranks(n).run(_graph_ops_body, False)[0]["backward"]
     column_ops = ops.count("tensorpar.column_backward.default")
     assert column_ops == (2 * TINY["n_layer"] + 1 if n > 1 else 0), ops
