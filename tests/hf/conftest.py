@@ -57,3 +57,13 @@ def hf_dirs(tmp_path_factory):
     transformers.GenerationConfig(eos_token_id=[2, 7], repetition_penalty=1.3).save_pretrained(
         root / "llama")
     return root
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """The ``train --hf`` tests' tiny models (``hf_runs.py``): a directory per model, with its
+    tokenizer, and ``data``: the training text. Saved once for both of their files."""
+    pytest.importorskip("transformers")
+    from hf_runs import save_models
+
+    return save_models(tmp_path_factory.mktemp("hf-train"))

@@ -1,19 +1,16 @@
 """``tensorpar train --hf``: a Hugging Face model fine-tuned in the GPT's training loop.
 
-Tiny random Llama (GQA: 4 heads, 2 KV heads, so TP=4 shares KV heads), Qwen2 (q/k/v biases)
-and GPT-2 (Conv1D, packed q|k|v, head tied to the embedding), saved with ``save_pretrained``
-together with a byte-level BPE tokenizer (vocabulary 320) trained here with ``tokenizers``.
-The invariants: the loss and gradient norm of every step at TP=2 and 4, after a resume at
-another TP size from the run's own copy of the model's files (the source directory deleted),
-and at TP=2 x DP=2 (FSDP2) equal TP=1's to fp32 rounding; dropout masks derive from (seed,
-step), so a resume at the same TP size repeats a run with dropout exactly; the export is the
-source's architecture and names, loaded by transformers with no missing or unexpected key and
-the checkpoint's logits. The runs go through the rank pools (``train_model_rank``), one through
-the CLI; refused requests are one line, before any rank starts.
+On the tiny models of ``hf_runs.py``. The invariants: the loss and gradient norm of every step
+at TP=2 and 4, after a resume at another TP size from the run's own copy of the model's files
+(the source directory deleted), and at TP=2 x DP=2 (FSDP2) equal TP=1's to fp32 rounding;
+dropout masks derive from (seed, step), so a resume at the same TP size repeats a run with
+dropout exactly; the export is the source's architecture and names, loaded by transformers with
+no missing or unexpected key and the checkpoint's logits; ``--recompute`` and ``--compile``
+follow the run; the summary's collective count is exact. The runs go through the rank pools
+(``train_model_rank``); the command line and its refusals: ``test_hf_train_cli.py``.
 """
 
 import contextlib
-import dataclasses
 import json
 import shutil
 
@@ -22,94 +19,20 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_runs import (  # noqa: E402
+    STEPS,
+    TRAIN,
+    VOCAB,
+    checkpoint_logits,
+    exported_logits,
+    train,
+)
+
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
-from tensorpar.checkpoint.load import load_checkpoint  # noqa: E402
-from tensorpar.gpt.data import default_corpus  # noqa: E402
-from tensorpar.gpt.model import GPTConfig  # noqa: E402
-from tensorpar.gpt.train import TrainConfig, train_model_rank  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
-from tensorpar.hf.train import resolve_hf  # noqa: E402
 from tensorpar.plan.comm import predicted_comm  # noqa: E402
 
-from tests_common import read_metrics, tensorpar_cli, tensorpar_here  # noqa: E402
-
-VOCAB, STEPS = 320, 10
-SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 2, "lr": 3e-3, "seed": 1,
-         "save_every": 5, "steps": STEPS}
-
-
-def _configs(dropout: float = 0.0) -> dict:
-    drops = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
-    return {"llama": transformers.LlamaConfig(**SIZES),
-            "qwen2": transformers.Qwen2Config(**SIZES),
-            "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                                            n_positions=64, n_inner=64, bos_token_id=0,
-                                            eos_token_id=0, **drops)}
-
-
-def _bpe(text: str):
-    """A byte-level BPE of ``VOCAB`` tokens trained on ``text`` (a second), as transformers'
-    fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-@pytest.fixture(scope="session")
-def models(tmp_path_factory):
-    """The directory of each tiny model (with its tokenizer), and ``data``: the training text."""
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    root = tmp_path_factory.mktemp("hf-train")
-    text = default_corpus()[:24_000]
-    (root / "data.txt").write_text(text)
-    tokenizer = _bpe(text)
-    dirs = {"data": root / "data.txt"}
-    configs = _configs() | {"gpt2-dropout": _configs(0.1)["gpt2"],
-                            "opt": transformers.OPTConfig(  # no tensor-parallel plan
-                                vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
-                                num_attention_heads=4, word_embed_proj_dim=32)}
-    for name, cfg in configs.items():
-        torch.manual_seed(0)
-        dirs[name] = root / name
-        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(dirs[name])
-        tokenizer.save_pretrained(dirs[name])
-    return dirs
-
-
-def _resolve(path, **train):
-    """``resolve_hf`` as the CLI calls it (None: a flag not given)."""
-    train_args = {f.name: None for f in dataclasses.fields(TrainConfig)} | train
-    return resolve_hf(train_args, {f.name: None for f in dataclasses.fields(GPTConfig)},
-                      None if path is None else str(path))
-
-
-def _train_rank(cfg, recipe, resume_from):
-    """``train_model_rank``; after a compiled run dynamo's caches are emptied: they hold the
-    model, and the pool's rank runs other tests next (as tests/gpt/test_compile_train.py)."""
-    try:
-        return train_model_rank(cfg, recipe, resume_from)
-    finally:
-        if cfg.compile:
-            import torch._dynamo
-
-            torch._dynamo.reset()
-
-
-def _train(ranks, path, out, tp, dp=None, whole=False, **train):
-    """A run on the pool of tp x dp ranks; its metrics rows (whole: rank 0's result and the
-    run's recipe)."""
-    cfg, recipe, resume_from = _resolve(path, out=str(out), tp=tp, dp=dp, **train)
-    result = ranks(tp * (dp or 1)).run(_train_rank, cfg, recipe, resume_from)[0]
-    return (result, recipe) if whole else result["rows"]
+from tests_common import tensorpar_here  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +44,8 @@ def runs(ranks, models, tmp_path_factory):
     def get(family: str, tp: int, sp: bool = False):
         if (family, tp, sp) not in made:
             out = tmp_path_factory.mktemp(f"{family}-tp{tp}{'-sp' * sp}")
-            result, recipe = _train(ranks, models[family], out, tp, whole=True, **TRAIN,
-                                    sequence_parallel=sp, data=str(models["data"]))
+            result, recipe = train(ranks, models[family], out, tp, whole=True, **TRAIN,
+                                   sequence_parallel=sp, data=str(models["data"]))
             made[family, tp, sp] = out, result["rows"], result, recipe
         return made[family, tp, sp]
 
@@ -176,7 +99,7 @@ def test_resume_at_another_tp_from_the_runs_copy(ranks, runs, models, tmp_path):
     assert sorted(p.name for p in (tmp_path / "resumed" / "hf").iterdir()) == \
         ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     with _gone(models["llama"]):
-        resumed = _train(ranks, None, tmp_path / "resumed", 2, resume=True)
+        resumed = train(ranks, None, tmp_path / "resumed", 2, resume=True)
     _same(resumed, rows, 1e-5, "resumed at TP=2")
 
 
@@ -185,12 +108,12 @@ def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_p
     ``--recompute``: the same losses (the masks of step s derive from (seed, s), and a
     recomputed layer draws those of its first forward, in its TP regions and outside); the
     dropout was on (the losses differ from the same weights' without it)."""
-    whole = _train(ranks, models["gpt2-dropout"], tmp_path / "whole", 2, **TRAIN,
+    whole = train(ranks, models["gpt2-dropout"], tmp_path / "whole", 2, **TRAIN,
                    data=str(models["data"]))
     _interrupt(tmp_path / "whole", tmp_path / "resumed", 5)
-    resumed = _train(ranks, None, tmp_path / "resumed", 2, resume=True)
+    resumed = train(ranks, None, tmp_path / "resumed", 2, resume=True)
     _same(resumed, whole, 1e-6, "resumed with dropout")
-    recomputed = _train(ranks, models["gpt2-dropout"], tmp_path / "recomputed", 2, **TRAIN,
+    recomputed = train(ranks, models["gpt2-dropout"], tmp_path / "recomputed", 2, **TRAIN,
                         recompute=True, data=str(models["data"]))
     _same(recomputed, whole, 1e-6, "recomputed with dropout")
     assert abs(runs("gpt2", 2)[1][0]["loss"] - whole[0]["loss"]) > 1e-4
@@ -199,31 +122,9 @@ def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_p
 def test_tp2_dp2_fsdp_equals_tp1(ranks, runs, models, tmp_path):
     """TP=2 x DP=2 under FSDP2 (4 ranks, each TP group on half of every batch): every step's
     loss (the mean of the two halves') and gradient norm equal TP=1's to a relative 1e-5."""
-    rows = _train(ranks, models["llama"], tmp_path, 2, dp=2, dp_mode="fsdp", **TRAIN,
+    rows = train(ranks, models["llama"], tmp_path, 2, dp=2, dp_mode="fsdp", **TRAIN,
                   data=str(models["data"]))
     _same(rows, runs("llama", 1)[1], 1e-5, "TP=2 x DP=2")
-
-
-def _checkpoint_logits(run, ids):
-    """The logits of the run's newest checkpoint, loaded at TP=1 in this process from the
-    run's copy of the model's files."""
-    manifest = json.loads((find_checkpoint(run) / "manifest.json").read_text())
-    model = from_pretrained(run / "hf", plan=manifest["hf"]["plan"], weights=False)
-    load_checkpoint(run, model)
-    with torch.no_grad():
-        return model.eval()(input_ids=ids).logits
-
-
-def _exported_logits(run, out, ids):
-    """Export the run with ``tensorpar export --hf-out``; the logits transformers computes
-    from the folder, which it loads with no missing, unexpected or resized tensor."""
-    done = tensorpar_here("export", "--ckpt", run, "--hf-out", out)
-    assert done.returncode == 0, done.stderr
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with torch.no_grad():
-        return model.eval()(input_ids=ids).logits
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])
@@ -234,79 +135,12 @@ def test_export_is_the_source_architecture(runs, models, tmp_path, family):
     run = runs(family, 2)[0]
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with _gone(models[family]):
-        got = _exported_logits(run, tmp_path / "hf", ids)
-    torch.testing.assert_close(got, _checkpoint_logits(run, ids), rtol=1e-5, atol=1e-5)
+        got = exported_logits(run, tmp_path / "hf", ids)
+    torch.testing.assert_close(got, checkpoint_logits(run, ids), rtol=1e-5, atol=1e-5)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == family and config["vocab_size"] == VOCAB
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == \
         (models[family] / "tokenizer.json").read_text()
-
-
-def test_cli_trains_and_exports(models, tmp_path):
-    """``tensorpar train --hf DIR --tp 2`` as a user runs it: progress lines, the summary with
-    the planned memory, metrics.jsonl, a checkpoint of kind "hf" and the run's copy of the
-    model's files (no weights); then ``export --hf-out`` (transformers' logits equal the
-    checkpoint's) and ``export --out`` (dense, the HF names)."""
-    run = tmp_path / "run"
-    out = tensorpar_cli("train", "--hf", models["llama"], "--tp", 2, "--steps", 6, "--save-every",
-                        3, "--seq-len", 16, "--batch-size", 4, "--data", models["data"],
-                        "--out", run)
-    assert out.returncode == 0, out.stdout + out.stderr
-    for text in ("step 6/6", "loss (first -> final step)", "tokens/s", "rank 1", "planned",
-                 "all_reduce per step"):
-        assert text in out.stdout, out.stdout
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 7))
-    manifest = json.loads((run / "step-00000006" / "manifest.json").read_text())
-    assert manifest["model_kind"] == "hf" and manifest["tp_size"] == 2
-    assert manifest["config"]["model_type"] == "llama" and manifest["hf"]["files"] == "hf"
-    assert not list((run / "hf").glob("*.safetensors"))
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    got = _exported_logits(run, tmp_path / "hf", ids)
-    torch.testing.assert_close(got, _checkpoint_logits(run, ids), rtol=1e-5, atol=1e-5)
-    done = tensorpar_here("export", "--ckpt", run, "--out", tmp_path / "dense.safetensors")
-    assert done.returncode == 0, done.stderr
-    from safetensors.torch import load_file
-
-    dense = load_file(tmp_path / "dense.safetensors")
-    assert dense["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)  # 2 KV heads of 8
-
-
-def _no_tokenizer(models, tmp_path):
-    shutil.copytree(models["llama"], tmp_path / "m")
-    for f in (tmp_path / "m").glob("tokenizer*"):
-        f.unlink()
-    return tmp_path / "m"
-
-
-BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; the message)
-    "no directory": (lambda m, t: t / "missing", [], "no config.json (not a Hugging Face model"),
-    "no tokenizer": (_no_tokenizer, [], "no tokenizer (tokenizer.json, tokenizer_config.json"),
-    "GPT flags": (lambda m, t: m["llama"], ["--dim", 64, "--n-layer", 3],
-                  "leave out the GPT's model flags --n-layer, --dim"),
-    "heads": (lambda m, t: m["llama"], ["--tp", 8], "at --tp 8: model.layers.0.self_attn: "),
-    "SP": (lambda m, t: m["gpt2"], ["--tp", 2, "--sequence-parallel"],
-           "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
-           "model_type='gpt2'"),
-    "compile with dropout": (lambda m, t: m["gpt2-dropout"], ["--compile"],
-                             "--compile is not supported with --hf for a model that drops"),
-    "short data": (lambda m, t: m["llama"], ["--data", "SHORT"],
-                   "has fewer than --seq-len 16 + 1 tokens"),
-    "no plan": (lambda m, t: m["opt"], [], "no tensor-parallel plan for OPTForCausalLM"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_requests_are_refused_before_any_rank(models, tmp_path, case):
-    """Exit 2 and one line naming the cause (the plan's error lists the linear layers below
-    it), before any rank starts: nothing written."""
-    make, flags, message = BAD[case]
-    (tmp_path / "short.txt").write_text("a few words")
-    flags = [tmp_path / "short.txt" if f == "SHORT" else f for f in flags]
-    out = tensorpar_here("train", "--hf", make(models, tmp_path), "--seq-len", 16, "--out",
-                         tmp_path / "run", *flags)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
-    assert case == "no plan" or out.stderr.count("\n") == 1, out.stderr
 
 
 def test_another_model_or_command_is_refused(runs, models, tmp_path):
@@ -319,24 +153,13 @@ def test_another_model_or_command_is_refused(runs, models, tmp_path):
     assert out.returncode == 2 and "fine-tuned by tensorpar train --hf: export it" in out.stderr
 
 
-def test_resume_before_the_first_checkpoint_is_the_fine_tunes(models, tmp_path):
-    """``--resume`` without ``--hf`` of a fine-tune stopped before its first checkpoint (its
-    RUN/hf/ copy of the model written, no step-*): one line asking for --hf, not a GPT run."""
-    run = tmp_path / "run"
-    shutil.copytree(models["llama"], run / "hf")
-    out = tensorpar_here("train", "--resume", "--out", run, "--steps", 2)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert "has no checkpoint of its fine-tune yet; pass --hf PATH" in out.stderr, out.stderr
-    assert sorted(p.name for p in run.iterdir()) == ["hf"]
-
-
 def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):
     """``--recompute`` (transformers' gradient checkpointing, each decoder layer keeping only
     its input) on the Llama at TP=2: every step's loss and gradient norm equal the run without it
     to 1e-6, the peak memory is lower, and the summary's analytic count (each layer's MLP exit
     all-reduced again in backward) equals what ran."""
     _, rows, result, _ = runs("llama", 2)
-    again, recipe = _train(ranks, models["llama"], tmp_path, 2, whole=True, **TRAIN,
+    again, recipe = train(ranks, models["llama"], tmp_path, 2, whole=True, **TRAIN,
                            recompute=True, data=str(models["data"]))
     _same(again["rows"], rows, 1e-6, "recomputed")
     peak = [r["sizes"][0]["peak_memory"] for r in (result, again)]
@@ -378,7 +201,7 @@ def test_compile_is_one_graph_and_equals_eager(ranks, runs, models, tmp_path, sp
     no context_fn for a model without dropout)."""
     for graphs, breaks, reasons in ranks(2).run(_compiled_graphs, str(models["llama"]), sp):
         assert (graphs, breaks) == (1, 0), reasons
-    rows = _train(ranks, models["llama"], tmp_path, 2, **TRAIN, sequence_parallel=sp,
+    rows = train(ranks, models["llama"], tmp_path, 2, **TRAIN, sequence_parallel=sp,
                   compile=True, compile_backend="aot_eager", recompute=recompute,
                   data=str(models["data"]))
     _same(rows, runs("llama", 2, sp)[1], 1e-6, "compiled")
