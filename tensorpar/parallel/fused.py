@@ -27,10 +27,8 @@ The matmuls themselves stay separate: concatenating the weights into one GEMM wa
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
-Under ``torch.compile`` a traced backward would wait for each functional collective at once
-(``wait_tensor`` right after it in the AOT graph), so without SP the backward is one custom op,
-``tensorpar::column_backward``: opaque to the compiler, it runs the eager code above, overlap
-included. Under SP the compiled backward keeps the traced functional collectives.
+Under ``torch.compile`` a traced backward would wait for each functional collective at once, so
+the backward is one custom op (``tensorpar::column_backward``) that runs the eager code above.
 
 The collectives write into fresh tensors that nothing else references (``dx``, the re-gathered
 input), which keeps the rule that collectives never mutate what autograd holds.
@@ -81,7 +79,7 @@ class _FusedColumn(torch.autograd.Function):
         n = tp_size(group)
         sp = sizes is not None  # the sequence shard sizes, under SP with n > 1
         x_full = all_gather(x, SEQ_DIM, sizes, group) if sp else x  # (B, T_r, D) -> (B, T, D)
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.x_shape = x.dtype, list(x.shape)
         cast = _autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
@@ -94,37 +92,45 @@ class _FusedColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         x_saved, *weights = ctx.saved_tensors
-        sizes = ctx.sizes
-        regathered = all_gather(x_saved, SEQ_DIM, sizes, ctx.group, async_op=True) \
-            if ctx.regather else None  # started first: it travels while dx is computed
-        (B, T), D = dys[0].shape[:2], weights[0].shape[1]
-        wait = None
-        if sizes is not None:
-            if T % ctx.n == 0:
-                # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input
-                # needs: rank r's sequence rows first, so no copy is made to reorder it
-                dx_parts = _input_grad([dy.reshape(B, ctx.n, T // ctx.n, -1).transpose(0, 1)
-                                        for dy in dys], weights, ctx.x_dtype)  # (n, B, T/n, D)
-            else:  # uneven shards: each padded to the largest (one copy of dx)
-                dx_parts = stacked_shards(_input_grad(dys, weights, ctx.x_dtype), SEQ_DIM, ctx.n)
-            x_full = regathered() if regathered else x_saved  # waits for the all-gather
-            regathered = None  # frees the unordered buffer it held
-            wait = start_reduce_scatter(dx_parts.new_empty((B, sizes[0], D)),
-                                        dx_parts.flatten(0, 1), ctx.group)
-        elif ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
-            dx, *dws = column_backward(list(dys), x_saved, weights, ctx.x_dtype,
-                                       group_name(ctx.group))
-            return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
+        if ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
+            dx, *dws = column_backward(list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape,
+                                       ctx.sizes or [], ctx.regather, group_name(ctx.group))
         else:
-            dx, x_full = _input_grad(dys, weights, ctx.x_dtype), x_saved  # (B, T, D)
-            if ctx.n > 1:
-                wait = start_all_reduce(dx, ctx.group)
-        dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)  # while the collective is in flight
-        if wait is not None:
-            dx = wait()
-        if sizes is not None:
-            dx = trim_shard(dx, SEQ_DIM, T, ctx.group)
-        return (dx, None, None, None, None, *dws, *dbs)
+            dx, dws = _column_grads(dys, x_saved, weights, ctx.x_dtype, ctx.sizes, ctx.regather,
+                                    ctx.group)
+        return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
+
+
+def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group):
+    """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
+    sizes (None without SP); regather: x_saved is this rank's shard, to gather again."""
+    n = tp_size(group)
+    regathered = all_gather(x_saved, SEQ_DIM, sizes, group, async_op=True) \
+        if regather else None  # started first: it travels while dx is computed
+    (B, T), D = dys[0].shape[:2], weights[0].shape[1]
+    wait = None
+    if sizes is not None:
+        if T % n == 0:
+            # compute dx directly in the (n, B, T/n, D) order the reduce-scatter input
+            # needs: rank r's sequence rows first, so no copy is made to reorder it
+            dx_parts = _input_grad([dy.reshape(B, n, T // n, -1).transpose(0, 1)
+                                    for dy in dys], weights, x_dtype)  # (n, B, T/n, D)
+        else:  # uneven shards: each padded to the largest (one copy of dx)
+            dx_parts = stacked_shards(_input_grad(dys, weights, x_dtype), SEQ_DIM, n)
+        x_full = regathered() if regathered else x_saved  # waits for the all-gather
+        regathered = None  # frees the unordered buffer it held
+        wait = start_reduce_scatter(dx_parts.new_empty((B, sizes[0], D)),
+                                    dx_parts.flatten(0, 1), group)
+    else:
+        dx, x_full = _input_grad(dys, weights, x_dtype), x_saved  # (B, T, D)
+        if n > 1:
+            wait = start_all_reduce(dx, group)
+    dws = _weight_grads(dys, x_full)  # while the collective is in flight
+    if wait is not None:
+        dx = wait()
+    if sizes is not None:
+        dx = trim_shard(dx, SEQ_DIM, T, group)
+    return dx, dws
 
 
 class _RegatheringColumn(torch.autograd.Function):
@@ -149,7 +155,7 @@ class _RegatheringColumn(torch.autograd.Function):
         dx = _input_grad(dys, weights, ctx.x_dtype)  # (B, T, D): the gather's backward
         x_full = wait()  # reduce-scatters it, after this op
         del wait  # frees the unordered buffer it held
-        dws, dbs = _weight_grads(dys, x_full, ctx.has_bias)
+        dws, dbs = _weight_grads(dys, x_full), _bias_grads(dys, ctx.has_bias)
         return (dx, None, None, None, None, *dws, *dbs)
 
 
@@ -158,24 +164,23 @@ _CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", Non
 
 
 @torch.library.custom_op("tensorpar::column_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
-def column_backward(dys: list[torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor],
-                    x_dtype: torch.dtype, group: str) -> list[torch.Tensor]:
-    """[dx, dW_0, dW_1, ...]: ``_FusedColumn``'s backward without SP, for compiled graphs. The
-    all-reduce of dx (over the group named ``group``) runs while the weight gradients
-    compute, as in eager; the biases' gradients are left to the caller. The inputs are cast
-    already (forward did), so autocast is off inside: the dtypes are the fake's."""
-    with torch.autocast(x.device.type, enabled=False):
-        dx = _input_grad(dys, weights, x_dtype)
-        wait = start_all_reduce(dx, _resolve_process_group(group))
-        dws, _ = _weight_grads(dys, x, (False,) * len(dys))
-        return [wait(), *dws]
+def column_backward(dys: list[torch.Tensor], x_saved: torch.Tensor, weights: list[torch.Tensor],
+                    x_dtype: torch.dtype, x_shape: list[int], sizes: list[int], regather: bool,
+                    group: str) -> list[torch.Tensor]:
+    """[dx, dW_0, ...]: ``_column_grads`` for compiled graphs (sizes: [] without SP), over the
+    group named ``group``; bias gradients are the caller's. The inputs are cast already
+    (forward did), so autocast is off inside: the dtypes are the fake's."""
+    with torch.autocast(x_saved.device.type, enabled=False):
+        dx, dws = _column_grads(dys, x_saved, weights, x_dtype, sizes or None, regather,
+                                _resolve_process_group(group))
+        return [dx, *dws]
 
 
 @column_backward.register_fake
-def _(dys, x, weights, x_dtype, group):
-    """dx like x in the input's dtype; each dW (out_i, D) in the matmuls' dtype."""
-    return [x.new_empty(x.shape, dtype=x_dtype),
-            *(dy.new_empty((dy.shape[-1], x.shape[-1])) for dy in dys)]
+def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group):
+    """dx of the input's shape and dtype; each dW (out_i, D) in the matmuls' dtype."""
+    return [x_saved.new_empty(x_shape, dtype=x_dtype),
+            *(dy.new_empty((dy.shape[-1], x_saved.shape[-1])) for dy in dys)]
 
 
 def _autocast_cast(device: str):
@@ -203,14 +208,14 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
     return dx
 
 
-def _weight_grads(dys, x_full, has_bias):
-    """dW_i = dy_i^T x_full (out_i, D) and, where a bias is, db_i = sum of dy_i over tokens."""
+def _weight_grads(dys, x_full):
+    """dW_i = dy_i^T x_full (out_i, D)."""
     x_2d = x_full.reshape(-1, x_full.shape[-1])
-    return ([dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) for dy in dys],
-            _bias_grads(dys, has_bias))
+    return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) for dy in dys]
 
 
 def _bias_grads(dys, has_bias):
+    """db_i = the sum of dy_i over tokens, where weight i has a bias."""
     return [dy.reshape(-1, dy.shape[-1]).sum(0) for dy, h in zip(dys, has_bias, strict=True) if h]
 
 

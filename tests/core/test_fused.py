@@ -122,10 +122,10 @@ def test_sequence_parallel_column_ops(ranks, n, batch, keep):
         assert counts == {"fused": want, "plain": want}, counts
 
 
-def _compiled_column_body(autocast):
+def _compiled_column_body(autocast, sp):
     """fused_column compiled (aot_eager: dynamo and AOT autograd as inductor uses them) against
-    eager, on this rank's uneven shards, biases on some weights; and, profiled, the order of
-    the compiled backward's work inside ``tensorpar::column_backward``."""
+    eager, on this rank's uneven shards (of the sequence too, under SP), biases on some
+    weights; and, profiled, the order of the work inside ``tensorpar::column_backward``."""
     import torch._dynamo as dynamo
 
     torch.manual_seed(0)
@@ -133,12 +133,13 @@ def _compiled_column_body(autocast):
     bias, grads = torch.randn(5), [torch.randn(2, 5, o) for o in (7, 5)]
     my_ws, my_b = [shard(w, 0) for w in ws], shard(bias, 0)
     compiled = torch.compile(fused_column, backend="aot_eager", fullgraph=True)
+    kw = {"sequence_parallel": True, "seq_len": x.shape[1]} if sp else {}
     out = {}
     try:
         for name, op in (("eager", fused_column), ("compiled", compiled)):
-            leaves = [leaf(x), *(leaf(w) for w in my_ws), leaf(my_b)]
+            leaves = [leaf(shard(x, 1) if sp else x), *(leaf(w) for w in my_ws), leaf(my_b)]
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                ys = op(leaves[0], leaves[1:3], [None, leaves[3]])
+                ys = op(leaves[0], leaves[1:3], [None, leaves[3]], **kw)
             with torch.profiler.profile() as prof:
                 torch.autograd.backward(ys, [shard(g, -1).to(ys[0].dtype) for g in grads])
             out[name] = [*ys, *(t.grad for t in leaves)]
@@ -149,22 +150,24 @@ def _compiled_column_body(autocast):
     ops = [e for e in prof.events() if e.name == "tensorpar::column_backward"]
     if tp_size() == 1:
         return ops == []
-    (op,) = ops  # its all-reduce is started before the weight gradients' matmuls run
+    (op,) = ops  # its input gradient's collective starts before the weight gradients' matmuls
     inside = [e.name for e in sorted(op.cpu_children, key=lambda e: e.time_range.start)]
-    return inside.index("c10d::allreduce_") < max(i for i, n in enumerate(inside)
-                                                  if n == "aten::mm")
+    kind = "reduce_scatter" if sp else "allreduce"
+    first = min(i for i, n in enumerate(inside) if n.startswith("c10d::") and kind in n)
+    return first < max(i for i, n in enumerate(inside) if n == "aten::mm")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_fused_column_equals_eager(ranks, n, autocast):
-    """Compiled, the fused column op's backward (without SP) is one custom op that runs the
-    eager backward: outputs and every gradient equal eager's bit for bit and in the same dtypes
-    (fp32, and bf16 autocast, whose input gradient is fp32 and weight gradients bf16 products),
-    uneven shards and a bias included; and inside it the all-reduce of the input gradient is
-    started before the weight gradients' matmuls run (the wait for it, after them, leaves no
-    event of its own to check)."""
-    assert all(ranks(n).run(_compiled_column_body, autocast))
+@pytest.mark.parametrize("autocast,sp", [(False, False), (True, False), (False, True),
+                                         (True, True)])
+def test_compiled_fused_column_equals_eager(ranks, n, autocast, sp):
+    """Compiled, the fused column op's backward is one custom op that runs the eager backward:
+    outputs and every gradient equal eager's bit for bit and in the same dtypes (fp32, and bf16
+    autocast, whose input gradient is fp32 and weight gradients bf16 products), uneven shards
+    and a bias included, with and without SP; and inside it the all-reduce (under SP, the
+    reduce-scatter) of the input gradient is started before the weight gradients' matmuls run
+    (the wait for it, after them, leaves no event of its own to check)."""
+    assert all(ranks(n).run(_compiled_column_body, autocast, sp))
 
 
 def _opcheck_body():
@@ -175,7 +178,8 @@ def _opcheck_body():
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
     torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
-                          (dys, x, [w.bfloat16() for w in ws], torch.float32, group_name(None)))
+                          (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8], [],
+                           False, group_name(None)))
     torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
     return True
 

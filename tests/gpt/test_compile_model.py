@@ -100,18 +100,19 @@ def _graph_ops_body(sp):
     return ops
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_compiled_column_backward_is_one_op(ranks, n):
-    """Compiled, a fused column op's backward without SP is one opaque op
-    (``tensorpar::column_backward``) that all-reduces dx while it computes the weight
-    gradients, as in eager (``tests/core/test_fused.py``): the traced graph would wait for each
-    functional all-reduce at once. So at TP=2 the backward graph holds one such op per column
-    op (Q/K/V and gate/up in each block, the LM head) and no functional collective; at TP=1
-    there is nothing to reduce."""
-    ops = ranks(n).run(_graph_ops_body, False)[0]["backward"]
+@pytest.mark.parametrize("n,sp", [(1, False), (2, False), (2, True)])
+def test_compiled_column_backward_is_one_op(ranks, n, sp):
+    """Compiled, a fused column op's backward is one opaque op (``tensorpar::column_backward``)
+    that reduces dx while it computes the weight gradients (under SP, gathering its input
+    again while it computes dx), as in eager (``tests/core/test_fused.py``): the traced graph
+    would wait for each functional collective at once. So at TP=2 the backward graph holds one
+    such op per column op (Q/K/V and gate/up in each block, the LM head), and without SP no
+    functional collective (under SP the norms' regions keep theirs); at TP=1 there is nothing
+    to reduce."""
+    ops = ranks(n).run(_graph_ops_body, sp)[0]["backward"]
     column_ops = ops.count("tensorpar.column_backward.default")
     assert column_ops == (2 * TINY["n_layer"] + 1 if n > 1 else 0), ops
-    assert not [op for op in ops if "c10d" in op], ops
+    assert sp or not [op for op in ops if "c10d" in op], ops
 
 
 def test_compiled_rotary_table_is_made_once(ranks):
