@@ -30,6 +30,8 @@ TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 2, "lr": 3e-3, "seed": 
 
 
 def configs(dropout: float = 0.0) -> dict:
+    """The three families' tiny configs (``dropout``: GPT-2's residual, embedding and attention
+    dropout)."""
     drops = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
     return {"llama": transformers.LlamaConfig(**SIZES),
             "qwen2": transformers.Qwen2Config(**SIZES),
