@@ -57,7 +57,8 @@ _PLAN_HELP = {
     "steps_per_repeat": "timed steps of each contender per round",
     "warmup": "untimed steps first (>= 2; the last one measures memory and collectives)",
     "tp": "tensor-parallel size of the TP contenders (ranks spawned)",
-    "profile": "also profile a few tensorpar steps per rank and write profile.md (default off)",
+    "profile": "also profile a few steps of tensorpar and the plain model per rank and write "
+               "profile.md (default off)",
     "profile_steps": "steps under the profiler with --profile",
     "compile": f"also run the torch.compile'd contenders ({', '.join(COMPILED)}; default off)",
     "compile_backend": "torch.compile's backend for the -c contenders",

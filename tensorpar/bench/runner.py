@@ -7,8 +7,8 @@
     round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, in an
                order shuffled every round (seeded by the spec's seed): no contender always goes
                first or always follows the same one; r = 0 .. repeats-1
-    profile    (optional) a few more steps of the tensorpar contenders (and hf-llama) under
-               torch.profiler: ``PROFILED``, the compiled one with --compile
+    profile    (optional) a few more steps of the contenders in ``PROFILED`` under
+               torch.profiler (the compiled ones with --compile)
 
 A pool is a set of spawned ranks: the TP pool (``tp`` ranks, one thread each) holds tensorpar and
 DTensor contenders, one-rank pools the unsharded ones (1 thread, or one per core), and a
@@ -49,7 +49,7 @@ from tensorpar.bench.spec import BenchSpec, model_flops_per_step
 from tensorpar.runtime.launch import RankError, RankPool
 
 REFERENCE = "dense-1t"
-PROFILED = ("tensorpar", "tensorpar-unfused", "hf-llama", "tensorpar-c")
+PROFILED = ("tensorpar", "tensorpar-unfused", "hf-llama", "tensorpar-c", "dense-Nt", "dense-c")
 
 PoolKey = tuple[str, int, int]  # (own pool's name or "", ranks, threads per rank)
 
@@ -209,7 +209,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
             log(f"round {r + 1}/{plan.repeats} done")
         profile = []
         if plan.profile:  # tensorpar, its plain layers (what the overlap hides), the HF Llama,
-            # compiled tensorpar (where compile's time goes)
+            # compiled tensorpar and the plain model on both cores (where each one's time goes)
             targets = [n for n in PROFILED if n in timed
                        and rows[n]["status"] == "ok"] or \
                 [n for n in ("tensorpar-sp", "tensorpar-tp1") if n in timed
