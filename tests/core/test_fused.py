@@ -122,7 +122,7 @@ def test_sequence_parallel_column_ops(ranks, n, batch, keep):
         assert counts == {"fused": want, "plain": want}, counts
 
 
-def _compiled_column_body(autocast, sp):
+def _compiled_column_body(autocast, sp, keep=False):
     """fused_column compiled (aot_eager: dynamo and AOT autograd as inductor uses them) against
     eager, on this rank's uneven shards (of the sequence too, under SP), biases on some
     weights; and, profiled, the order of the work inside ``tensorpar::column_backward``."""
@@ -133,7 +133,8 @@ def _compiled_column_body(autocast, sp):
     bias, grads = torch.randn(5), [torch.randn(2, 5, o) for o in (7, 5)]
     my_ws, my_b = [shard(w, 0) for w in ws], shard(bias, 0)
     compiled = torch.compile(fused_column, backend="aot_eager", fullgraph=True)
-    kw = {"sequence_parallel": True, "seq_len": x.shape[1]} if sp else {}
+    kw = {"sequence_parallel": True, "seq_len": x.shape[1],
+          "keep_gathered_input": keep} if sp else {}
     out = {}
     try:
         for name, op in (("eager", fused_column), ("compiled", compiled)):
@@ -158,16 +159,18 @@ def _compiled_column_body(autocast, sp):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("autocast,sp", [(False, False), (True, False), (False, True),
-                                         (True, True)])
-def test_compiled_fused_column_equals_eager(ranks, n, autocast, sp):
+@pytest.mark.parametrize("autocast,sp,keep", [(False, False, False), (True, False, False),
+                                              (False, True, False), (True, True, False),
+                                              (False, True, True)])
+def test_compiled_fused_column_equals_eager(ranks, n, autocast, sp, keep):
     """Compiled, the fused column op's backward is one custom op that runs the eager backward:
     outputs and every gradient equal eager's bit for bit and in the same dtypes (fp32, and bf16
     autocast, whose input gradient is fp32 and weight gradients bf16 products), uneven shards
-    and a bias included, with and without SP; and inside it the all-reduce (under SP, the
-    reduce-scatter) of the input gradient is started before the weight gradients' matmuls run
-    (the wait for it, after them, leaves no event of its own to check)."""
-    assert all(ranks(n).run(_compiled_column_body, autocast, sp))
+    and a bias included, with and without SP (keeping the gathered input too); and inside it
+    the all-reduce (under SP, the reduce-scatter) of the input gradient is started before the
+    weight gradients' matmuls run (the wait for it, after them, leaves no event of its own to
+    check)."""
+    assert all(ranks(n).run(_compiled_column_body, autocast, sp, keep))
 
 
 def _opcheck_body():
@@ -177,9 +180,10 @@ def _opcheck_body():
     torch.manual_seed(0)
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
-    torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
-                          (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8], [],
-                           False, group_name(None)))
+    for sizes, regather in (([], False), ([5], True), ([5], False)):  # without SP; SP at n=1
+        torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
+                              (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8],
+                               sizes, regather, group_name(None)))
     torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
     return True
 

@@ -2,8 +2,9 @@
 the ``models`` fixture of ``conftest.py``), their training flags, and running and reading runs.
 
 Tiny random Llama (GQA: 4 heads, 2 KV heads, so TP=4 shares KV heads), Qwen2 (q/k/v biases)
-and GPT-2 (Conv1D, packed q|k|v, head tied to the embedding), saved with ``save_pretrained``
-together with a byte-level BPE tokenizer (vocabulary 320) trained here with ``tokenizers``.
+and GPT-2 (Conv1D, packed q|k|v, head tied to the embedding), GPT-2 with dropout 0.1, and an OPT
+(a family without a tensor-parallel plan), saved with ``save_pretrained`` together with a
+byte-level BPE tokenizer (vocabulary 320) trained here with ``tokenizers``.
 """
 
 import dataclasses

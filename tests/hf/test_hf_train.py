@@ -109,12 +109,12 @@ def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_p
     recomputed layer draws those of its first forward, in its TP regions and outside); the
     dropout was on (the losses differ from the same weights' without it)."""
     whole = train(ranks, models["gpt2-dropout"], tmp_path / "whole", 2, **TRAIN,
-                   data=str(models["data"]))
+                  data=str(models["data"]))
     _interrupt(tmp_path / "whole", tmp_path / "resumed", 5)
     resumed = train(ranks, None, tmp_path / "resumed", 2, resume=True)
     _same(resumed, whole, 1e-6, "resumed with dropout")
     recomputed = train(ranks, models["gpt2-dropout"], tmp_path / "recomputed", 2, **TRAIN,
-                        recompute=True, data=str(models["data"]))
+                       recompute=True, data=str(models["data"]))
     _same(recomputed, whole, 1e-6, "recomputed with dropout")
     assert abs(runs("gpt2", 2)[1][0]["loss"] - whole[0]["loss"]) > 1e-4
 
@@ -123,7 +123,7 @@ def test_tp2_dp2_fsdp_equals_tp1(ranks, runs, models, tmp_path):
     """TP=2 x DP=2 under FSDP2 (4 ranks, each TP group on half of every batch): every step's
     loss (the mean of the two halves') and gradient norm equal TP=1's to a relative 1e-5."""
     rows = train(ranks, models["llama"], tmp_path, 2, dp=2, dp_mode="fsdp", **TRAIN,
-                  data=str(models["data"]))
+                 data=str(models["data"]))
     _same(rows, runs("llama", 1)[1], 1e-5, "TP=2 x DP=2")
 
 
@@ -160,7 +160,7 @@ def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):
     all-reduced again in backward) equals what ran."""
     _, rows, result, _ = runs("llama", 2)
     again, recipe = train(ranks, models["llama"], tmp_path, 2, whole=True, **TRAIN,
-                           recompute=True, data=str(models["data"]))
+                          recompute=True, data=str(models["data"]))
     _same(again["rows"], rows, 1e-6, "recomputed")
     peak = [r["sizes"][0]["peak_memory"] for r in (result, again)]
     assert peak[1] < 0.9 * peak[0], peak
@@ -202,8 +202,8 @@ def test_compile_is_one_graph_and_equals_eager(ranks, runs, models, tmp_path, sp
     for graphs, breaks, reasons in ranks(2).run(_compiled_graphs, str(models["llama"]), sp):
         assert (graphs, breaks) == (1, 0), reasons
     rows = train(ranks, models["llama"], tmp_path, 2, **TRAIN, sequence_parallel=sp,
-                  compile=True, compile_backend="aot_eager", recompute=recompute,
-                  data=str(models["data"]))
+                 compile=True, compile_backend="aot_eager", recompute=recompute,
+                 data=str(models["data"]))
     _same(rows, runs("llama", 2, sp)[1], 1e-6, "compiled")
 
 
