@@ -45,6 +45,7 @@ from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, pick_token
 from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.rank_guard import speaks
 from tensorpar.runtime.seeds import derive_seed
 
 
@@ -179,7 +180,7 @@ def run_generate(ckpt: str, tp: int, prompts: list[str], max_new_tokens: int,
     check_request(ckpt, prompts, max_new_tokens, temperature, tp, top_k, top_p)
     texts = run_ranks(generate_rank, tp, ckpt, prompts, max_new_tokens, temperature, seed,
                       top_k, top_p)
-    if texts is not None and texts[0] is not None:
+    if speaks() and texts[0] is not None:  # rank 0's texts, said once (under torchrun: rank 0)
         sys.stdout.write(format_completions(texts[0]))
         sys.stdout.flush()
     return 0

@@ -31,6 +31,7 @@ from tensorpar.gpt.speedups import check_compile_device, tf32_note
 from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_model_rank
 from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.rank_guard import speaks
 from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 
 
@@ -161,13 +162,13 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
     try:
         results = run_ranks(train_model_rank, ranks, cfg, recipe, resume_from,
                             forward_signals=STOP_SIGNALS)
-        stopped = results[0]["stopped"] if results else None
+        stopped = results[0]["stopped"]  # every rank's, under torchrun: all end alike
         if stopped is not None:  # saved and said below: a signal from now on changes nothing
             ignore_stops()
     except KeyboardInterrupt as e:  # Ctrl-C, or a second SIGTERM: the ranks stopped at once
         ignore_stops()  # one line: a signal that comes while this process leaves is ignored
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        if os.environ.get("RANK", "0") == "0":
+        if speaks():
             remove_unfinished(cfg.out)
             _say(_interrupted(signum, Path(cfg.out)))
         return 128 + signum
@@ -182,7 +183,7 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
 
 def _say(line: str) -> None:
     """One line for the user, from one process: the launcher, or rank 0 under torchrun."""
-    if os.environ.get("RANK", "0") == "0":
+    if speaks():
         print(f"tensorpar train: {line}", file=sys.stderr, flush=True)
 
 

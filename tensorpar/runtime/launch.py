@@ -255,9 +255,9 @@ def _rank_error(got: dict[int, tuple[bool, Any]], why: str | None, died: bool = 
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
-              forward_signals: tuple[int, ...] = ()) -> list[Any] | None:
+              forward_signals: tuple[int, ...] = ()) -> list[Any]:
     """Run ``fn(*args, group=...)`` on ``nprocs`` ranks: spawn them, or, under torchrun, be one of
-    them. Every rank's result in rank order (under torchrun, on rank 0; the others get None).
+    them. Every rank's result in rank order (under torchrun, on every rank: each ends alike).
     ``forward_signals``: see :func:`launch` (torchrun passes its signals on by itself)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return launch(fn, nprocs, *args, forward_signals=forward_signals)
@@ -280,7 +280,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
             raise said from e
         results = [None] * tp_size(group)
         dist.all_gather_object(results, result, group=group)
-        return results if tp_rank(group) == 0 else None
+        return results
     finally:
         _shut_down()
 

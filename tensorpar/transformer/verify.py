@@ -27,6 +27,7 @@ from tensorpar.runtime.checking import naming_layers
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.launch import run_ranks
+from tensorpar.runtime.rank_guard import speaks
 from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.reference import BlockConfig, DenseBlock
@@ -135,24 +136,26 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
             "counts": {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}}
 
 
-def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: bool) -> bool:
-    """Print the error and collective tables from every rank's results; True when all agree."""
+def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: bool,
+           say=print) -> bool:
+    """Say (``say``: print) the error and collective tables from every rank's results; True when
+    all agree."""
     ok = True
     mode = "on" if sequence_parallel else "off"
-    print(f"tensorpar verify: TP={n}, sequence parallel {mode}, fp32, "
-          f"tolerance {TOLERANCE:.0e} (max relative error over ranks)")
+    say(f"tensorpar verify: TP={n}, sequence parallel {mode}, fp32, "
+        f"tolerance {TOLERANCE:.0e} (max relative error over ranks)")
     names = list(results[0]["errors"])
     width = max(len(k) for k in names) + 2
-    print(f"{'tensor':<{width}}{'dense shape':<16}{'max rel err':>12}")
+    say(f"{'tensor':<{width}}{'dense shape':<16}{'max rel err':>12}")
     for name in names:
         err = max(r["errors"][name] for r in results)
         good = err <= TOLERANCE
         ok &= good
         shape = str(results[0]["shapes"][name])
-        print(f"{name:<{width}}{shape:<16}{err:>12.2e}  {'ok' if good else 'MISMATCH'}")
+        say(f"{name:<{width}}{shape:<16}{err:>12.2e}  {'ok' if good else 'MISMATCH'}")
     expected = expected_collectives(cfg, n, sequence_parallel)
-    print(f"\ncollectives per rank   {'forward':>9} {'expected':>9}   {'backward':>9} "
-          f"{'expected':>9}")
+    say(f"\ncollectives per rank   {'forward':>9} {'expected':>9}   {'backward':>9} "
+        f"{'expected':>9}")
     for kind in KINDS:
         row, good = f"{kind:<22}", True
         for phase in ("forward", "backward"):
@@ -162,8 +165,8 @@ def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: boo
             shown = "/".join(str(g) for g in sorted(got))
             row += f" {shown:>9} {want:>9}  "
         ok &= good
-        print((row + ("" if good else "MISMATCH")).rstrip())
-    print("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
+        say((row + ("" if good else "MISMATCH")).rstrip())
+    say("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
     return ok
 
 
@@ -186,5 +189,10 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
     check_config(cfg, n, sequence_parallel)
     results = run_ranks(verify_rank, n, cfg, sequence_parallel, seed)
-    return True if results is None else report(results, cfg, n, sequence_parallel)
+    # under torchrun every rank judges (and exits) alike; rank 0 prints the tables
+    return report(results, cfg, n, sequence_parallel, print if speaks() else _silent)
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
 
