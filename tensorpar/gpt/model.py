@@ -130,8 +130,8 @@ class GPT(nn.Module):
     seed: weights depend on it and on each parameter's name, never on the TP size.
     fused: QKV, gate/up and the LM head each as one autograd op that overlaps the backward
         all-reduce of the input gradient with the weight-gradient matmuls, and the row layers
-        reducing their product in place (``parallel/fused.py``); False: the plain layers. Same
-        parameters, same numbers (to fp32 rounding), same collectives.
+        reducing their product in place (``parallel/fused.py``, ``fused_row.py``); False: the
+        plain layers. Same parameters, same numbers (to fp32 rounding), same collectives.
     recompute: keep only each block's input in forward and recompute the block in backward
         (full activation recomputation: less memory, one more forward per block, whose
         collectives run again). The recomputed block draws the dropout masks of the first.

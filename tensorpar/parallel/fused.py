@@ -33,9 +33,7 @@ the backward is one custom op (``tensorpar::column_backward``) that runs the eag
 The collectives write into fresh tensors that nothing else references (``dx``, the re-gathered
 input), which keeps the rule that collectives never mutate what autograd holds.
 
-The row side (``fused_row``, without sequence parallelism) is the row matmul and its forward
-all-reduce (g) as one op: the partial product is made inside it, so it is reduced in place,
-without the copy that ``reduce_from_tp`` makes of a tensor it did not create.
+The row side is ``fused_row.py``.
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class _FusedColumn(torch.autograd.Function):
         sp = sizes is not None  # the sequence shard sizes, under SP with n > 1
         x_full = all_gather(x, SEQ_DIM, sizes, group) if sp else x  # (B, T_r, D) -> (B, T, D)
         ctx.x_dtype, ctx.x_shape = x.dtype, list(x.shape)
-        cast = _autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
+        cast = autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
         ctx.regather = sp and not keep_gathered
@@ -92,19 +90,29 @@ class _FusedColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         x_saved, *weights = ctx.saved_tensors
+        # what autograd wants (the same on every rank): no dW for a frozen weight, no dx (nor
+        # its collective) for an input that needs none, as the plain path's autograd skips them
+        need_dx, need = ctx.needs_input_grad[0], ctx.needs_input_grad[5:5 + len(weights)]
         if ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
-            dx, *dws = column_backward(list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape,
-                                       ctx.sizes or [], ctx.regather, group_name(ctx.group))
+            got = iter(column_backward(list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape,
+                                       ctx.sizes or [], ctx.regather, group_name(ctx.group),
+                                       need_dx, list(need)))
+            dx, dws = next(got) if need_dx else None, [next(got) if k else None for k in need]
         else:
             dx, dws = _column_grads(dys, x_saved, weights, ctx.x_dtype, ctx.sizes, ctx.regather,
-                                    ctx.group)
+                                    ctx.group, need_dx, need)
         return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
 
 
-def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group):
+def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx=True,
+                  need=None):
     """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
-    sizes (None without SP); regather: x_saved is this rank's shard, to gather again."""
+    sizes (None without SP); regather: x_saved is this rank's shard, to gather again; need_dx,
+    need[i]: whether dx and dW_i are wanted (None in their place when not)."""
     n = tp_size(group)
+    if not need_dx:
+        x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather else x_saved
+        return None, _weight_grads(dys, x_full, need)
     regathered = all_gather(x_saved, SEQ_DIM, sizes, group, async_op=True) \
         if regather else None  # started first: it travels while dx is computed
     (B, T), D = dys[0].shape[:2], weights[0].shape[1]
@@ -125,7 +133,7 @@ def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group):
         dx, x_full = _input_grad(dys, weights, x_dtype), x_saved  # (B, T, D)
         if n > 1:
             wait = start_all_reduce(dx, group)
-    dws = _weight_grads(dys, x_full)  # while the collective is in flight
+    dws = _weight_grads(dys, x_full, need)  # while the collective is in flight
     if wait is not None:
         dx = wait()
     if sizes is not None:
@@ -141,7 +149,7 @@ class _RegatheringColumn(torch.autograd.Function):
     def forward(ctx, x_full, x_shard, group, sizes, has_bias, *weights_and_biases):
         weights, biases = _split_params(has_bias, weights_and_biases)
         ctx.x_dtype = x_full.dtype
-        cast = _autocast_cast(x_full.device.type)  # as in _FusedColumn: autocast's linear
+        cast = autocast_cast(x_full.device.type)  # as in _FusedColumn: autocast's linear
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
         ctx.save_for_backward(cast(x_shard), *weights)
@@ -152,10 +160,12 @@ class _RegatheringColumn(torch.autograd.Function):
     def backward(ctx, *dys):
         x_shard, *weights = ctx.saved_tensors
         wait = all_gather(x_shard, SEQ_DIM, ctx.sizes, ctx.group, async_op=True)
-        dx = _input_grad(dys, weights, ctx.x_dtype)  # (B, T, D): the gather's backward
-        x_full = wait()  # reduce-scatters it, after this op
+        # (B, T, D): the gather's backward reduce-scatters it, after this op
+        dx = _input_grad(dys, weights, ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        x_full = wait()
         del wait  # frees the unordered buffer it held
-        dws, dbs = _weight_grads(dys, x_full), _bias_grads(dys, ctx.has_bias)
+        need = ctx.needs_input_grad[5:5 + len(weights)]
+        dws, dbs = _weight_grads(dys, x_full, need), _bias_grads(dys, ctx.has_bias)
         return (dx, None, None, None, None, *dws, *dbs)
 
 
@@ -166,24 +176,26 @@ _CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", Non
 @torch.library.custom_op("tensorpar::column_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def column_backward(dys: list[torch.Tensor], x_saved: torch.Tensor, weights: list[torch.Tensor],
                     x_dtype: torch.dtype, x_shape: list[int], sizes: list[int], regather: bool,
-                    group: str) -> list[torch.Tensor]:
-    """[dx, dW_0, ...]: ``_column_grads`` for compiled graphs (sizes: [] without SP), over the
-    group named ``group``; bias gradients are the caller's. The inputs are cast already
-    (forward did), so autocast is off inside: the dtypes are the fake's."""
+                    group: str, need_dx: bool, need: list[bool]) -> list[torch.Tensor]:
+    """[dx, dW_i, ...]: ``_column_grads`` for compiled graphs (sizes: [] without SP), over the
+    group named ``group``; dx if ``need_dx``, dW_i where ``need[i]``; bias gradients are the
+    caller's. The inputs are cast already (forward did), so autocast is off inside: the dtypes
+    are the fake's."""
     with torch.autocast(x_saved.device.type, enabled=False):
         dx, dws = _column_grads(dys, x_saved, weights, x_dtype, sizes or None, regather,
-                                _resolve_process_group(group))
-        return [dx, *dws]
+                                _resolve_process_group(group), need_dx, need)
+        return [t for t in (dx, *dws) if t is not None]
 
 
 @column_backward.register_fake
-def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group):
+def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group, need_dx, need):
     """dx of the input's shape and dtype; each dW (out_i, D) in the matmuls' dtype."""
-    return [x_saved.new_empty(x_shape, dtype=x_dtype),
-            *(dy.new_empty((dy.shape[-1], x_saved.shape[-1])) for dy in dys)]
+    dx = [x_saved.new_empty(x_shape, dtype=x_dtype)] if need_dx else []
+    return [*dx, *(dy.new_empty((dy.shape[-1], x_saved.shape[-1]))
+                   for dy, k in zip(dys, need, strict=True) if k)]
 
 
-def _autocast_cast(device: str):
+def autocast_cast(device: str):
     """A function casting a tensor (or None) to autocast's dtype on ``device`` when autocast is
     on there, and returning it unchanged otherwise. Custom ops run their matmuls in the dtype
     autocast's own linear would use, and save those casts for backward."""
@@ -208,10 +220,11 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
     return dx
 
 
-def _weight_grads(dys, x_full):
-    """dW_i = dy_i^T x_full (out_i, D)."""
+def _weight_grads(dys, x_full, need=None):
+    """dW_i = dy_i^T x_full (out_i, D) where need[i] (None: all), else None."""
     x_2d = x_full.reshape(-1, x_full.shape[-1])
-    return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) for dy in dys]
+    return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) if need is None or k else None
+            for dy, k in zip(dys, need or [True] * len(dys), strict=True)]
 
 
 def _bias_grads(dys, has_bias):
@@ -266,34 +279,3 @@ def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: lis
     has_bias, tensors = _flat_params(weights, biases, len(weights))
     sizes = shard_sizes(x_full.shape[SEQ_DIM], tp_size(group))
     return _RegatheringColumn.apply(x_full, x_shard.detach(), group, sizes, has_bias, *tensors)
-
-
-class _FusedRow(torch.autograd.Function):
-    """forward: the row-parallel matmul, then all-reduce of its product; backward: local."""
-
-    @staticmethod
-    def forward(ctx, x, weight, group):
-        ctx.x_dtype = x.dtype
-        cast = _autocast_cast(x.device.type)  # what autocast's linear would compute
-        x, weight = cast(x), cast(weight)
-        y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
-        if tp_size(group) > 1:
-            y = start_all_reduce(y, group)()  # in place (eager)
-        ctx.save_for_backward(x, weight)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = torch.matmul(dy, weight).to(ctx.x_dtype)
-        dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return dx, dw, None
-
-
-def fused_row(x: torch.Tensor, weight: torch.Tensor,
-              group: ProcessGroup | None = None) -> torch.Tensor:
-    """``reduce_from_tp(F.linear(x, weight))`` with the all-reduce done in place on the product.
-
-    x: (..., in_i) this rank's input shard; weight: (out, in_i). Returns the summed (..., out).
-    """
-    return _FusedRow.apply(x, weight, group)

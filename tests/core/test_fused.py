@@ -7,6 +7,7 @@ import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.parallel.fused import fused_column
+from tensorpar.parallel.fused_row import fused_row
 from tensorpar.parallel.linear import column_linears
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_size
@@ -173,6 +174,74 @@ def test_compiled_fused_column_equals_eager(ranks, n, autocast, sp, keep):
     assert all(ranks(n).run(_compiled_column_body, autocast, sp, keep))
 
 
+_PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_")
+_COLLECTIVES = ("c10d::allreduce_", "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_",
+                "c10d::_allgather_base_", "c10d::allgather_")
+
+
+def _frozen_body(sp, compiled):
+    """fused_column's backward with a frozen weight, or an input that needs no gradient, eager
+    and compiled: the gradients asked for equal the full backward's, the others are None, and
+    neither their matmuls nor (for the input) its collective run."""
+    import torch._dynamo as dynamo
+
+    torch.manual_seed(0)
+    x, ws = torch.randn(2, 5, 8), [torch.randn(o, 8) for o in (7, 5)]
+    grads = [torch.randn(2, 5, o) for o in (7, 5)]
+    op = torch.compile(fused_column, backend="aot_eager", fullgraph=True) \
+        if compiled else fused_column
+    kw = {"sequence_parallel": True, "seq_len": x.shape[1]} if sp else {}
+    seen = {}
+    try:
+        for wanted in ((True, True, True), (True, False, True), (False, True, False),
+                       (False, True, True)):  # (x, w0, w1) requiring gradients
+            leaves = [(shard(x, 1) if sp else x).clone(), *(shard(w, 0).clone() for w in ws)]
+            for t, w in zip(leaves, wanted, strict=True):
+                t.requires_grad_(w)
+            ys = op(leaves[0], leaves[1:], **kw)
+            with torch.profiler.profile() as prof:
+                torch.autograd.backward(ys, [shard(g, -1) for g in grads])
+            names = [e.name for e in prof.events()]
+            seen[wanted] = ([t.grad for t in leaves], sum(map(names.count, _PRODUCTS)),
+                            sum(map(names.count, _COLLECTIVES)))
+    finally:
+        dynamo.reset()
+    full, _, full_comm = seen[(True, True, True)]
+    n = tp_size()
+    for (need_x, *need_w), (got, products, comm) in seen.items():
+        for g, want, needed in zip(got, full, (need_x, *need_w), strict=True):
+            assert (g is None) if not needed else torch.equal(g, want), (need_x, need_w)
+        assert products == (len(ws) if need_x else 0) + sum(need_w), (need_x, need_w, products)
+        # without dx: no all-reduce (nor reduce-scatter); the SP shard is still gathered
+        assert comm == (full_comm if need_x else int(sp)) if n > 1 else comm == 0, comm
+    if not sp:  # the row op likewise: dx and dW each only where wanted
+        x_row, w_row, dy = torch.randn(2, 5, 7), torch.randn(4, 7), torch.randn(2, 5, 4)
+        for wanted in ((True, True), (True, False), (False, True)):
+            leaves = [shard(x_row, -1).clone(), shard(w_row, 1).clone()]
+            for t, w in zip(leaves, wanted, strict=True):
+                t.requires_grad_(w)
+            y = (torch.compile(fused_row, backend="aot_eager", fullgraph=True)
+                 if compiled else fused_row)(*leaves)
+            with torch.profiler.profile() as prof:
+                y.backward(dy)
+            names = [e.name for e in prof.events()]
+            assert sum(map(names.count, _PRODUCTS)) == sum(wanted), wanted
+            assert [t.grad is not None for t in leaves] == list(wanted)
+        dynamo.reset()
+    return True
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("sp,compiled", [(False, False), (True, False), (False, True),
+                                         (True, True)])
+def test_fused_column_skips_what_needs_no_gradient(ranks, n, sp, compiled):
+    """A frozen weight (fine-tuning) gets no weight-gradient matmul, and an input that needs no
+    gradient (a frozen embedding's output) no input-gradient matmuls nor their collective, as
+    the plain layers' autograd skips them; the rest is the full backward's, bit for bit. The
+    row op (``fused_row``) skips its products likewise."""
+    assert all(ranks(n).run(_frozen_body, sp, compiled))
+
+
 def _opcheck_body():
     from tensorpar.parallel.collectives import group_name
     from tensorpar.transformer.rotary import _rotary_table_op
@@ -180,10 +249,13 @@ def _opcheck_body():
     torch.manual_seed(0)
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
-    for sizes, regather in (([], False), ([5], True), ([5], False)):  # without SP; SP at n=1
+    for sizes, regather, need_dx, need in (([], False, True, [True, True]),  # without SP
+                                           ([5], True, True, [True, True]),  # SP at n=1
+                                           ([5], False, False, [False, True]),
+                                           ([], False, True, [False, False])):
         torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
                               (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8],
-                               sizes, regather, group_name(None)))
+                               sizes, regather, group_name(None), need_dx, need))
     torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
     return True
 
