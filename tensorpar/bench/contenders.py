@@ -9,6 +9,7 @@ Each contender is a ``setup(spec, state, group) -> step`` run on every rank of i
     tensorpar-sp-keep  tp     1        the TP pool         SP, keep_gathered_input=True
     tensorpar-unfused  tp     1        the TP pool         fused=False: plain layers, no overlap
     tensorpar-c        tp     1        the TP pool         tensorpar under torch.compile
+    tensorpar-sp-c     tp     1        the TP pool         tensorpar-sp under torch.compile
     tensorpar-tp1      1      1        a one-rank pool     GPT at TP=1 (vs dense-1t: its overhead)
     tensorpar-tp1-c    1      1        a one-rank pool     the same under torch.compile
     hf-llama           tp     1        the TP pool         transformers' Llama via parallelize
@@ -196,6 +197,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               about="tensorpar GPT with the plain layers (fused=False)"),
     Contender("tensorpar-c", partial(setup_tensorpar), "tp", compiled=True,
               about="tensorpar GPT under torch.compile"),
+    Contender("tensorpar-sp-c", partial(setup_tensorpar, sequence_parallel=True), "tp",
+              compiled=True, about="tensorpar GPT with sequence parallelism under torch.compile"),
     Contender("tensorpar-tp1", partial(setup_tensorpar), 1,
               about="tensorpar GPT at TP=1, one process"),
     Contender("tensorpar-tp1-c", partial(setup_tensorpar), 1, compiled=True,

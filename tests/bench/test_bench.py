@@ -19,8 +19,8 @@ TINY = BenchSpec(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=256, seq_l
 # every contender but megatron (tests/bench/test_bench_megatron.py); the compiled ones with
 # aot_eager (it traces as inductor does, generates no code: seconds to compile)
 NAMES = ["tensorpar", "tensorpar-sp", "tensorpar-sp-keep", "tensorpar-unfused", "tensorpar-c",
-         "tensorpar-tp1", "tensorpar-tp1-c", "dtensor", "dtensor-sp", "dense-1t", "dense-Nt",
-         "dense-c"]
+         "tensorpar-sp-c", "tensorpar-tp1", "tensorpar-tp1-c", "dtensor", "dtensor-sp",
+         "dense-1t", "dense-Nt", "dense-c"]
 if importlib.util.find_spec("transformers"):  # transformers' Llama through tensorpar.parallelize
     NAMES += ["hf-llama"]  # (hf-llama-sp: the same setup with SP, exact in tests/hf)
 ONE_RANK = ("tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-Nt", "dense-c")
@@ -59,6 +59,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     assert tp_comm["payload_bytes"]["all_reduce"] // act == 4 * TINY.n_layer + 2
     assert tp_comm["ring_bytes"]["all_reduce"] > 0
     assert rows["tensorpar-c"]["comm_per_rank"] == tp_comm  # counted eagerly (ranks.setup)
+    assert rows["tensorpar-sp-c"]["comm_per_rank"] == rows["tensorpar-sp"]["comm_per_rank"]
     if "hf-llama" in rows:  # the converted HF Llama moves exactly what the GPT moves
         assert rows["hf-llama"]["comm_per_rank"] == tp_comm
     # the losses move: the model learns the batches' successor structure
