@@ -27,6 +27,7 @@ import importlib
 # public name -> the module that defines it
 _WHERE = {
     "parallelize": "hf.parallelize", "from_pretrained": "hf.pretrained",
+    "seed_dropout": "hf.dropout",
     "vocab_parallel_cross_entropy": "parallel.cross_entropy",
     "ParallelDropout": "parallel.dropout", "TensorParallelRNG": "parallel.dropout",
     "VocabParallelEmbedding": "parallel.embedding", "sum_grads_in_backward": "parallel.grad_sync",

@@ -13,11 +13,13 @@ So inside each region the global generator is swapped for a stream of this rank'
     module entry (attention / MLP, f)  ── per-rank stream ──>  row layer starts (g)  ── global ──>
     e.g. GPT-2:  attn(q, k, v, dropout on the probabilities) | c_proj, resid_dropout
 
-The stream's seed hashes (base seed, "hf-tp-region", dp rank, tp rank) (``runtime/seeds.py``);
+The stream's seed hashes (base seed, "hf-tp-region", dp rank 0, tp rank) (``runtime/seeds.py``);
 the base seed is ``torch.initial_seed()`` when ``parallelize`` runs, i.e. the seed the user gave
 every rank. The stream then runs on from step to step, as the global generator does. The model
-keeps it as ``model.tp_region_stream``: ``tensorpar train --hf`` restarts both streams at each
-step from (seed, step, dp rank[, tp rank]) (``hf/train.py``).
+keeps it as ``model.tp_region_stream``. ``seed_dropout(model, seed, step, dp_rank)`` starts both
+streams over from (seed, step, dp rank[, tp rank]): called before each step (``tensorpar train
+--hf`` does), the masks differ between steps and between data-parallel replicas, which would
+otherwise draw the same ones, and a resumed run draws those of the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class RegionStream:
     """This rank's stream for dropout inside TP regions, swapped in for torch's global generator
     while a region runs (one state per device)."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, tp_rank: int = 0):
+        self.seed, self.tp_rank = seed, tp_rank
         self._states: dict[torch.device, torch.Tensor] = {}
         self._outside: dict[torch.device, torch.Tensor] = {}  # the global state, while inside
 
@@ -109,7 +111,7 @@ def install_region_streams(model: nn.Module, regions: list[str], tp_rank: int,
     """Make the modules named in ``regions`` (converted attention and MLP modules) draw their
     dropout from a per-rank stream, from their entry until their row layer starts."""
     stream = RegionStream(derive_seed(torch.initial_seed() if seed is None else seed,
-                                      "hf-tp-region", dp_rank, tp_rank))
+                                      "hf-tp-region", dp_rank, tp_rank), tp_rank)
     for name in regions:
         module = model.get_submodule(name)
         module.register_forward_pre_hook(lambda m, args: stream.enter(_device(m)))
@@ -119,3 +121,20 @@ def install_region_streams(model: nn.Module, regions: list[str], tp_rank: int,
         for row in (m for m in module.modules() if isinstance(m, RowParallelLinear)):
             row.register_forward_pre_hook(lambda m, args: stream.leave(_device(m)))
     return stream
+
+
+def seed_dropout(model: nn.Module, seed: int, step: int, dp_rank: int = 0) -> None:
+    """Seed the dropout of a model converted by ``parallelize`` for one step, on every rank
+    before the step's forward: torch's global generator (the TP group's shared stream, outside
+    the TP regions) from (seed, "hf-dropout", step, dp_rank), and this rank's region stream from
+    (seed, "hf-tp-region", step, dp_rank, tp rank). Each step and each data-parallel replica then
+    draws masks of its own, and a step's masks depend on (seed, step) alone: a resumed run draws
+    the uninterrupted one's. ``model``: the converted model, or a DDP wrapper of it (FSDP2
+    converts it in place). Reseeding the global generator also reseeds whatever else draws from
+    it, as ``torch.manual_seed`` does."""
+    stream = getattr(getattr(model, "module", model), "tp_region_stream", None)
+    if stream is None:
+        raise ValueError("seed_dropout: the model has no tp_region_stream; convert it with "
+                         "tensorpar.parallelize first")
+    torch.manual_seed(derive_seed(seed, "hf-dropout", step, dp_rank))
+    stream.restart(derive_seed(seed, "hf-tp-region", step, dp_rank, stream.tp_rank))

@@ -53,12 +53,11 @@ from tensorpar.checkpoint.format import model_kind
 from tensorpar.gpt.speedups import loss_function
 from tensorpar.gpt.start import resolve_run
 from tensorpar.gpt.train_config import TrainConfig
+from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.parallelize import check_layout, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.plan.zoo import ModelSpec, spec_from_hf_config
-from tensorpar.runtime.groups import tp_rank
-from tensorpar.runtime.seeds import derive_seed
 
 HF_FILES = "hf"  # the run's copy of the source model's files, in --out
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -139,7 +138,7 @@ class HFRecipe:
         _transformers()
         model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
                                 sequence_parallel=cfg.sequence_parallel).to(device).train()
-        stream, rank = model.tp_region_stream, tp_rank(group)
+        stream = model.tp_region_stream
         if cfg.recompute:  # transformers' own: each decoder layer keeps its input only
             enable = getattr(model, "activation_checkpointing_enable", None) or \
                 model.gradient_checkpointing_enable  # its name before transformers 5.x
@@ -150,8 +149,7 @@ class HFRecipe:
             enable({"use_reentrant": False} | replay)
 
         def at_step(step: int) -> None:  # this step's dropout masks, from (seed, step) alone
-            torch.manual_seed(derive_seed(cfg.seed, "hf-dropout", step, dp_rank))
-            stream.restart(derive_seed(cfg.seed, "hf-tp-region", step, dp_rank, rank))
+            seed_dropout(model, cfg.seed, step, dp_rank)
 
         return model, at_step
 

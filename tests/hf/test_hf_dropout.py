@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tensorpar.hf.dropout import seed_dropout  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 
 
@@ -20,10 +21,9 @@ def _gpt2(n_head: int, attn: str):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
 
 
-def _masks_and_logits(n_head: int):
-    """Train-mode forward of a TP GPT-2 (eager attention): each layer's attention-dropout
-    pattern of this rank's heads, and the logits."""
-    model = parallelize(_gpt2(n_head, "eager")).train()
+def _noting_masks(model) -> list:
+    """The list each train-mode forward of ``model`` (GPT-2, eager attention) appends each
+    layer's attention-dropout pattern of this rank's heads to."""
     masks = []
 
     def note(module, args, out):  # out[1]: the attention probabilities after dropout
@@ -33,6 +33,14 @@ def _masks_and_logits(n_head: int):
 
     for block in model.transformer.h:
         block.attn.register_forward_hook(note)
+    return masks
+
+
+def _masks_and_logits(n_head: int):
+    """Train-mode forward of a TP GPT-2 (eager attention): each layer's attention-dropout
+    pattern of this rank's heads, and the logits."""
+    model = parallelize(_gpt2(n_head, "eager")).train()
+    masks = _noting_masks(model)
     torch.manual_seed(1)  # the same on every rank: the stream shared outside TP regions
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = model(ids).logits.detach()
@@ -97,3 +105,38 @@ def test_ranks_seeded_apart_are_refused(ranks):
     errors = ranks(2).run(_seeded_apart)
     assert errors[0] is not None and errors[0] == errors[1]
     assert "torch.manual_seed" in errors[0]
+
+
+def _seeded_steps():
+    """Masks and logits after ``seed_dropout`` for (dp rank, step) in turn, (0, 0) twice."""
+    model = parallelize(_gpt2(4, "eager")).train()
+    masks = _noting_masks(model)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for dp, step in ((0, 0), (1, 0), (0, 1), (0, 0)):
+        masks.clear()
+        seed_dropout(model, 7, step, dp)
+        seen.append((list(masks), model(ids).logits.detach()))
+    try:
+        seed_dropout(torch.nn.Linear(2, 2), 7, 0)
+    except ValueError as e:
+        return seen, str(e)
+    return seen, None
+
+
+def test_seed_dropout_gives_each_step_and_dp_replica_its_masks(ranks):
+    """``seed_dropout(model, seed, step, dp_rank)`` (what ``train --hf`` calls each step): the
+    same (seed, step, dp rank) replays the same masks and logits; another dp replica or another
+    step draws other masks, inside the TP regions and outside them (the logits); the TP ranks'
+    logits stay equal; a model that ``parallelize`` did not convert is refused by name."""
+    results = ranks(2).run(_seeded_steps)
+    for (seen, error), (other, _) in zip(results, results[1:] + results[:1], strict=True):
+        assert error is not None and "tensorpar.parallelize first" in error
+        for (_, logits), (_, theirs) in zip(seen, other, strict=True):
+            assert torch.equal(logits, theirs)  # across the TP group
+        (first, l0), (replica, l1), (step1, l2), (again, l3) = seen
+        assert torch.equal(l0, l3)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        for masks, logits in ((replica, l1), (step1, l2)):
+            assert not torch.equal(logits, l0)
+            assert all(not torch.equal(a, b) for a, b in zip(masks, first, strict=True))
