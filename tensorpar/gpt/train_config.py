@@ -101,9 +101,6 @@ class TrainConfig:
             from tensorpar.gpt.report import summary_writer  # report imports rich: only then
 
             summary_writer()
-        if self.compile and dp > 1:
-            raise ValueError("--compile with --dp > 1 is not supported yet (FSDP2 and DDP "
-                             "around a compiled model): leave out one of them")
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

@@ -1,6 +1,7 @@
 """``tensorpar train --compile`` and ``--tf32`` (gpt/speedups.py): compiled training follows
-eager's losses to fp32 rounding at TP=1 and 2, its checkpoints keep plain parameter names, and a
-run resumes across --compile and --no-compile; --tf32 on the CPU changes nothing and says so.
+eager's losses to fp32 rounding at TP=1 and 2, with data parallelism too, its checkpoints keep
+plain parameter names, and a run resumes across --compile and --no-compile; --tf32 on the CPU
+changes nothing and says so.
 
 Compiled with ``aot_eager`` (dynamo and AOT autograd, no code generated): the tracing is what
 can go wrong, and inductor's C++ compile would take a minute per run on 2 cores.
@@ -90,6 +91,18 @@ def test_compiled_training_follows_eager(ranks, tmp_path, eager, tp):
     resumed, _, _ = ranks(tp).run(_train, str(tmp_path / "r"), tp, False,
                                   str(tmp_path / "r" / "step-00000002"))[0]
     _close(resumed, losses)
+
+
+@pytest.mark.parametrize("tp,dp,mode", [(1, 2, "ddp"), (1, 2, "fsdp"), (2, 2, "fsdp")])
+def test_compiled_training_with_data_parallelism(ranks, tmp_path, eager, tp, dp, mode):
+    """--compile with --dp: torch.compile around the model that DDP wraps (dynamo splits the
+    graph at DDP's gradient buckets) or that FSDP2 shards (its hooks run between the graphs).
+    TP=1 x DP=2 under DDP and FSDP2, and TP=2 x DP=2 under FSDP2: the losses of the eager TP=1
+    run to fp32 rounding, and every step but the measured one runs compiled graphs."""
+    losses, graphs, calls = ranks(tp * dp).run(_train, str(tmp_path / "c"), tp, True, None,
+                                               dp=dp, dp_mode=mode)[0]
+    assert graphs >= 1 and calls >= STEPS - 1 and calls % (STEPS - 1) == 0, (graphs, calls)
+    _close(losses, eager[1][1])
 
 
 def test_eager_checkpoint_resumes_compiled(ranks, tmp_path, eager):
