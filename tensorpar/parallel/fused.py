@@ -223,8 +223,9 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
 def _weight_grads(dys, x_full, need=None):
     """dW_i = dy_i^T x_full (out_i, D) where need[i] (None: all), else None."""
     x_2d = x_full.reshape(-1, x_full.shape[-1])
-    return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) if need is None or k else None
-            for dy, k in zip(dys, need or [True] * len(dys), strict=True)]
+    need = [True] * len(dys) if need is None else need
+    return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) if k else None
+            for dy, k in zip(dys, need, strict=True)]
 
 
 def _bias_grads(dys, has_bias):
