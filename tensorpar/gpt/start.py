@@ -23,7 +23,7 @@ from pathlib import Path
 from tensorpar.checkpoint.format import find_checkpoint, model_kind
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.checkpoint.save import remove_unfinished
-from tensorpar.gpt.data import load_text
+from tensorpar.gpt.data import has_tokens, load_text
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.recipe import GPTRecipe
 from tensorpar.gpt.report import Metrics
@@ -115,7 +115,7 @@ def resolve_run(train_args: dict, recipe_for: Callable) -> tuple[TrainConfig, ob
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
     text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
-    if len(recipe.tokenizer().encode(text)) < cfg.seq_len + 1:
+    if not has_tokens(recipe.tokenizer(), text, cfg.seq_len + 1):
         raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
     if resume_from is not None:
         CheckpointReader(resume_from).verify()  # a corrupted file too

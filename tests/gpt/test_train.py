@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensorpar.checkpoint.format import find_checkpoint
-from tensorpar.gpt.data import TokenBatches, default_corpus
+from tensorpar.gpt.data import ByteTokenizer, TokenBatches, default_corpus, has_tokens
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.gpt.train import TrainConfig, train_rank
 
@@ -87,3 +87,35 @@ def test_batches_fixed_by_seed_and_step():
     firsts = torch.cat([small.batch(s)[0][:, 0] for s in range(2)])
     assert sorted(firsts.tolist()) == list(range(0, 80, 10))
     assert not torch.equal(small.batch(2)[0], small.batch(0)[0])  # next epoch, new order
+
+
+def test_corpus_read_as_bytes_and_its_length_checked_cheaply():
+    """The byte corpus is read straight into uint8 ids (no list of ints), the ids and the data
+    digest that a run's manifest records are those of ``torch.tensor(list(text.encode()))``
+    (non-ASCII text included); ``has_tokens`` answers like counting every token, for bytes and
+    for another tokenizer (characters here), at the boundary, reading a prefix when the text
+    is long."""
+    import hashlib
+
+    text = default_corpus() + " héllo wörld ✓" * 50
+    batches = TokenBatches.from_text(text, 64, 8, seed=1)
+    ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    assert batches.tokens.dtype == torch.uint8 and torch.equal(batches.tokens, ids)
+    assert batches.digest == hashlib.sha256(ids.long().numpy().tobytes()).hexdigest()[:16]
+    with pytest.raises(ValueError, match="fewer than --seq-len 64"):
+        TokenBatches.from_text("", 64, 8, seed=1)
+
+    class Chars:  # one token per character, noting how much it was asked to read
+        vocab_size = 0x110000
+
+        def __init__(self):
+            self.read = []
+
+        def encode(self, s):
+            self.read.append(len(s))
+            return [ord(c) for c in s]
+
+    for tok, size in ((ByteTokenizer(), len(text.encode("utf-8"))), (Chars(), len(text))):
+        assert has_tokens(tok, text, size) and not has_tokens(tok, text, size + 1)
+    chars = Chars()
+    assert has_tokens(chars, text, 100) and max(chars.read) < len(text) // 100
