@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 
+from tensorpar.runtime import output
 from tensorpar.runtime.checking import CHECK_ENV
 from tensorpar.runtime.failures import EXPECTED, RankError, describe
 from tensorpar.runtime.groups import DEVICE_ENV, TIMEOUT_ENV, check_device, wanted_device
@@ -182,8 +183,7 @@ def _run(args) -> int:
     return 2
 
 
-# under torchrun, how long a rank that leaves an error to rank 0 waits before it exits
-SILENT_RANK_DELAY_S = 5.0
+SILENT_RANK_DELAY_S = 5.0  # a torchrun rank that leaves its error to rank 0 waits this long
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEVICE_ENV] = args.rank_device
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
-    speaks = os.environ.get("RANK", "0") == "0"
+    speaks = output.speaks()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
     late = None  # a Ctrl-C or SIGTERM that came while the command ended

@@ -63,7 +63,9 @@ def has_tokens(tokenizer, text: str, n: int) -> bool:
     """Whether ``text`` holds at least ``n`` tokens, tokenizing no more of it than it takes (the
     launcher's check of ``--data``, before the ranks tokenize the whole): bytes are counted;
     another tokenizer reads prefixes 4 times longer each time, and a prefix with 8 tokens to
-    spare settles it (cutting a text changes only its last few tokens)."""
+    spare settles it (cutting a text changes only its last few tokens). Where that rule would
+    ever err, the ranks' own count refuses the corpus (``TokenBatches``), as they refuse an id
+    outside the vocabulary past the prefix read here (``HFTokenizer.encode``)."""
     if isinstance(tokenizer, ByteTokenizer):
         return len(text.encode("utf-8")) >= n
     size = 16 * (n + 8)  # characters
@@ -106,7 +108,8 @@ class TokenBatches:
         # seconds a 50 MB corpus (0.7 GB and 2.9 s, against 0.06 s).
         if isinstance(tok, ByteTokenizer):
             data = bytearray(text.encode("utf-8"))
-            tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0)
+            tokens = torch.frombuffer(data, dtype=torch.uint8) if data else \
+                torch.empty(0, dtype=torch.uint8)
         else:
             tokens = torch.tensor(tok.encode(text), dtype=token_dtype(tok.vocab_size))
         return cls(tokens, seq_len, batch_size, seed)

@@ -45,7 +45,7 @@ from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, pick_token
 from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.launch import run_ranks
-from tensorpar.runtime.rank_guard import speaks
+from tensorpar.runtime.output import speaks
 from tensorpar.runtime.seeds import derive_seed
 
 

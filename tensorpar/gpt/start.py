@@ -31,7 +31,7 @@ from tensorpar.gpt.speedups import check_compile_device, tf32_note
 from tensorpar.gpt.train import RNG_SCHEME, TrainConfig, train_model_rank
 from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.launch import run_ranks
-from tensorpar.runtime.rank_guard import speaks
+from tensorpar.runtime.output import speaks
 from tensorpar.runtime.stopping import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 
 

@@ -17,7 +17,7 @@ import torch
 from tensorpar.hf.plans import is_conv1d
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.launch import RankError, run_ranks
-from tensorpar.runtime.output import human_bytes
+from tensorpar.runtime.output import human_bytes, say, speaks
 from tensorpar.transformer.verify import dense_shard, max_rel_error
 
 TOL = 1e-5
@@ -102,33 +102,33 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
             "family": model.config.model_type}
 
 
-def report_hf(results: list[dict], path: str, n: int) -> bool:
+def report_hf(results: list[dict], path: str, n: int, say=print) -> bool:
     rows = [[name, out, grad] for name, out, grad in results[0]["rows"]]
     for r in results[1:]:  # worst over ranks
         for row, (_, out, grad) in zip(rows, r["rows"], strict=True):
             row[1] = None if out is None else max(row[1], out)
             row[2] = None if grad is None else max(row[2], grad)
     ok = all(v is None or v <= TOL for _, *vals in rows for v in vals)
-    print(f"tensorpar verify --hf {path}: {results[0]['family']}, TP={n}, fp32, tolerance "
-          f"{TOL:.0e} (max relative error over ranks)")
-    print(f"{'':32}{'output':>10}  {'gradients':>10}")
+    say(f"tensorpar verify --hf {path}: {results[0]['family']}, TP={n}, fp32, tolerance "
+        f"{TOL:.0e} (max relative error over ranks)")
+    say(f"{'':32}{'output':>10}  {'gradients':>10}")
     fmt = lambda v: f"{v:10.2e}" if v is not None else f"{'':10}"  # noqa: E731
     for name, out, grad in rows:
         bad = any(v is not None and v > TOL for v in (out, grad))
-        print(f"{name:32}{fmt(out)}  {fmt(grad)}  {'MISMATCH' if bad else 'ok'}")
+        say(f"{name:32}{fmt(out)}  {fmt(grad)}  {'MISMATCH' if bad else 'ok'}")
     same = all(r["greedy_same"] for r in results)
-    print(f"{'greedy tokens (12 new)':32}{'identical' if same else 'DIFFER'}")
-    print(f"{'collectives per rank':32}forward {results[0]['forward']}  backward "
-          f"{results[0]['backward']}")
+    say(f"{'greedy tokens (12 new)':32}{'identical' if same else 'DIFFER'}")
+    say(f"{'collectives per rank':32}forward {results[0]['forward']}  backward "
+        f"{results[0]['backward']}")
     dense = results[0]["dense_bytes"]
     for r, res in enumerate(results):
         rss = "" if res["rss_load"] is None else \
             f", private memory +{human_bytes(res['rss_load'])} after loading"
-        print(f"rank {r}: parameters {human_bytes(res['local_bytes'])} of "
-              f"{human_bytes(dense)} ({res['local_bytes'] / dense:.1%}){rss}, "
-              f"loaded in {res['load_s']:.2f} s")
+        say(f"rank {r}: parameters {human_bytes(res['local_bytes'])} of "
+            f"{human_bytes(dense)} ({res['local_bytes'] / dense:.1%}){rss}, "
+            f"loaded in {res['load_s']:.2f} s")
     ok = ok and same
-    print("all outputs, gradients and greedy tokens match" if ok else "MISMATCH")
+    say("all outputs, gradients and greedy tokens match" if ok else "MISMATCH")
     return ok
 
 
@@ -157,7 +157,8 @@ def run_verify_hf(path: str, n: int, seed: int = 0, batch: int = 2, seq_len: int
     had (default: spawned, or joined under torchrun; tests pass their pool of ranks)."""
     _check_dir(path)
     results = _run(verify_hf_rank, n, path, seed, batch, seq_len, run=run)
-    return True if results is None else report_hf(results, path, n)
+    # under torchrun every rank judges (and exits) alike; rank 0 prints the table
+    return report_hf(results, path, n, say)
 
 
 def _eos_and_pad(model, tok) -> tuple[list[int], int]:
@@ -235,6 +236,6 @@ def run_generate_hf(path: str, n: int, prompts: list[str] | None, prompt_ids: st
                 from None
     results = _run(generate_hf_rank, n, path, prompts, ids, max_new_tokens, temperature, seed,
                    top_k, top_p)
-    if results is not None:
+    if speaks():  # rank 0's completions, once (under torchrun too)
         sys.stdout.write(format_completions(results[0]))
     return 0

@@ -106,12 +106,11 @@ def _device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def install_region_streams(model: nn.Module, regions: list[str], tp_rank: int,
-                           dp_rank: int = 0, seed: int | None = None) -> RegionStream:
+def install_region_streams(model: nn.Module, regions: list[str], tp_rank: int) -> RegionStream:
     """Make the modules named in ``regions`` (converted attention and MLP modules) draw their
-    dropout from a per-rank stream, from their entry until their row layer starts."""
-    stream = RegionStream(derive_seed(torch.initial_seed() if seed is None else seed,
-                                      "hf-tp-region", dp_rank, tp_rank), tp_rank)
+    dropout from a per-rank stream, from their entry until their row layer starts; seeded as
+    dp rank 0 until ``seed_dropout`` says otherwise."""
+    stream = RegionStream(derive_seed(torch.initial_seed(), "hf-tp-region", 0, tp_rank), tp_rank)
     for name in regions:
         module = model.get_submodule(name)
         module.register_forward_pre_hook(lambda m, args: stream.enter(_device(m)))

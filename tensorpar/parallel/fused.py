@@ -109,9 +109,10 @@ def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_d
     """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
     sizes (None without SP); regather: x_saved is this rank's shard, to gather again; need_dx,
     need[i]: whether dx and dW_i are wanted (None in their place when not)."""
-    n = tp_size(group)
-    if not need_dx:
-        x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather else x_saved
+    n, need = tp_size(group), [True] * len(weights) if need is None else need
+    if not need_dx:  # nor anything to gather when no weight gradient is wanted either
+        x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather and any(need) \
+            else x_saved
         return None, _weight_grads(dys, x_full, need)
     regathered = all_gather(x_saved, SEQ_DIM, sizes, group, async_op=True) \
         if regather else None  # started first: it travels while dx is computed
@@ -159,12 +160,13 @@ class _RegatheringColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         x_shard, *weights = ctx.saved_tensors
-        wait = all_gather(x_shard, SEQ_DIM, ctx.sizes, ctx.group, async_op=True)
+        need = ctx.needs_input_grad[5:5 + len(weights)]  # no dW, no gather (the same on all ranks)
+        wait = all_gather(x_shard, SEQ_DIM, ctx.sizes, ctx.group, async_op=True) \
+            if any(need) else None
         # (B, T, D): the gather's backward reduce-scatters it, after this op
         dx = _input_grad(dys, weights, ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        x_full = wait()
+        x_full = wait() if wait is not None else None
         del wait  # frees the unordered buffer it held
-        need = ctx.needs_input_grad[5:5 + len(weights)]
         dws, dbs = _weight_grads(dys, x_full, need), _bias_grads(dys, ctx.has_bias)
         return (dx, None, None, None, None, *dws, *dbs)
 
@@ -222,8 +224,10 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
 
 def _weight_grads(dys, x_full, need=None):
     """dW_i = dy_i^T x_full (out_i, D) where need[i] (None: all), else None."""
-    x_2d = x_full.reshape(-1, x_full.shape[-1])
     need = [True] * len(dys) if need is None else need
+    if not any(need):
+        return [None] * len(dys)
+    x_2d = x_full.reshape(-1, x_full.shape[-1])
     return [dy.reshape(-1, dy.shape[-1]).t().mm(x_2d) if k else None
             for dy, k in zip(dys, need, strict=True)]
 

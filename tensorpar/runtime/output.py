@@ -1,4 +1,11 @@
-"""What every command writes: files replaced atomically, and byte counts in human units."""
+"""What every command writes: files replaced atomically, byte counts in human units, and its
+lines, printed once for all ranks.
+
+Spawned by tensorpar's launcher, the ranks return their results and the launcher prints. Under
+torchrun every process is a rank that computes the same result and exit status, and global rank
+0 prints for them (``speaks``), so a table or a completion appears once. Inside a spawned rank
+(``RANK`` set by the launcher) only rank 0 speaks, as under torchrun. No torch import here.
+"""
 
 from __future__ import annotations
 
@@ -25,3 +32,14 @@ def write_atomically(path: Path, write) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def speaks() -> bool:
+    """Whether this process prints the command's lines: the launcher, or rank 0."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def say(*args, **kwargs) -> None:
+    """``print``, in the process that speaks; nothing elsewhere."""
+    if speaks():
+        print(*args, **kwargs)

@@ -50,12 +50,6 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def speaks() -> bool:
-    """Whether this process says a command's lines for all ranks: the launcher of spawned ranks,
-    or, under torchrun, global rank 0 (every rank computes the same result and exit status)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def guard_rank(command: str) -> None:
     """Fork the rank and return in it; the parent waits and never returns (module docstring).
     ``command``: the ``tensorpar`` command, for the parent's line ("" when none is known)."""

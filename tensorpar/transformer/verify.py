@@ -27,7 +27,7 @@ from tensorpar.runtime.checking import naming_layers
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.launch import run_ranks
-from tensorpar.runtime.rank_guard import speaks
+from tensorpar.runtime.output import say
 from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.reference import BlockConfig, DenseBlock
@@ -190,9 +190,5 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     check_config(cfg, n, sequence_parallel)
     results = run_ranks(verify_rank, n, cfg, sequence_parallel, seed)
     # under torchrun every rank judges (and exits) alike; rank 0 prints the tables
-    return report(results, cfg, n, sequence_parallel, print if speaks() else _silent)
-
-
-def _silent(*args, **kwargs) -> None:
-    pass
+    return report(results, cfg, n, sequence_parallel, say)
 

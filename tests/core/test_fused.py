@@ -214,6 +214,28 @@ def _frozen_body(sp, compiled):
         assert products == (len(ws) if need_x else 0) + sum(need_w), (need_x, need_w, products)
         # without dx: no all-reduce (nor reduce-scatter); the SP shard is still gathered
         assert comm == (full_comm if need_x else int(sp)) if n > 1 else comm == 0, comm
+    if sp and not compiled:  # the plain SP path (column_linears: regathering_column) likewise
+        bias = torch.randn(5)
+        for wanted in ((True, True, True, True), (True, False, True, False),
+                       (False, True, False, False), (False, False, False, True)):
+            leaves = [shard(x, 1).clone(), *(shard(w, 0).clone() for w in ws), shard(bias, 0)]
+            for t, w in zip(leaves, wanted, strict=True):
+                t.requires_grad_(w)
+            ys = column_linears(leaves[0], leaves[1:3], [None, leaves[3]], **kw)
+            pairs = [(y, shard(g, -1)) for y, g in zip(ys, grads, strict=True) if y.requires_grad]
+            with torch.profiler.profile() as prof:  # (at n=1, plain linears: some need nothing)
+                torch.autograd.backward(*zip(*pairs, strict=True))
+            names = [e.name for e in prof.events()]
+            got = [t.grad for t in leaves]
+            if wanted == (True, True, True, True):
+                full = got
+            need_x, *need_w, _ = wanted
+            assert sum(map(names.count, _PRODUCTS)) == 2 * need_x + sum(need_w), wanted
+            # the shard gathered again only for a weight gradient; dx reduce-scattered
+            comm = sum(map(names.count, _COLLECTIVES))
+            assert comm == (any(need_w) + need_x if n > 1 else 0), (wanted, comm)
+            for g, want, needed in zip(got, full, wanted, strict=True):
+                assert (g is None) if not needed else torch.equal(g, want), wanted
     if not sp:  # the row op likewise: dx and dW each only where wanted
         x_row, w_row, dy = torch.randn(2, 5, 7), torch.randn(4, 7), torch.randn(2, 5, 4)
         for wanted in ((True, True), (True, False), (False, True)):
@@ -238,7 +260,8 @@ def test_fused_column_skips_what_needs_no_gradient(ranks, n, sp, compiled):
     """A frozen weight (fine-tuning) gets no weight-gradient matmul, and an input that needs no
     gradient (a frozen embedding's output) no input-gradient matmuls nor their collective, as
     the plain layers' autograd skips them; the rest is the full backward's, bit for bit. The
-    row op (``fused_row``) skips its products likewise."""
+    plain SP column path and the row op (``fused_row``) skip their products likewise, and the
+    SP path gathers the shard again only for a weight gradient."""
     assert all(ranks(n).run(_frozen_body, sp, compiled))
 
 

@@ -175,3 +175,22 @@ def test_cli_verify_and_generate(hf_dirs):
     assert gen.returncode == 0 and gen.stdout.startswith("5 6 7 "), gen.stderr
     bad = tensorpar_here("verify", "--hf", hf_dirs, "--tp", 2)
     assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
+
+
+def test_cli_under_torchrun_prints_once(hf_dirs):
+    """``verify --hf`` and ``generate --hf`` as torchrun's 2 ranks: each rank judges and exits
+    alike, rank 0 alone prints the table and the completion."""
+    import subprocess
+    import sys
+
+    from tests_common import cli_env
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "tensorpar"]
+    for cmd, once in ((["verify", "--hf", hf_dirs / "qwen3", "--tp", 2], "greedy tokens (12 new)"),
+                      (["generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids",
+                        "5,6,7", "--max-new-tokens", 4], "5 6 7 ")):
+        out = subprocess.run([*torchrun, *map(str, cmd)], capture_output=True, text=True,
+                             timeout=300, env=cli_env())
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count(once) == 1, out.stdout
