@@ -25,11 +25,15 @@ from the model's per-rank stream (``hf/dropout.py``), restarted each step from (
 Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
 safetensors weights; a model no plan covers (the error lists its linear layers); a split the
 model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
-model flags; --no-fused, and --compile for a model with dropout (not supported here yet); on
---resume, a --hf whose config.json is not the run's.
+model flags; --no-fused, and --compile with --recompute for a model with dropout (not supported
+here yet); on --resume, a --hf whose config.json is not the run's.
 
 ``--compile`` compiles the converted model as the GPT's (``gpt/speedups.py``): one graph, no
-break, with and without sequence parallelism, the loss outside it.
+break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
+graph where each TP region swaps the generator states (torch.compile runs those calls eagerly),
+and each compiled piece draws its masks from the generator in place when it runs: the per-rank
+stream inside the regions, the shared one outside, seeded each step as above. aot_eager draws
+eager's masks; inductor draws its own from the same generators.
 
 ``--recompute`` turns on transformers' gradient checkpointing (non-reentrant): each decoder layer
 keeps only its input and runs again in backward, its collectives included, and draws the
@@ -118,10 +122,11 @@ class HFRecipe:
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
-        if cfg.compile and self.dropout:
-            raise ValueError(f"--compile is not supported with --hf for a model that drops "
-                             f"(dropout in {self.origin}'s config) yet: its TP regions swap "
-                             "generator states, which torch.compile cannot trace")
+        if cfg.compile and cfg.recompute and self.dropout:
+            raise ValueError(f"--compile with --recompute is not supported with --hf for a model "
+                             f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
+                             "layer replays its TP regions' masks through checkpoint contexts, "
+                             "which torch.compile does not trace")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
             check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)

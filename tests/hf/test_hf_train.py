@@ -105,9 +105,10 @@ def test_resume_at_another_tp_from_the_runs_copy(ranks, runs, models, tmp_path):
 
 def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_path):
     """GPT-2 with dropout 0.1 at TP=2, resumed at TP=2 from step 5, and again with
-    ``--recompute``: the same losses (the masks of step s derive from (seed, s), and a
-    recomputed layer draws those of its first forward, in its TP regions and outside); the
-    dropout was on (the losses differ from the same weights' without it)."""
+    ``--recompute``, and with ``--compile`` (aot_eager, which draws eager's masks; the graph
+    breaks where the TP regions swap generators): the same losses (the masks of step s derive
+    from (seed, s), and a recomputed layer draws those of its first forward, in its TP regions
+    and outside); the dropout was on (the losses differ from the same weights' without it)."""
     whole = train(ranks, models["gpt2-dropout"], tmp_path / "whole", 2, **TRAIN,
                   data=str(models["data"]))
     _interrupt(tmp_path / "whole", tmp_path / "resumed", 5)
@@ -116,6 +117,9 @@ def test_dropout_masks_repeat_on_resume_and_recompute(ranks, runs, models, tmp_p
     recomputed = train(ranks, models["gpt2-dropout"], tmp_path / "recomputed", 2, **TRAIN,
                        recompute=True, data=str(models["data"]))
     _same(recomputed, whole, 1e-6, "recomputed with dropout")
+    compiled = train(ranks, models["gpt2-dropout"], tmp_path / "compiled", 2, **TRAIN,
+                     compile=True, compile_backend="aot_eager", data=str(models["data"]))
+    _same(compiled, whole, 1e-6, "compiled with dropout")
     assert abs(runs("gpt2", 2)[1][0]["loss"] - whole[0]["loss"]) > 1e-4
 
 

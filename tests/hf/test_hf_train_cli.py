@@ -60,8 +60,9 @@ BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; th
     "SP": (lambda m, t: m["gpt2"], ["--tp", 2, "--sequence-parallel"],
            "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
            "model_type='gpt2'"),
-    "compile with dropout": (lambda m, t: m["gpt2-dropout"], ["--compile"],
-                             "--compile is not supported with --hf for a model that drops"),
+    "compile with dropout": (lambda m, t: m["gpt2-dropout"], ["--compile", "--recompute"],
+                             "--compile with --recompute is not supported with --hf for a model "
+                             "that drops"),
     "short data": (lambda m, t: m["llama"], ["--data", "SHORT"],
                    "has fewer than --seq-len 16 + 1 tokens"),
     "no plan": (lambda m, t: m["opt"], [], "no tensor-parallel plan for OPTForCausalLM"),
