@@ -54,9 +54,13 @@ def check_compile_device(tp: int, device: str | None) -> None:
                          "CUDA tensors; compile at --tp 1, or with a GPU per rank (NCCL)")
 
 
-def loss_function(model: torch.nn.Module, compile: bool, backend: str) -> Callable:
+def loss_function(model: torch.nn.Module, compile: bool, backend: str,
+                  eager_random: bool = False) -> Callable:
     """What the step calls for the loss: ``model`` itself, or compiled (never saved: see the
-    module docstring).
+    module docstring). ``eager_random``: inductor draws random numbers with torch's own ops
+    (``fallback_random``), the masks eager draws from the same generators, so that a step run
+    eagerly (below) draws what its compiled twin would: for a model whose dropout calls torch's
+    generators (an HF model; the GPT's is an op of its own, ``parallel/dropout.py``).
 
     Compiled, a call made under a TorchDispatchMode (``CollectiveCounter``; ``MemoryMeter`` on
     the CPU) runs ``model`` itself: dynamo compiles no frame entered under such a mode, and it
@@ -64,7 +68,8 @@ def loss_function(model: torch.nn.Module, compile: bool, backend: str) -> Callab
     default), so every later call, long after the mode has gone, would run eagerly too."""
     if not compile:
         return model
-    compiled = torch.compile(model, backend=backend)
+    options = {"fallback_random": True} if eager_random and backend == "inductor" else None
+    compiled = torch.compile(model, backend=backend, options=options)
 
     def loss(*args, **kwargs):
         return (model if is_in_torch_dispatch_mode() else compiled)(*args, **kwargs)

@@ -102,33 +102,33 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
             "family": model.config.model_type}
 
 
-def report_hf(results: list[dict], path: str, n: int, say=print) -> bool:
+def report_hf(results: list[dict], path: str, n: int, write=print) -> bool:
     rows = [[name, out, grad] for name, out, grad in results[0]["rows"]]
     for r in results[1:]:  # worst over ranks
         for row, (_, out, grad) in zip(rows, r["rows"], strict=True):
             row[1] = None if out is None else max(row[1], out)
             row[2] = None if grad is None else max(row[2], grad)
     ok = all(v is None or v <= TOL for _, *vals in rows for v in vals)
-    say(f"tensorpar verify --hf {path}: {results[0]['family']}, TP={n}, fp32, tolerance "
-        f"{TOL:.0e} (max relative error over ranks)")
-    say(f"{'':32}{'output':>10}  {'gradients':>10}")
+    write(f"tensorpar verify --hf {path}: {results[0]['family']}, TP={n}, fp32, tolerance "
+          f"{TOL:.0e} (max relative error over ranks)")
+    write(f"{'':32}{'output':>10}  {'gradients':>10}")
     fmt = lambda v: f"{v:10.2e}" if v is not None else f"{'':10}"  # noqa: E731
     for name, out, grad in rows:
         bad = any(v is not None and v > TOL for v in (out, grad))
-        say(f"{name:32}{fmt(out)}  {fmt(grad)}  {'MISMATCH' if bad else 'ok'}")
+        write(f"{name:32}{fmt(out)}  {fmt(grad)}  {'MISMATCH' if bad else 'ok'}")
     same = all(r["greedy_same"] for r in results)
-    say(f"{'greedy tokens (12 new)':32}{'identical' if same else 'DIFFER'}")
-    say(f"{'collectives per rank':32}forward {results[0]['forward']}  backward "
-        f"{results[0]['backward']}")
+    write(f"{'greedy tokens (12 new)':32}{'identical' if same else 'DIFFER'}")
+    write(f"{'collectives per rank':32}forward {results[0]['forward']}  backward "
+          f"{results[0]['backward']}")
     dense = results[0]["dense_bytes"]
     for r, res in enumerate(results):
         rss = "" if res["rss_load"] is None else \
             f", private memory +{human_bytes(res['rss_load'])} after loading"
-        say(f"rank {r}: parameters {human_bytes(res['local_bytes'])} of "
-            f"{human_bytes(dense)} ({res['local_bytes'] / dense:.1%}){rss}, "
-            f"loaded in {res['load_s']:.2f} s")
+        write(f"rank {r}: parameters {human_bytes(res['local_bytes'])} of "
+              f"{human_bytes(dense)} ({res['local_bytes'] / dense:.1%}){rss}, "
+              f"loaded in {res['load_s']:.2f} s")
     ok = ok and same
-    say("all outputs, gradients and greedy tokens match" if ok else "MISMATCH")
+    write("all outputs, gradients and greedy tokens match" if ok else "MISMATCH")
     return ok
 
 

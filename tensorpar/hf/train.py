@@ -32,8 +32,9 @@ here yet); on --resume, a --hf whose config.json is not the run's.
 break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
 graph where each TP region swaps the generator states (torch.compile runs those calls eagerly),
 and each compiled piece draws its masks from the generator in place when it runs: the per-rank
-stream inside the regions, the shared one outside, seeded each step as above. aot_eager draws
-eager's masks; inductor draws its own from the same generators.
+stream inside the regions, the shared one outside, seeded each step as above; inductor with
+torch's own random ops (``fallback_random``), so compiled steps draw eager's masks (the one
+step the trainer measures runs eagerly, and a resumed run measures another).
 
 ``--recompute`` turns on transformers' gradient checkpointing (non-reentrant): each decoder layer
 keeps only its input and runs again in backward, its collectives included, and draws the
@@ -148,8 +149,8 @@ class HFRecipe:
             enable = getattr(model, "activation_checkpointing_enable", None) or \
                 model.gradient_checkpointing_enable  # its name before transformers 5.x
             # the recomputed layer replays its dropout masks: torch's global generator by the
-            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts (eager
-            # only, as --compile is with a model that drops: dynamo traces no context_fn)
+            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts (so
+            # not with --compile for a model that drops: dynamo traces no context_fn)
             replay = {"context_fn": stream.checkpoint_contexts} if self.dropout else {}
             enable({"use_reentrant": False} | replay)
 
@@ -161,7 +162,9 @@ class HFRecipe:
     def loss_fn(self, model: nn.Module, cfg: TrainConfig, group) -> Callable:
         vocab = self.config["vocab_size"]
 
-        forward = loss_function(model, cfg.compile, cfg.compile_backend)  # or compiled
+        # (or compiled; with dropout, inductor draws eager's masks: the run's measured step runs
+        # eagerly, and a resumed run measures another step)
+        forward = loss_function(model, cfg.compile, cfg.compile_backend, self.dropout)
 
         def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
             logits_BTV_local = forward(input_ids=ids_BT, use_cache=False).logits

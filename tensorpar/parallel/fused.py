@@ -115,7 +115,7 @@ def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_d
             else x_saved
         return None, _weight_grads(dys, x_full, need)
     regathered = all_gather(x_saved, SEQ_DIM, sizes, group, async_op=True) \
-        if regather else None  # started first: it travels while dx is computed
+        if regather and any(need) else None  # started first: it travels while dx is computed
     (B, T), D = dys[0].shape[:2], weights[0].shape[1]
     wait = None
     if sizes is not None:

@@ -3,8 +3,7 @@ lines, printed once for all ranks.
 
 Spawned by tensorpar's launcher, the ranks return their results and the launcher prints. Under
 torchrun every process is a rank that computes the same result and exit status, and global rank
-0 prints for them (``speaks``), so a table or a completion appears once. Inside a spawned rank
-(``RANK`` set by the launcher) only rank 0 speaks, as under torchrun. No torch import here.
+0 prints for them (``speaks``), so a table or a completion appears once. No torch import here.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ def write_atomically(path: Path, write) -> None:
 
 
 def speaks() -> bool:
-    """Whether this process prints the command's lines: the launcher, or rank 0."""
-    return os.environ.get("RANK", "0") == "0"
+    """Whether this process prints the command's lines: rank 0 under torchrun; any process
+    outside it (a launcher, whatever ``RANK`` a scheduler left in its environment)."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0"
 
 
 def say(*args, **kwargs) -> None:

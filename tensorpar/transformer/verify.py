@@ -137,25 +137,25 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
 
 
 def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: bool,
-           say=print) -> bool:
-    """Say (``say``: print) the error and collective tables from every rank's results; True when
-    all agree."""
+           write=print) -> bool:
+    """Write (``write``: print) the error and collective tables from every rank's results; True
+    when all agree."""
     ok = True
     mode = "on" if sequence_parallel else "off"
-    say(f"tensorpar verify: TP={n}, sequence parallel {mode}, fp32, "
-        f"tolerance {TOLERANCE:.0e} (max relative error over ranks)")
+    write(f"tensorpar verify: TP={n}, sequence parallel {mode}, fp32, "
+          f"tolerance {TOLERANCE:.0e} (max relative error over ranks)")
     names = list(results[0]["errors"])
     width = max(len(k) for k in names) + 2
-    say(f"{'tensor':<{width}}{'dense shape':<16}{'max rel err':>12}")
+    write(f"{'tensor':<{width}}{'dense shape':<16}{'max rel err':>12}")
     for name in names:
         err = max(r["errors"][name] for r in results)
         good = err <= TOLERANCE
         ok &= good
         shape = str(results[0]["shapes"][name])
-        say(f"{name:<{width}}{shape:<16}{err:>12.2e}  {'ok' if good else 'MISMATCH'}")
+        write(f"{name:<{width}}{shape:<16}{err:>12.2e}  {'ok' if good else 'MISMATCH'}")
     expected = expected_collectives(cfg, n, sequence_parallel)
-    say(f"\ncollectives per rank   {'forward':>9} {'expected':>9}   {'backward':>9} "
-        f"{'expected':>9}")
+    write(f"\ncollectives per rank   {'forward':>9} {'expected':>9}   {'backward':>9} "
+          f"{'expected':>9}")
     for kind in KINDS:
         row, good = f"{kind:<22}", True
         for phase in ("forward", "backward"):
@@ -165,8 +165,8 @@ def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: boo
             shown = "/".join(str(g) for g in sorted(got))
             row += f" {shown:>9} {want:>9}  "
         ok &= good
-        say((row + ("" if good else "MISMATCH")).rstrip())
-    say("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
+        write((row + ("" if good else "MISMATCH")).rstrip())
+    write("\nall outputs, gradients and collective counts match" if ok else "\nMISMATCH found")
     return ok
 
 

@@ -194,7 +194,7 @@ def _frozen_body(sp, compiled):
     seen = {}
     try:
         for wanted in ((True, True, True), (True, False, True), (False, True, False),
-                       (False, True, True)):  # (x, w0, w1) requiring gradients
+                       (False, True, True), (True, False, False)):  # (x, w0, w1) requiring grads
             leaves = [(shard(x, 1) if sp else x).clone(), *(shard(w, 0).clone() for w in ws)]
             for t, w in zip(leaves, wanted, strict=True):
                 t.requires_grad_(w)
@@ -212,8 +212,11 @@ def _frozen_body(sp, compiled):
         for g, want, needed in zip(got, full, (need_x, *need_w), strict=True):
             assert (g is None) if not needed else torch.equal(g, want), (need_x, need_w)
         assert products == (len(ws) if need_x else 0) + sum(need_w), (need_x, need_w, products)
-        # without dx: no all-reduce (nor reduce-scatter); the SP shard is still gathered
-        assert comm == (full_comm if need_x else int(sp)) if n > 1 else comm == 0, comm
+        # without dx: no all-reduce (nor reduce-scatter); the SP shard is gathered again only
+        # for a weight gradient
+        regather = int(sp and any(need_w))
+        want = (full_comm - int(sp) + regather if need_x else regather) if n > 1 else 0
+        assert comm == want, (need_x, need_w, comm, want)
     if sp and not compiled:  # the plain SP path (column_linears: regathering_column) likewise
         bias = torch.randn(5)
         for wanted in ((True, True, True, True), (True, False, True, False),
