@@ -104,18 +104,16 @@ class _FusedColumn(torch.autograd.Function):
         return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
 
 
-def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx=True,
-                  need=None):
+def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need):
     """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
     sizes (None without SP); regather: x_saved is this rank's shard, to gather again; need_dx,
     need[i]: whether dx and dW_i are wanted (None in their place when not)."""
-    n, need = tp_size(group), [True] * len(weights) if need is None else need
-    if not need_dx:  # nor anything to gather when no weight gradient is wanted either
-        x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather and any(need) \
-            else x_saved
+    n, regather = tp_size(group), regather and any(need)  # no dW wanted: nothing to gather
+    if not need_dx:
+        x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather else x_saved
         return None, _weight_grads(dys, x_full, need)
     regathered = all_gather(x_saved, SEQ_DIM, sizes, group, async_op=True) \
-        if regather and any(need) else None  # started first: it travels while dx is computed
+        if regather else None  # started first: it travels while dx is computed
     (B, T), D = dys[0].shape[:2], weights[0].shape[1]
     wait = None
     if sizes is not None:
@@ -222,9 +220,8 @@ def _input_grad(dys, weights, dtype) -> torch.Tensor:
     return dx
 
 
-def _weight_grads(dys, x_full, need=None):
-    """dW_i = dy_i^T x_full (out_i, D) where need[i] (None: all), else None."""
-    need = [True] * len(dys) if need is None else need
+def _weight_grads(dys, x_full, need):
+    """dW_i = dy_i^T x_full (out_i, D) where need[i], else None."""
     if not any(need):
         return [None] * len(dys)
     x_2d = x_full.reshape(-1, x_full.shape[-1])
