@@ -8,10 +8,12 @@ Rank i holds the logits of its vocabulary slice, z_i of shape (..., V_i). Per to
 Every term is a sum or a logsumexp over the vocabulary, so each rank reduces its own slice first and
 only per-token statistics cross the wire:
 
-1. one all-gather of logsumexp z_i per token (and sum z_i, with label smoothing) plus V_i: every
-   rank then knows the global logsumexp, the sum of all logits, V = sum V_i and where its slice
-   starts;
-2. one all-reduce of z[target], which only the owning rank can pick out.
+1. one all-gather of logsumexp z_i and z_i[target] per token (and sum z_i, with label
+   smoothing): every rank then knows the global logsumexp, the sum of all logits and z[target],
+   which only the owning rank could pick out (the others send 0, so the sum over ranks is exact).
+   That is the whole forward's communication when the caller passes the vocabulary size;
+2. without it, the ranks first learn V = sum V_i and where their slices start from V_i, sent
+   along with the statistics, and then all-reduce z[target]: one collective more.
 
 Backward needs no communication: d loss / d z_i = softmax(z)_i - (1 - e) onehot_i - e / V, computed
 in place in the one buffer of the logits' size that forward filled with exp(z_i - max z_i) and saved
@@ -34,7 +36,8 @@ from tensorpar.runtime.groups import tp_rank, tp_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """forward: all-gather of token statistics + all-reduce of target logits, backward: local."""
+    """forward: one all-gather of token statistics (+ an all-reduce of the target logits when
+    the vocabulary size is not given); backward: local."""
 
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, smoothing, vocab, reuse_logits):
@@ -43,7 +46,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         # what only z can tell, taken before z's buffer may be reused
         z_sum = z.sum(-1) if smoothing > 0 else None
-        if vocab is not None:
+        known = vocab is not None  # then the target logits travel with the statistics
+        if known:
             picked, local_t, mine = _pick_targets(z, target, valid, shard_sizes(vocab, n), rank)
         # logsumexp by hand, keeping exp(z - m) for backward, which builds the gradient in that
         # buffer: one buffer of the logits' size and one exp a step (m: the local max, 0 where it
@@ -56,11 +60,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp_shifted = (z.sub_(m) if in_place else torch.sub(z, m)).exp_()
         lse_local = exp_shifted.sum(-1).log_().add_(m.squeeze(-1))
         columns = [lse_local, z_sum] if smoothing > 0 else [lse_local]
+        if known:
+            columns.append(picked)
         stats = torch.stack(columns, dim=-1).reshape(-1)
-        if vocab is None:  # the shard sizes travel with the statistics, read back on the host
+        if not known:  # the shard sizes travel with the statistics, read back on the host
             stats = torch.cat([stats, stats.new_tensor([float(z.shape[-1])])])
         gathered = all_gather(stats, 0, [stats.numel()] * n, group).view(n, -1)
-        if vocab is None:
+        if not known:
             sizes = gathered[:, -1].round().long().tolist()
             gathered = gathered[:, :-1]
             vocab = sum(sizes)
@@ -72,7 +78,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             picked, local_t, mine = _pick_targets(z, target, valid, sizes, rank)
         per_rank = gathered.view(n, *lse_local.shape, len(columns))
         lse = torch.logsumexp(per_rank[..., 0], dim=0)
-        if n > 1:
+        if known:  # one rank's z[target] and the others' zeros: their sum is exact
+            picked = per_rank[..., -1].sum(0)
+        else:
             picked = start_all_reduce(picked, group)()  # in place (eager)
         loss = lse - picked
         if smoothing > 0:
@@ -131,10 +139,11 @@ def vocab_parallel_cross_entropy(
     target: (...) class indices in [0, V), or ``ignore_index``.
     reduction: "mean" (over non-ignored tokens, as torch), "sum" or "none".
     vocab_size: V, when the caller knows it (the GPT does): each rank's slice is then checked
-        against its ``tensor_split`` size here, and nothing is read back from the devices (no
+        against its ``tensor_split`` size here, nothing is read back from the devices (no
         host sync on a GPU, no graph break under ``torch.compile``; targets are checked on the
-        host for CPU tensors, else by a device-side assert). None: the ranks send their slice
-        sizes along with the statistics and check them, and the targets, on the host.
+        host for CPU tensors, else by a device-side assert), and forward makes one collective.
+        None: the ranks send their slice sizes along with the statistics and check them, and
+        the targets, on the host; then an all-reduce of the target logits follows.
     Loss and gradient equal ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ...)``.
     """
     if target.shape != logits_local.shape[:-1]:

@@ -14,9 +14,9 @@ per rank), as ``tests/plan/test_plan.py`` checks. With N = B·T tokens, width D 
                 Face model all-reduces it and splits at the first layer, ``hf/sequence.py``)
     LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter and the
                 re-gather of the kept shard backward)
-    loss        1 all-gather of t·N fp32 statistics (logsumexp per token; the GPT passes the
-                vocabulary size, so the shards' sizes do not travel), 1 all-reduce of N fp32
-                target logits
+    loss        1 all-gather of 2·t·N fp32 statistics (per token the logsumexp and the target
+                logit of each rank's slice; the GPT passes the vocabulary size, so the shards'
+                sizes do not travel and no all-reduce of the target logits is needed)
     grad norm   1 all-reduce of one fp32 scalar
     SP norms    backward: 1 all-reduce of each norm's weight gradient (2 per block + final)
     shared KV   backward: 1 all-reduce per block of the dense K and V weight gradient (fp32),
@@ -116,8 +116,7 @@ def predicted_comm(spec: ModelSpec, batch: int, seq: int, tp: int,
     enter_region("LM head f", "forward", 1)
     enter_backward("LM head f", 1)
     regather("LM head input re-gather", 1)
-    add("loss statistics", "forward", "all_gather", 1, t * N * 4)
-    add("loss target logits", "forward", "all_reduce", 1, N * 4)
+    add("loss statistics", "forward", "all_gather", 1, 2 * t * N * 4)
     if sp:
         norm_elems = D * (2 if spec.norm == "layer" else 1)
         add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,

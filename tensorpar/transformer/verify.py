@@ -84,17 +84,18 @@ def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool,
         return {"forward": {}, "backward": {}}
     kv_shared = head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)[2]
     if not sequence_parallel:
-        # forward: g in embedding, attention, MLP; loss: one all-gather + one all-reduce
+        # forward: g in embedding, attention, MLP; loss: one all-gather (its statistics and
+        #   target logits)
         # backward: f in attention, MLP, LM head (+ the shared-KV gradient sum)
-        return {"forward": {"all_reduce": 4, "all_gather": 1},
+        return {"forward": {"all_reduce": 3, "all_gather": 1},
                 "backward": {"all_reduce": 3 + kv_shared}}
     # forward: reduce-scatter in embedding, attention, MLP; all-gather in attention, MLP, head;
-    #   loss: one all-gather + one all-reduce
+    #   loss: one all-gather
     # backward: each of those swapped (3 all-gathers, 3 reduce-scatters), plus one all-reduce of
     #   replicated-weight gradients per norm (3) and the shared-KV gradient sum; and the column
     #   side of attention, MLP and head all-gathers the input shard it kept (3), as Megatron
     regather = 0 if keep_gathered_input else 3
-    return {"forward": {"all_reduce": 1, "all_gather": 4, "reduce_scatter": 3},
+    return {"forward": {"all_gather": 4, "reduce_scatter": 3},
             "backward": {"all_reduce": 3 + kv_shared, "all_gather": 3 + regather,
                          "reduce_scatter": 3}}
 
@@ -118,7 +119,8 @@ def verify_rank(cfg: BlockConfig, sequence_parallel: bool, seed: int,
     with naming_layers(tp):  # under the check mode a mismatch names the layer
         with CollectiveCounter() as fwd:
             logits_local = tp(ids)
-            loss_tp = vocab_parallel_cross_entropy(logits_local, targets, group=group)
+            loss_tp = vocab_parallel_cross_entropy(logits_local, targets, group=group,
+                                                   vocab_size=cfg.vocab_size)
         with CollectiveCounter() as bwd:
             loss_tp.backward()
 

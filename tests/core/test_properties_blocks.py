@@ -139,7 +139,7 @@ def _block_body(c):
     block = ParallelBlock(dense, c["sp"], None)
     with CollectiveCounter() as fwd:
         logits_local = block(ids)
-        loss_tp = vocab_parallel_cross_entropy(logits_local, targets)
+        loss_tp = vocab_parallel_cross_entropy(logits_local, targets, vocab_size=cfg.vocab_size)
     with CollectiveCounter() as bwd:
         loss_tp.backward()
     scores = {"logits": score(logits_local, logits, logits64, lambda t: shard(t, -1)),
