@@ -17,7 +17,6 @@ from tensorpar.hf.styles import is_conv1d  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
 from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
-from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
 from tests_common import tensorpar_here  # noqa: E402
 from tp_check import assert_close  # noqa: E402
 
@@ -158,28 +157,20 @@ def test_no_plan_is_a_clear_error():
         parallelize(model, {"layers.*.mlp": "mlp"})
 
 
-def test_cli_verify_and_generate(hf_dirs):
-    """``verify --hf`` prints the per-layer table and passes (its greedy tokens equal the dense
-    model's); ``generate --hf`` prints token ids; clear errors without a tokenizer or config.
-    (``generate --hf`` of a Llama with a character tokenizer at TP=2, prompt and continuation,
-    is the README's line, run by tests/test_readme.py.)"""
-    out = _tensorpar("verify", "--hf", hf_dirs / "qwen3", "--tp", 2)
-    assert out.returncode == 0, out.stdout + out.stderr
-    for text in ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
-                 "rank 1: parameters", "all outputs, gradients and greedy tokens match"):
-        assert text in out.stdout, out.stdout
+def test_cli_refusals(hf_dirs):
+    """Clear errors without a tokenizer or a config (the runs are below, under torchrun; ``generate
+    --hf`` of a Llama with a character tokenizer at TP=2, prompt and continuation, is the README's
+    line, run by tests/test_readme.py)."""
     gen = tensorpar_here("generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt", "Hi")
     assert gen.returncode == 2 and "has no tokenizer: pass --prompt-ids" in gen.stderr
-    gen = _tensorpar("generate", "--hf", hf_dirs / "gpt2", "--tp", 1, "--prompt-ids", "5,6,7",
-                     "--max-new-tokens", 4)
-    assert gen.returncode == 0 and gen.stdout.startswith("5 6 7 "), gen.stderr
     bad = tensorpar_here("verify", "--hf", hf_dirs, "--tp", 2)
     assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
 
 
-def test_cli_under_torchrun_prints_once(hf_dirs):
+def test_cli_verify_and_generate_under_torchrun(hf_dirs):
     """``verify --hf`` and ``generate --hf`` as torchrun's 2 ranks: each rank judges and exits
-    alike, rank 0 alone prints the table and the completion."""
+    alike, and rank 0 alone prints: verify's per-layer table, which passes (its greedy tokens equal
+    the dense model's), and generate's token ids."""
     import subprocess
     import sys
 
@@ -187,10 +178,13 @@ def test_cli_under_torchrun_prints_once(hf_dirs):
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "-m", "tensorpar"]
-    for cmd, once in ((["verify", "--hf", hf_dirs / "qwen3", "--tp", 2], "greedy tokens (12 new)"),
+    verify = ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
+              "rank 1: parameters", "all outputs, gradients and greedy tokens match")
+    for cmd, once in ((["verify", "--hf", hf_dirs / "qwen3", "--tp", 2], verify),
                       (["generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids",
-                        "5,6,7", "--max-new-tokens", 4], "5 6 7 ")):
+                        "5,6,7", "--max-new-tokens", 4], ("5 6 7 ",))):
         out = subprocess.run([*torchrun, *map(str, cmd)], capture_output=True, text=True,
                              timeout=300, env=cli_env())
         assert out.returncode == 0, out.stdout + out.stderr
-        assert out.stdout.count(once) == 1, out.stdout
+        assert all(out.stdout.count(text) == 1 for text in once), out.stdout
+    assert out.stdout.startswith("5 6 7 "), out.stdout
