@@ -32,6 +32,7 @@ ROUNDS, REPS = 15, 20
 
 
 def _time_both(old_source: str) -> dict:
+    torch.set_num_threads(1)  # as the bench's ranks (launch gives each rank cores / ranks)
     with tempfile.TemporaryDirectory() as tmp:  # the old module, imported under its own name
         path = Path(tmp, "old_cross_entropy.py")
         path.write_text(old_source)

@@ -201,7 +201,8 @@ def vocab_cases(draw) -> dict:
     return c | {"v": v, "d": draw(width(1)), "pad": draw(st.none() | st.integers(0, v - 1)),
                 "smoothing": draw(st.sampled_from([0.0, 0.1, 0.3])),
                 "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
-                "ignore_every": draw(st.integers(2, 6)), "scale": draw(st.sampled_from([1, 5]))}
+                "ignore_every": draw(st.integers(2, 6)), "scale": draw(st.sampled_from([1, 5])),
+                "vocab_given": draw(st.booleans())}
 
 
 def _embedding_body(c):
@@ -233,7 +234,9 @@ def _cross_entropy_body(c):
         loss.view(target.shape if c["reduction"] == "none" else ()).backward(grad.to(dtype))
         ref[dtype] = loss.detach().view(grad.shape), dense.grad
     local = leaf(shard(logits, -1))
-    loss = vocab_parallel_cross_entropy(local, target, **kw)
+    # the vocabulary given (the target logits travel with the statistics) or sent by the ranks
+    given = {"vocab_size": c["v"], "reuse_logits": True} if c["vocab_given"] else {}
+    loss = vocab_parallel_cross_entropy(local * 1, target, **kw, **given)
     loss.backward(grad)
     (loss32, grad32), (loss64, grad64) = ref[torch.float32], ref[torch.float64]
     return {"loss": score(loss, loss32, loss64),
@@ -243,8 +246,9 @@ def _cross_entropy_body(c):
 @settings(max_examples=45, **PROPERTY)
 @given(c=vocab_cases())
 def test_vocab_parallel_cross_entropy(ranks, c):
-    """Logits split by vocabulary, ignored tokens, label smoothing, every reduction: the loss and
-    the logits gradient of F.cross_entropy on the whole vocabulary."""
+    """Logits split by vocabulary, ignored tokens, label smoothing, every reduction, the
+    vocabulary size given (the logits' buffer reused) or not: the loss and the logits gradient of
+    F.cross_entropy on the whole vocabulary."""
     assert_within(ranks(c["n"]).run(_cross_entropy_body, c), c)
 
 

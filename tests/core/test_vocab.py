@@ -132,11 +132,20 @@ def _cross_entropy_edge_body():
         assert not torch.equal(given, shard(logits, -1))  # it held exp(z - max), then the grad
         with pytest.raises(RuntimeError, match="backward through the same loss a second time"):
             loss.backward()
-    # every token ignored: torch's mean is NaN but its gradient is zero; ours too
-    local = leaf(shard(logits, -1))
-    loss = vocab_parallel_cross_entropy(local, torch.full((B, T), -100))
-    loss.backward()
-    assert torch.isnan(loss) and torch.equal(local.grad, torch.zeros_like(local.grad))
+    # a target on a -inf column: an infinite loss, as torch's (its gradient is NaN in both)
+    on_inf = target.clone()
+    on_inf[0, 0] = V - 1
+    ref = F.cross_entropy(dense.detach().reshape(-1, V), on_inf.reshape(-1))
+    for given in ({}, {"vocab_size": V}):
+        loss = vocab_parallel_cross_entropy(shard(logits, -1), on_inf, **given)
+        assert loss == ref == float("inf"), (given, loss, ref)
+    # every token ignored: torch's mean is NaN but its gradient is zero; ours too, the vocabulary
+    # sent by the ranks or given
+    for given in ({}, {"vocab_size": V}):
+        local = leaf(shard(logits, -1))
+        loss = vocab_parallel_cross_entropy(local, torch.full((B, T), -100), **given)
+        loss.backward()
+        assert torch.isnan(loss) and torch.equal(local.grad, torch.zeros_like(local.grad)), given
     return True
 
 
