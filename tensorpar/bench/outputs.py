@@ -79,9 +79,12 @@ def table(results: dict) -> str:
     if gpu:
         notes.append(f"- bf16 matmul peak measured on this GPU: "
                      f"{results['peak_flops'] / 1e12:,.0f} TFLOP/s (MFU is against it)")
-    if any(None in r["peak_bytes_per_rank"] for r in by_name.values()):
-        notes.append("- n/a: a compiled contender's memory is not measured on the CPU (the "
-                     "meter is a TorchDispatchMode, under which torch.compile runs eagerly)")
+    if any(m.get("meter") == "profiler" for r in by_name.values() for m in r["memory"]):
+        notes.append("- compiled contenders' memory on the CPU: read off torch.profiler's "
+                     "allocator events, which see the compiled code (the eager rows: a "
+                     "TorchDispatchMode, under which torch.compile would run eagerly); at TP > 1 "
+                     "it may read high by the overlapped all-reduces' buffers, one activation "
+                     "at most each (tensorpar/plan/meter.py)")
     for a, b, what in (("tensorpar", "dtensor", "target <= 0.70"),
                        ("tensorpar", "megatron", "target <= 1.00"),
                        ("hf-llama", "dtensor", "target <= 0.78"),

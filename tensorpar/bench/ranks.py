@@ -56,8 +56,10 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
     TorchDispatchMode, under which the step runs the model eagerly (dynamo compiles nothing
     under one, ``gpt/speedups.loss_function``), so that its last warmup step runs compiled. A
     GPU's meter reads the allocator's statistics: the memory is the compiled step's. On the CPU
-    the meter is a TorchDispatchMode too, so a compiled contender's memory is not measured
-    there (None).
+    the meter is a TorchDispatchMode too, so a compiled contender's is read off the profiler's
+    allocator events instead (``MemoryMeter(profiled=True)``, which runs no such mode; at TP > 1
+    it may read high by the overlapped all-reduces' buffers, one activation at most each).
+    ``memory["meter"]`` says which: "allocator" (GPU), "dispatch" or "profiler" (CPU).
     """
     torch.manual_seed(spec.seed)
     device = device_for()
@@ -70,12 +72,14 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
     step = c.setup(spec, state, None, device, **kwargs)
     del state  # the contender keeps its own copy (or its shard) only
     counted_step = warmup - 2 if c.compiled else warmup - 1
-    metered = not (c.compiled and device.type == "cpu")
-    losses, comm, memory = [], {}, {"state_bytes": None, "peak_bytes": None}
+    profiled = c.compiled and device.type == "cpu"
+    if profiled:
+        _quiet_profiler()
+    losses, comm, memory = [], {}, {}
     for s in range(warmup):
         ids_BT, targets_BT = _on(device, *batch(spec, s))
         counter = CollectiveCounter() if s == counted_step else None
-        meter = MemoryMeter(device) if s == warmup - 1 and metered else None
+        meter = MemoryMeter(device, profiled=profiled) if s == warmup - 1 else None
         with counter or nullcontext(), meter or nullcontext():
             losses.append(step(ids_BT, targets_BT).item())
         if counter is not None:
@@ -83,7 +87,9 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
                     "ring_bytes": dict(counter.ring_bytes)}
         if meter is not None:
             memory = {"state_bytes": meter.entry_bytes - before.entry_bytes,
-                      "peak_bytes": meter.peak_bytes - before.entry_bytes}
+                      "peak_bytes": meter.peak_bytes - before.entry_bytes,
+                      "meter": "allocator" if device.type == "cuda" else
+                      "profiler" if profiled else "dispatch"}
     _LIVE.setdefault(run_id, {})[name] = step
     return {"losses": losses, "comm": comm, "memory": memory, "device": str(device),
             "n_params": n_params}
@@ -130,9 +136,7 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
     time by category (see ``profiling.py``). The steps are extra ones, after the timed ones."""
     from tensorpar.bench.profiling import summarize
 
-    # libkineto logs "USDT: ... profiler_start / profiler_stop" to stderr at its levels up to 5
-    # (USDT); 6 is above them all. Read once, when this process first starts a profiler.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    _quiet_profiler()
     step, device = _LIVE[run_id][name], device_for()
     batches = [_on(device, *batch(spec, s)) for s in range(first, first + count)]
     _sync(device)
@@ -144,6 +148,12 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
         _sync(device)
     wall_s = time.perf_counter() - t0
     return summarize(prof, wall_s, count, top)
+
+
+def _quiet_profiler() -> None:
+    """libkineto logs "USDT: ... profiler_start / profiler_stop" to stderr at its levels up to 5
+    (USDT); 6 is above them all. Read once, when this process first starts a profiler."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def teardown(run_id: str) -> None:

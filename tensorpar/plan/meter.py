@@ -34,6 +34,19 @@ also: scratch memory a single kernel allocates and frees before it returns (oneD
 flash-attention kernel's per-thread buffers), and tensors alive at entry that no Python object
 reaches (saved activations of a graph built before the block) until an op returns a view of them.
 The peak is sampled at op boundaries: after each op returns, with its inputs still alive.
+
+``profiled=True`` (CPU): the block runs under ``torch.profiler`` with ``profile_memory`` instead,
+and the peak is read off the allocator's events: every allocation and free of torch's CPU
+allocator inside the block, in order (the entry scan is the same). No TorchDispatchMode is
+active, so ``torch.compile``d code runs compiled and its own buffers are counted (a
+TorchDispatchMode makes dynamo run the model eagerly: ``gpt/speedups.loss_function``); kernels'
+scratch buffers that go through the allocator are counted too. The profiler sees only the
+calling thread's allocations and frees, so it reads high where another thread frees: a storage
+allocated before the block (a training step that sets its gradients to None at its end frees
+only its own) and, at TP > 1, a buffer of an asynchronous collective whose last reference gloo's
+thread drops (the overlapped input-gradient all-reduces: at most one such buffer per collective).
+An eager GPT step reads the dispatch meter's peak to the byte at TP=1 and up to two activations
+(B·T·D floats each) above it at TP=2 and 3 (``tests/plan/test_meter_profiled.py``).
 """
 
 from __future__ import annotations
@@ -161,13 +174,15 @@ class MemoryMeter:
     module docstring for what is and is not counted.
     """
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, profiled: bool = False):
         self.device = torch.device(device if device is not None else "cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.profiled = profiled and self.device.type == "cpu"  # CUDA: the allocator's stats
         self.entry_bytes = 0
         self._peak = 0
         self._tracker: _StorageTracker | None = None
+        self._profiler: torch.profiler.profile | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -194,7 +209,13 @@ class MemoryMeter:
         for t in _live_tensors():
             tracker.add(t)
         tracker.peak_bytes = tracker.live_bytes
-        self.entry_bytes = tracker.live_bytes
+        self.entry_bytes = self._peak = tracker.live_bytes
+        if self.profiled:  # the scan gave the entry; the allocator's events give the rest
+            tracker.close()
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+            return self
         tracker.__enter__()
         self._tracker = tracker
         return self
@@ -203,6 +224,19 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(*exc)
+            cpu = torch.autograd.DeviceType.CPU
+            deltas = sorted((e.start_ns(), e.nbytes()) for e in
+                            profiler.profiler.kineto_results.events()
+                            if e.name() == "[memory]" and e.device_type() == cpu)
+            live = peak = 0
+            for _, nbytes in deltas:  # + an allocation, - a free
+                live += nbytes
+                peak = max(peak, live)
+            self._peak = self.entry_bytes + peak
             return
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(*exc)
