@@ -25,7 +25,8 @@ def _ms(x: float) -> str:
 
 
 def _mib(per_rank: list) -> str:
-    """The largest rank's bytes in MiB; "n/a" where not measured (None: see ``ranks.setup``)."""
+    """The largest rank's bytes in MiB; "n/a" where not measured (None: a compiled contender's
+    memory on the CPU in runs before 2026-11-27, whose meter could not see compiled code)."""
     return "n/a" if None in per_rank else f"{max(per_rank) / MiB:,.1f}"
 
 

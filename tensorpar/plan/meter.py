@@ -37,16 +37,21 @@ The peak is sampled at op boundaries: after each op returns, with its inputs sti
 
 ``profiled=True`` (CPU): the block runs under ``torch.profiler`` with ``profile_memory`` instead,
 and the peak is read off the allocator's events: every allocation and free of torch's CPU
-allocator inside the block, in order (the entry scan is the same). No TorchDispatchMode is
-active, so ``torch.compile``d code runs compiled and its own buffers are counted (a
-TorchDispatchMode makes dynamo run the model eagerly: ``gpt/speedups.loss_function``); kernels'
-scratch buffers that go through the allocator are counted too. The profiler sees only the
-calling thread's allocations and frees, so it reads high where another thread frees: a storage
-allocated before the block (a training step that sets its gradients to None at its end frees
-only its own) and, at TP > 1, a buffer of an asynchronous collective whose last reference gloo's
-thread drops (the overlapped input-gradient all-reduces: at most one such buffer per collective).
-An eager GPT step reads the dispatch meter's peak to the byte at TP=1 and up to two activations
-(B·T·D floats each) above it at TP=2 and 3 (``tests/plan/test_meter_profiled.py``).
+allocator inside the block, in order, each free matched by address to an allocation of the block
+(the entry scan is the same). No TorchDispatchMode is active, so ``torch.compile``d code runs
+compiled and its own buffers are counted (a TorchDispatchMode makes dynamo run the model eagerly:
+``gpt/speedups.loss_function``); kernels' scratch buffers that go through the allocator are
+counted too. The profiler sees one thread, the one that entered the block:
+- it reads high where memory is freed unseen: a storage from before the block (its free is
+  ignored) and, at TP > 1, a buffer of an asynchronous collective whose last reference gloo's
+  thread drops (the overlapped input-gradient all-reduces; let go when its address is allocated
+  again, else never). An eager GPT step reads the dispatch meter's peak to the byte at TP=1, and
+  up to about three activations (B·T·D floats each) above it at TP=2 and 3
+  (``tests/plan/test_meter_profiled.py``);
+- it reads low by what other threads allocate: none of tensorpar's steps allocate there (gloo's
+  threads work in the tensors they are given), but a user's own threads would.
+One profiler at a time: inside a running ``torch.profiler`` it is refused. libkineto logs each
+profiler start and stop to stderr unless ``KINETO_LOG_LEVEL`` is 6 or more (the bench sets it).
 """
 
 from __future__ import annotations
@@ -166,6 +171,33 @@ def _live_tensors():
                 yield grad
 
 
+def _peak_of_allocations(results) -> int:
+    """The most bytes allocated inside a profiled block and alive at once: torch's CPU allocator's
+    events in time order, each free matched by its address to an allocation of the block (a free
+    of anything allocated before is ignored, as is the size c10 reports with it: its table of
+    sizes may be stale). An address allocated again before its free was seen was freed in
+    between, where the profiler did not look; its bytes are let go then, late but never early."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = sorted(((n.start_time_ns, n.extra_fields) for n in
+                     walk(results.experimental_event_tree()) if n.tag == _EventType.Allocation
+                     and n.extra_fields.device.type == "cpu"), key=lambda event: event[0])
+    sizes: dict[int, int] = {}  # address -> bytes, of the block's allocations still alive
+    live = peak = 0
+    for _, event in events:
+        live -= sizes.pop(event.ptr, 0)  # freed now, or (allocated again) freed unseen before
+        if event.alloc_size > 0:
+            sizes[event.ptr] = event.alloc_size
+            live += event.alloc_size
+            peak = max(peak, live)
+    return peak
+
+
 class MemoryMeter:
     """Context manager measuring this process's tensor memory on ``device`` (None: CPU).
 
@@ -212,6 +244,9 @@ class MemoryMeter:
         self.entry_bytes = self._peak = tracker.live_bytes
         if self.profiled:  # the scan gave the entry; the allocator's events give the rest
             tracker.close()
+            if torch._C._autograd._profiler_enabled():
+                raise RuntimeError("MemoryMeter(profiled=True) inside a running torch.profiler: "
+                                   "its profile reads the memory; one profiler at a time")
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             self._profiler.__enter__()
@@ -228,15 +263,7 @@ class MemoryMeter:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.__exit__(*exc)
-            cpu = torch.autograd.DeviceType.CPU
-            deltas = sorted((e.start_ns(), e.nbytes()) for e in
-                            profiler.profiler.kineto_results.events()
-                            if e.name() == "[memory]" and e.device_type() == cpu)
-            live = peak = 0
-            for _, nbytes in deltas:  # + an allocation, - a free
-                live += nbytes
-                peak = max(peak, live)
-            self._peak = self.entry_bytes + peak
+            self._peak = self.entry_bytes + _peak_of_allocations(profiler.profiler.kineto_results)
             return
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(*exc)
