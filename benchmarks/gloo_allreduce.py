@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tensorpar.runtime.launch import launch
+from tensorpar.ranks.local import launch
 
 SIZES = {"4 KiB": 1024, "2 MiB (the bench's activation)": 4 * 256 * 512}
 REPS = 200

@@ -6,7 +6,7 @@ Run from the repository root on a machine with a CUDA GPU::
 
 Contenders, from the same weights on the same batch, bf16 autocast, torch's fused AdamW:
 
-    dense        DenseLlama (tensorpar/bench/spec.py), eager
+    dense        DenseLlama (tensorpar/bench/work.py), eager
     tensorpar    tensorpar's GPT at world size 1 (fused column ops), eager
     tp-gather    the same with K/V heads gathered by index (index_select, whose backward is a
                  scatter-add), as attention.py did before it repeated them like the dense model
@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tensorpar.bench.spec import BenchSpec, DenseLlama, dense_state, make_optimizer
+from tensorpar.bench.workload import DenseLlama, Workload, dense_state, make_optimizer
 from tensorpar.gpt.model import GPT
 
 CONTENDERS = ("dense", "tensorpar", "tp-gather")
 
 
-def build(name: str, spec: BenchSpec, state: dict, dev: torch.device) -> torch.nn.Module:
+def build(name: str, work: Workload, state: dict, dev: torch.device) -> torch.nn.Module:
     if name == "dense":
-        return DenseLlama(spec, state).to(dev)
-    model = GPT(spec.gpt_config(), None, seed=spec.seed, device=dev)
+        return DenseLlama(work, state).to(dev)
+    model = GPT(work.gpt_config(), None, seed=work.seed, device=dev)
     if name == "tp-gather":
         for block in model.blocks:
             block.attn._kv_repeat = None  # the index_select path
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script")
     args = ap.parse_args()
     dim, L, H, KV, V, T, B = (int(x) for x in args.shape.split(","))
-    spec = BenchSpec(dim=dim, n_head=H, n_kv_head=KV, n_layer=L, vocab_size=V, seq_len=T,
+    work = Workload(dim=dim, n_head=H, n_kv_head=KV, n_layer=L, vocab_size=V, seq_len=T,
                      batch_size=B)
     dev = torch.device(args.device)
 
@@ -64,9 +64,9 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     ids, tg = (torch.randint(0, V, (B, T), generator=gen).to(dev) for _ in range(2))
-    state = dense_state(spec)
-    models = {n: build(n, spec, state, dev) for n in CONTENDERS}
-    opts = {n: make_optimizer(m.parameters(), spec) for n, m in models.items()}
+    state = dense_state(work)
+    models = {n: build(n, work, state, dev) for n in CONTENDERS}
+    opts = {n: make_optimizer(m.parameters(), work) for n, m in models.items()}
 
     def step(name: str) -> float:
         sync()

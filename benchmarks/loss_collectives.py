@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.ranks.local import launch
 from tensorpar.runtime.groups import tp_rank, tp_size
-from tensorpar.runtime.launch import launch
 
 B, T, V = 4, 256, 8192
 ROUNDS, REPS = 15, 20

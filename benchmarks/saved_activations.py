@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.gpt.model import GPT, GPTConfig  # noqa: E402
-from tensorpar.gpt.spec import gpt_spec  # noqa: E402
-from tensorpar.plan import memory as plan  # noqa: E402
-from tensorpar.plan.activations import block_terms  # noqa: E402
-from tensorpar.plan.meter import MemoryMeter  # noqa: E402
+from tensorpar.gpt.shape import gpt_shape  # noqa: E402
+from tensorpar.planner import memory as plan  # noqa: E402
+from tensorpar.planner.activations import block_terms  # noqa: E402
+from tensorpar.planner.meter import MemoryMeter  # noqa: E402
 
 MODES = ("fp32", "bf16", "fp32-unfused", "bf16-unfused", "fp32-recompute", "bf16-recompute")
 SDPA = ("auto", "flash", "efficient", "cudnn", "math")
@@ -201,13 +201,13 @@ def measure(model, ids, autocast_ctx, device: str) -> dict:
     return out
 
 
-def measure_step(model, ids, autocast_ctx, device: str, spec, args, bf16, fused,
+def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused,
                  recompute) -> str:
     """The trainer's step (forward, backward, gradient clipping, fused AdamW, zero_grad), twice;
     the second under MemoryMeter, against the planner's total (what ``tensorpar train`` prints
     as planned against measured)."""
-    from tensorpar.gpt.optim import adamw, implementation
     from tensorpar.parallel.layout import Layout, clip_grad_norm_
+    from tensorpar.train.optim import adamw, implementation
     layout = Layout.gather(model)
     opt = adamw(model.parameters(), lr=1e-4)
     for _ in range(2):
@@ -223,7 +223,7 @@ def measure_step(model, ids, autocast_ctx, device: str, spec, args, bf16, fused,
     if kw and args.sdpa in ("flash", "efficient", "cudnn") and device == "cuda":
         kw["attention"] = args.sdpa
     kind = implementation(opt)
-    planned = plan.tensorpar_memory(spec, 1, args.batch, args.seq, False,
+    planned = plan.tensorpar_memory(shape, 1, args.batch, args.seq, False,
                                     "bf16-autocast" if bf16 else "fp32",
                                     "full" if recompute else "none", fused, optimizer=kind, **kw)
     del opt, layout
@@ -233,18 +233,18 @@ def measure_step(model, ids, autocast_ctx, device: str, spec, args, bf16, fused,
             f"({planned['total'] / mem.peak_bytes - 1:+.1%})")
 
 
-def planner_terms(spec, B: int, T: int, bf16: bool, fused: bool, recompute: bool, device: str,
+def planner_terms(shape, B: int, T: int, bf16: bool, fused: bool, recompute: bool, device: str,
                   sdpa: str) -> dict:
     """The planner's per-block terms (activations.block_terms), and its whole-model activations
     and peaks (no optimizer)."""
-    s = plan.rank_shapes(spec, 1, 0)
+    s = plan.rank_shapes(shape, 1, 0)
     N = B * T
     act = 2 if bf16 else 4
     kw = {"device": device}
     if sdpa in ("flash", "efficient", "cudnn") and device == "cuda":
         kw["attention"] = sdpa
-    terms = block_terms(spec, s, N, N, B, act, fused, bf16, **kw)
-    mem = plan.tensorpar_memory(spec, 1, B, T, False, "bf16-autocast" if bf16 else "fp32",
+    terms = block_terms(shape, s, N, N, B, act, fused, bf16, **kw)
+    mem = plan.tensorpar_memory(shape, 1, B, T, False, "bf16-autocast" if bf16 else "fp32",
                                 "full" if recompute else "none", fused, **kw)
     return {"block": terms, "mem": mem}
 
@@ -294,7 +294,7 @@ def run_mode(mode: str, args) -> None:
                 (torch.autocast(device, torch.bfloat16) if bf16 else nullcontext()):
             yield
 
-    spec = gpt_spec(cfg)
+    shape = gpt_shape(cfg)
     print(f"\n=== {mode} on {device}: d={cfg.dim} L={cfg.n_layer} heads {cfg.n_head}/"
           f"{cfg.n_kv_head} hidden {cfg.hidden_dim} vocab {cfg.vocab_size} B{args.batch} x "
           f"T{args.seq} (N={args.batch * args.seq} tokens); sdpa {args.sdpa}")
@@ -304,9 +304,9 @@ def run_mode(mode: str, args) -> None:
         model(ids, ids).backward()
     model.zero_grad(set_to_none=True)
     measured = measure(model, ids, autocast_ctx, device)
-    step_line = measure_step(model, ids, autocast_ctx, device, spec, args, bf16, fused,
+    step_line = measure_step(model, ids, autocast_ctx, device, shape, args, bf16, fused,
                              recompute) if args.step else None
-    pl = planner_terms(spec, args.batch, args.seq, bf16, fused, recompute, device, args.sdpa)
+    pl = planner_terms(shape, args.batch, args.seq, bf16, fused, recompute, device, args.sdpa)
     mem = pl["mem"]
     # forward + backward: the loss's or a block's backward, or all gradients at the end
     peaks = {k: v for k, v in mem["peaks"].items() if k != "optimizer step"}

@@ -16,8 +16,8 @@ import torch
 
 from tensorpar import ColumnParallelLinear
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.groups import tp_rank, tp_size
-from tensorpar.runtime.launch import run_ranks
 
 SHAPES = [(1, 64, 64, 200), (4, 256, 256, 200), (4, 1024, 1024, 20)]  # B, T, D, calls
 

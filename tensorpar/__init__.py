@@ -2,21 +2,23 @@
 
 The packages, and the one direction their imports flow (each imports only those before it)::
 
-    runtime      process groups, launcher, collective counting, atomic output     \
+    runtime      the ground floor: process groups, seeds, collective counting   \
     parallel     f/g collectives, column/row/vocab layers, loss, norms, dropout   | the core
-    transformer  attention and MLP blocks, the dense reference, verify            /
-    checkpoint   sharded checkpoints that load at any TP size                  (core)
-    plan         memory and communication planner, memory meter                (core)
-    scale        the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model    (core)
-    gpt          the GPT, its data, trainer, report, generation  (core, checkpoint, plan, scale)
-    hf           Hugging Face plans, parallelize, from_pretrained, train --hf  (all above)
-    bench        tensorpar against DTensor, megatron-core and plain PyTorch    (all above)
-    cli          ``tensorpar`` and every package's ``cli`` module: on top
+    transformer  attention and MLP blocks, the dense reference                   /
+    ranks        local ranks, torchrun's ranks, signals, failures, check mode
+    checkpoint   sharded checkpoints that load at any TP size
+    planner      memory and communication per rank, the memory meter
+    dp           the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
+    gpt          tensorpar's GPT, its tokenizer, generation
+    hf           Hugging Face plans, parallelize, from_pretrained, export
+    train        the trainer: config, run, loop, recipes (the GPT, HF models)
+    bench        tensorpar against DTensor, megatron-core and plain PyTorch
+    cli          ``tensorpar``: one module per command, on top
 
 The names below are the public API; each is imported when first used (``tensorpar.RankPool``,
 ``from tensorpar import RankPool``), so that ``import tensorpar`` costs nothing and
 ``python -m tensorpar`` can start its ranks' forkserver before it imports torch itself
-(``runtime/forking.py``); the public names load torch only.
+(``ranks/forkserver.py``); the public names load torch only.
 (``tests/test_layout.py`` checks this order by reading every import.)
 """
 
@@ -36,11 +38,11 @@ _WHERE = {
                      "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp"],
                     "parallel.mappings"),
     "LayerNorm": "parallel.norm", "RMSNorm": "parallel.norm", "ShardSpec": "parallel.sharding",
-    "naming_layers": "runtime.checking", "CollectiveCounter": "runtime.counting",
-    "CollectiveMismatch": "runtime.failures", "init_tensor_parallel": "runtime.groups",
-    "tp_rank": "runtime.groups", "tp_size": "runtime.groups", "RankError": "runtime.launch",
-    "RankPool": "runtime.launch", "launch": "runtime.launch",
-    "data_parallel": "scale.data_parallel", "init_parallel": "scale.mesh",
+    "naming_layers": "ranks.checking", "CollectiveCounter": "runtime.counting",
+    "CollectiveMismatch": "ranks.failures", "init_tensor_parallel": "runtime.groups",
+    "tp_rank": "runtime.groups", "tp_size": "runtime.groups", "RankError": "ranks.local",
+    "RankPool": "ranks.local", "launch": "ranks.local",
+    "data_parallel": "dp.wrap", "init_parallel": "dp.mesh",
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
 }
 

@@ -8,19 +8,19 @@ import signal
 import sys
 import threading
 
-from tensorpar.runtime.forking import COMMAND_MODULES, start_early
-from tensorpar.runtime.rank_guard import guard_rank, under_torchrun
+from tensorpar.ranks.forkserver import COMMAND_MODULES, start_early
+from tensorpar.ranks.rank_guard import guard_rank, under_torchrun
 
 
 def run() -> None:
     argv = sys.argv[1:]
     command = next((w for w in argv if w in COMMAND_MODULES), "")
-    if under_torchrun():  # a parent that reports the rank's abort (runtime/rank_guard.py)
+    if under_torchrun():  # a parent that reports the rank's abort (launch/rank_guard.py)
         guard_rank(command)
     try:
         with _ctrl_c_held():
             start_early(argv)  # the ranks' fork server imports torch while this process does too
-            from tensorpar.cli import main
+            from tensorpar.cli.main import main
         # the imports live as long as the process: no collection walks them again (as in the
         # ranks, launch.py); ``verify --tp 2`` takes 2.5-3.0 s here in place of 3.1
         gc.freeze()

@@ -4,7 +4,7 @@ Test bodies are module-level functions (picklable) that run on every rank; ``ran
 returns their per-rank results or raises ``RankError`` with the failing rank's traceback. A pool
 that had to be stopped (a rank stuck or dead) is replaced by a fresh one for the next test.
 
-The pools check every collective across ranks (``runtime/checking.py``): a test whose ranks feed
+The pools check every collective across ranks (``launch/checking.py``): a test whose ranks feed
 a collective different shapes fails with one line naming them instead of gloo aborting the pool.
 The collective counts are the same (the check runs below the dispatcher that counts them). The
 check costs about 3 ms per collective, a quarter to a third more time for tests that run many
@@ -19,9 +19,9 @@ import signal
 
 import pytest
 
-from tensorpar.runtime.checking import CHECK_ENV
-from tensorpar.runtime.forking import COMMAND_MODULES, HF_MODULES, start_server
-from tensorpar.runtime.launch import RankPool
+from tensorpar.ranks.forkserver import COMMAND_MODULES, HF_MODULES, start_server
+from tensorpar.ranks.local import RankPool
+from tensorpar.runtime.groups import CHECK_ENV
 
 from tests_common import WORLD_SIZES  # noqa: F401
 

@@ -56,8 +56,8 @@ def test_verify_bad_sizes(flags, message):
 
 def test_verify_reports_a_mismatch():
     """An error above tolerance or an unexpected collective makes report() fail (exit code 1)."""
+    from tensorpar.cli.verify import expected_collectives, report
     from tensorpar.transformer.reference import BlockConfig
-    from tensorpar.transformer.verify import expected_collectives, report
 
     cfg = BlockConfig()
     good = {"errors": {"loss": 1e-7}, "shapes": {"loss": ()},
@@ -71,7 +71,7 @@ def test_verify_reports_a_mismatch():
 
 
 def _subparsers():
-    from tensorpar.cli import build_parser
+    from tensorpar.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -97,11 +97,27 @@ def test_every_flag_has_plain_help_with_its_default(command):
             assert markup not in text, f"{command}: {markup} in {text!r}"
 
 
-def test_top_level_flags_have_plain_help_with_their_default():
-    """--debug, --timeout, --check-collectives: given before the command, said so, with the
-    default."""
-    from tensorpar.cli import build_parser
+def test_global_flags_before_or_after_the_command():
+    """--debug, --timeout, --check-collectives, --device: the same flag, with its default in the
+    help, before the command or after it (where a command has no flag of that name), the one
+    given before the command kept when the command's parser runs."""
+    from tensorpar.cli.main import COMMANDS, build_parser
 
-    for action in build_parser()._actions:
-        if action.option_strings and action.dest not in ("help", "command"):
-            assert "before the command" in action.help and "default" in action.help, action.dest
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert set(flags) == {"debug", "timeout", "check_collectives", "rank_device"}
+    assert all("default" in a.help for a in flags.values())
+    for command in COMMANDS:
+        sub = parser._subparsers._group_actions[0].choices[command]
+        own = sub._option_string_actions
+        for dest, action in flags.items():
+            flag = action.option_strings[0]
+            if own[flag].dest == dest:  # the global flag, not the command's own of that name
+                assert own[flag].help == action.help, (command, flag)
+    after = parser.parse_args(["train", "--timeout", "20", "--debug", "--tp", "2"])
+    before = parser.parse_args(["--timeout", "20", "--debug", "train", "--tp", "2"])
+    assert (after.timeout, after.debug) == (before.timeout, before.debug) == (20.0, True)
+    assert parser.parse_args(["--device", "cpu", "generate", "--ckpt", "r"]).rank_device == "cpu"
+    assert parser.parse_args(["generate", "--ckpt", "r", "--device", "cpu"]).rank_device == "cpu"
+    planned = parser.parse_args(["plan", "--model", "llama-2-7b", "--device", "cuda"])
+    assert planned.device == "cuda" and planned.rank_device is None  # plan's own --device

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from tensorpar import RankPool
+from tensorpar.cli.verify import report, verify_rank
 from tensorpar.runtime.groups import device_for
 from tensorpar.transformer.reference import BlockConfig
-from tensorpar.transformer.verify import report, verify_rank
 
 from tests_common import read_metrics, tensorpar_cli
 
@@ -121,7 +121,7 @@ def test_compile_and_tf32_on_a_gpu(tmp_path):
     ``--dropout --recompute`` too (the masks: ``tensorpar::dropout_mask`` on CUDA, its key on
     the CPU); ``--tf32`` moves the losses by TF32's rounding, well under 1e-2 relative. At TP > 1
     in the test mode ``--compile`` is refused: torch's functional all-gather crashes over gloo
-    on CUDA (gpt/speedups.py)."""
+    on CUDA (train/compute.py)."""
     eager = _train(tmp_path / "eager", 1, 6, dtype="fp32")
     compiled = _train(tmp_path / "compiled", 1, 6, "--compile", dtype="fp32")
     tf32 = _train(tmp_path / "tf32", 1, 6, "--tf32", dtype="fp32")
@@ -149,13 +149,13 @@ def test_bench_on_one_gpu(tmp_path):
     TFLOP/s and an MFU in (0, 1); a TP contender with more ranks than GPUs is skipped."""
     from tensorpar.bench.outputs import table
     from tensorpar.bench.runner import RunPlan, run_bench
-    from tensorpar.bench.spec import BenchSpec
+    from tensorpar.bench.workload import Workload
 
-    spec = BenchSpec(dim=128, n_head=4, n_kv_head=2, n_layer=2, vocab_size=512, seq_len=64,
+    work = Workload(dim=128, n_head=4, n_kv_head=2, n_layer=2, vocab_size=512, seq_len=64,
                      batch_size=4)
     names = ["tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-c", "tensorpar", "megatron"]
     plan = RunPlan(repeats=2, steps_per_repeat=2, warmup=2, tp=2, device="cuda")
-    results = run_bench(spec, names, plan, log=lambda s: None)
+    results = run_bench(work, names, plan, log=lambda s: None)
     assert results["errors"] == [] and results["peak_flops"] > 1e12
     rows = {r["name"]: r for r in results["contenders"]}
     assert rows["megatron"]["status"].startswith("skipped: this bench runs it on the CPU")

@@ -35,7 +35,7 @@ NOT_RUN = {
     "make test": "runs the whole suite, this test included (make -n checks the target)",
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
     "--rdzv-id job1 -m tensorpar train --tp 8 --out /shared/runs/gpt":
-        "needs two machines of 8 ranks each; tests/scale/test_multinode.py runs the same two-node "
+        "needs two machines of 8 ranks each; tests/dp/test_multinode.py runs the same two-node "
         "rendezvous on this machine (2 x 2 ranks)",
 }
 
@@ -161,7 +161,7 @@ def _run(argv: list[str], cwd: Path, what: str) -> None:
         # ``tensorpar ARGS`` through the command's entry (``cli.main``) in this process, its
         # ranks forked from the session's fork server, which has imported what they need
         # (conftest.py): the 3-5 s a new Python spends importing torch and tensorpar, and its
-        # server the same again, are the cost of every real run (tests/gpt/test_train_cli.py,
+        # server the same again, are the cost of every real run (tests/train/test_train_cli.py,
         # test_stop_resume.py, tests/test_cli.py, tests/hf run the commands as processes)
         out = tensorpar_here(*argv[3:], cwd=cwd)
     else:

@@ -49,7 +49,7 @@ def tensorpar_here(*args, cwd=None):
     import signal
     import subprocess
 
-    from tensorpar.cli import main
+    from tensorpar.cli.main import main
 
     argv = list(map(str, args))
     signums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -108,7 +108,7 @@ def child_pids(pid: int) -> list[int]:
 
 def rank_pids(launcher: int) -> list[int]:
     """The live ranks a ``tensorpar`` process started, in the order they started: the children
-    of its fork server (``runtime/forking.py``)."""
+    of its fork server (``ranks/forkserver.py``)."""
     found = live_processes()
     servers = {p for p, parent, _, cmd in found if parent == launcher and "forkserver" in cmd}
     return sorted(p for p, parent, _, _ in found if parent in servers)

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from tensorpar.cli.verify import dense_shard, max_rel_error
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size
-from tensorpar.transformer.verify import dense_shard, max_rel_error
 
 TOL = 1e-5
 

@@ -4,7 +4,7 @@ import argparse
 import shlex
 import sys
 
-from tensorpar.bench.bench_cli import add_parser, main
+from tensorpar.cli.bench import add_parser, main
 
 parser = argparse.ArgumentParser(prog="python -m tensorpar.bench")
 sub = parser.add_subparsers(dest="command")

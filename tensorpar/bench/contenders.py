@@ -1,7 +1,7 @@
 """The contenders of ``tensorpar bench``: the same model and step, built by each library.
 
-Each contender is a ``setup(spec, state, group) -> step`` run on every rank of its pool (see
-``spec.py``), plus where it runs::
+Each contender is a ``setup(work, state, group) -> step`` run on every rank of its pool (see
+``work.py``), plus where it runs::
 
     name               ranks  threads  pool                what it is
     tensorpar          tp     1        the TP pool         tensorpar's GPT (fused, overlapped)
@@ -50,9 +50,9 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.bench.dtensor_tp import setup_dtensor
 from tensorpar.bench.hf_llama import setup_hf_llama
-from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer, mixed_precision
+from tensorpar.bench.workload import DenseLlama, StepFn, Workload, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
-from tensorpar.gpt.speedups import loss_function
+from tensorpar.train.compute import loss_function
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device,
@@ -73,7 +73,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torc
     return step
 
 
-def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+def setup_tensorpar(work: Workload, state: dict[str, torch.Tensor], group: ProcessGroup | None,
                     device: torch.device, sequence_parallel: bool = False, fused: bool = True,
                     keep_gathered_input: bool = False, compile_backend: str | None = None
                     ) -> StepFn:
@@ -84,31 +84,31 @@ def setup_tensorpar(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proc
     elif not fused:
         raise ValueError("this tensorpar has no GPT(fused=...) yet: tensorpar-unfused is the "
                          "tensorpar contender")
-    model = GPT(spec.gpt_config(), group, sequence_parallel, seed=spec.seed, device=device,
+    model = GPT(work.gpt_config(), group, sequence_parallel, seed=work.seed, device=device,
                 **kwargs)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(p.tp_shard.take(state[name]))
-    return _train_step(model, make_optimizer(model.parameters(), spec), device, compile_backend)
+    return _train_step(model, make_optimizer(model.parameters(), work), device, compile_backend)
 
 
-def setup_dense(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+def setup_dense(work: Workload, state: dict[str, torch.Tensor], group: ProcessGroup | None,
                 device: torch.device, compile_backend: str | None = None) -> StepFn:
     """The unsharded plain-PyTorch model (the group is not used)."""
-    model = DenseLlama(spec, state).to(device)
-    return _train_step(model, make_optimizer(model.parameters(), spec), device, compile_backend)
+    model = DenseLlama(work, state).to(device)
+    return _train_step(model, make_optimizer(model.parameters(), work), device, compile_backend)
 
 
-def setup_megatron(spec: BenchSpec, state: dict[str, torch.Tensor],
+def setup_megatron(work: Workload, state: dict[str, torch.Tensor],
                    group: ProcessGroup | None, device: torch.device) -> StepFn:
     """megatron-core's GPT (``tensorpar/bench/megatron_core.py``), imported only when used; on
     the CPU (``cpu_only``: ``device`` is the CPU)."""
     module = importlib.import_module("tensorpar.bench.megatron_core")
-    return module.setup_megatron(spec, state, group,
+    return module.setup_megatron(work, state, group,
                                  make_optimizer=make_optimizer)
 
 
-def transformers_missing(spec: BenchSpec, tp: int) -> str | None:
+def transformers_missing(work: Workload, tp: int) -> str | None:
     """Why the hf-llama contenders cannot run here: transformers (the ``hf`` extra) missing."""
     if importlib.util.find_spec("transformers") is None:
         return "not installed (transformers: pip install tensorpar[hf])"
@@ -133,8 +133,8 @@ def check_megatron_fits(cfg, tp: int, sequence_parallel: bool = False) -> None:
                              f"not divide by --tp {tp}")
 
 
-def megatron_cannot_run(spec: BenchSpec, tp: int) -> str | None:
-    """Why the megatron contender cannot run ``spec`` at TP ``tp`` here, or None when it can:
+def megatron_cannot_run(work: Workload, tp: int) -> str | None:
+    """Why the megatron contender cannot run ``work`` at TP ``tp`` here, or None when it can:
     checked before its ranks are spawned (and megatron imported), by the benchmark's parent."""
     if importlib.util.find_spec("megatron") is None or \
             importlib.util.find_spec("megatron.core") is None:
@@ -142,7 +142,7 @@ def megatron_cannot_run(spec: BenchSpec, tp: int) -> str | None:
     if importlib.util.find_spec("tensorpar.bench.megatron_core") is None:
         return "not installed (tensorpar/bench/megatron_core.py)"
     try:
-        check_megatron_fits(spec.gpt_config(), tp)
+        check_megatron_fits(work.gpt_config(), tp)
     except ValueError as e:
         return str(e)
     return None
@@ -154,7 +154,7 @@ class Contender:
 
     world: "tp" (the TP size) or 1. threads: torch threads per rank (0: one per core).
     own_pool: it needs processes of its own (megatron-core keeps global parallel state).
-    cannot_run: ``(spec, tp) -> why`` it cannot run that configuration here, None when it can;
+    cannot_run: ``(work, tp) -> why`` it cannot run that configuration here, None when it can;
     asked before any rank is spawned (a contender without one says so on its ranks, by raising
     ValueError in its setup).
     ours: this project's code (tensorpar, the dense model): a failure is a bug and fails the
@@ -168,7 +168,7 @@ class Contender:
     world: str | int
     threads: int = 1
     own_pool: bool = False
-    cannot_run: Callable[[BenchSpec, int], str | None] | None = None
+    cannot_run: Callable[[Workload, int], str | None] | None = None
     about: str = ""
     ours: bool = True
     compiled: bool = False

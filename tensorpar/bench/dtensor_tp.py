@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tensorpar.bench.spec import BenchSpec, DenseLlama, StepFn, make_optimizer, mixed_precision
+from tensorpar.bench.workload import DenseLlama, StepFn, Workload, make_optimizer, mixed_precision
 
 
-def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+def setup_dtensor(work: Workload, state: dict[str, torch.Tensor], group: ProcessGroup | None,
                   device: torch.device, sequence_parallel: bool = False) -> StepFn:
     """PyTorch's tensor parallel on DenseLlama, the way torchtitan shards Llama.
 
@@ -32,14 +32,14 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
 
     group = group or dist.group.WORLD
     n = dist.get_world_size(group)
-    uneven = [f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in ("n_head", "n_kv_head")
-              if getattr(spec, k) % n]
+    uneven = [f"--{k.replace('_', '-')} {getattr(work, k)}" for k in ("n_head", "n_kv_head")
+              if getattr(work, k) % n]
     if uneven:  # DTensor's colwise q/k/v need whole heads per rank (tensorpar shares KV heads)
         raise ValueError(f"dtensor: {' and '.join(uneven)} "
                          f"{'do' if len(uneven) > 1 else 'does'} not divide by --tp {n} (its "
                          "column-parallel q/k/v need whole heads on each rank)")
     mesh = DeviceMesh.from_group(group, device.type)
-    model = DenseLlama(spec, state).to(device)
+    model = DenseLlama(work, state).to(device)
     residual = Shard(1) if sequence_parallel else Replicate()  # layout between the blocks
     top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
@@ -73,7 +73,7 @@ def setup_dtensor(spec: BenchSpec, state: dict[str, torch.Tensor], group: Proces
     params = list(model.parameters())
     groups = [{"params": [p for p in params if isinstance(p, DTensor) == is_dt]}
               for is_dt in (True, False)]
-    opt = make_optimizer([g for g in groups if g["params"]], spec)
+    opt = make_optimizer([g for g in groups if g["params"]], work)
 
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         # loss_parallel must cover the backward too: it patches the loss's gradient ops

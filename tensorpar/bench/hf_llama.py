@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from tensorpar.bench.spec import BenchSpec, StepFn, make_optimizer, mixed_precision
+from tensorpar.bench.workload import StepFn, Workload, make_optimizer, mixed_precision
 from tensorpar.hf.parallelize import parallelize
 from tensorpar.hf.plans import LLAMA_PLAN
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -36,7 +36,7 @@ _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
 
 
 def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``dense_state(spec)`` under transformers' Llama names (each tensor cloned: contenders in
+    """``dense_state(work)`` under transformers' Llama names (each tensor cloned: contenders in
     one process must not share storage)."""
     out = {}
     for name, t in state.items():
@@ -48,16 +48,16 @@ def hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_llama(spec: BenchSpec, state: dict[str, torch.Tensor]):
+def hf_llama(work: Workload, state: dict[str, torch.Tensor]):
     """The dense ``LlamaForCausalLM`` of the bench's model, holding ``state``."""
     import transformers
 
-    cfg = spec.gpt_config()
+    cfg = work.gpt_config()
     config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_kv_head, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=max(spec.seq_len, 1), tie_word_embeddings=False,
+        max_position_embeddings=max(work.seq_len, 1), tie_word_embeddings=False,
         attention_bias=False, mlp_bias=False, hidden_act="silu", attention_dropout=0.0,
         use_cache=False)
     transformers.logging.set_verbosity_error()
@@ -66,13 +66,13 @@ def hf_llama(spec: BenchSpec, state: dict[str, torch.Tensor]):
     return model.train()
 
 
-def setup_hf_llama(spec: BenchSpec, state: dict[str, torch.Tensor], group: ProcessGroup | None,
+def setup_hf_llama(work: Workload, state: dict[str, torch.Tensor], group: ProcessGroup | None,
                    device: torch.device, sequence_parallel: bool = False) -> StepFn:
     """transformers' Llama converted by ``tensorpar.parallelize`` (head: ``column``)."""
-    model = parallelize(hf_llama(spec, state).to(device), LLAMA_PLAN | {"lm_head": "column"},
+    model = parallelize(hf_llama(work, state).to(device), LLAMA_PLAN | {"lm_head": "column"},
                         group=group, sequence_parallel=sequence_parallel)
-    opt = make_optimizer(model.parameters(), spec)
-    vocab = spec.vocab_size
+    opt = make_optimizer(model.parameters(), work)
+    vocab = work.vocab_size
 
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         with mixed_precision(device):

@@ -1,7 +1,7 @@
 """megatron-core's own GPT as a benchmark contender: same model, same weights, CPU and gloo.
 
-``setup_megatron(spec, state)`` builds ``megatron.core.models.gpt.GPTModel`` from the local layer
-spec (no Transformer Engine, no Apex: torch's RMSNorm, megatron's DotProductAttention and its
+``setup_megatron(work, state)`` builds ``megatron.core.models.gpt.GPTModel`` from the local layer
+work (no Transformer Engine, no Apex: torch's RMSNorm, megatron's DotProductAttention and its
 Column/RowParallelLinear), loads the dense fp32 weights of ``state`` into megatron's sharded
 layout and returns one training step. Run it on every rank of a gloo world of size TP: megatron
 keeps its process groups in module globals (``parallel_state``), so it owns the whole world of the
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.bench.contenders import check_megatron_fits
-from tensorpar.bench.spec import StepFn
-from tensorpar.bench.spec import make_optimizer as bench_adamw
+from tensorpar.bench.workload import StepFn
+from tensorpar.bench.workload import make_optimizer as bench_adamw
 
 try:
     with warnings.catch_warnings():  # "Apex is not installed": we mean to run without it
@@ -163,16 +163,16 @@ def _init_parallel_state(tp: int) -> None:
     megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def setup_megatron(spec, state: dict[str, torch.Tensor], group=None,
+def setup_megatron(work, state: dict[str, torch.Tensor], group=None,
                    sequence_parallel: bool = False,
                    make_optimizer: Callable | None = None) -> StepFn:
-    """Build megatron-core's GPT of ``spec`` on this rank, load ``state`` (dense fp32, tensorpar
+    """Build megatron-core's GPT of ``work`` on this rank, load ``state`` (dense fp32, tensorpar
     names), and return ``step(ids_BT, targets_BT) -> loss``: forward (mean cross-entropy over all
     B·T tokens), backward, one optimizer step, zero_grad; the loss comes back detached and is the
     same on every rank.
 
     group: None or the whole world (megatron-core builds its own TP group over all ranks).
-    make_optimizer: ``(params, spec) -> optimizer``; default the benchmark's AdamW.
+    make_optimizer: ``(params, work) -> optimizer``; default the benchmark's AdamW.
     """
     import torch.distributed as dist
 
@@ -184,10 +184,10 @@ def setup_megatron(spec, state: dict[str, torch.Tensor], group=None,
     if group is not None and dist.get_world_size(group) != world:
         raise ValueError(f"megatron-core's TP group spans the whole world ({world} ranks); got a "
                          f"group of {dist.get_world_size(group)}: give megatron its own processes")
-    cfg = spec.gpt_config()
+    cfg = work.gpt_config()
     check_megatron_fits(cfg, world, sequence_parallel)  # before any collective
     _init_parallel_state(world)
-    model = build_megatron_gpt(cfg, spec.seq_len, world)
+    model = build_megatron_gpt(cfg, work.seq_len, world)
     shards = megatron_shards(state, cfg, parallel_state.get_tensor_model_parallel_rank(), world)
     params = dict(model.named_parameters())
     if sorted(params) != sorted(shards):
@@ -196,7 +196,7 @@ def setup_megatron(spec, state: dict[str, torch.Tensor], group=None,
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(shards[name])
-    optimizer = (make_optimizer or bench_adamw)(list(params.values()), spec)
+    optimizer = (make_optimizer or bench_adamw)(list(params.values()), work)
     masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inputs(T: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,7 +157,7 @@ def chart(results: dict, path: Path) -> None:
     ax.bar(range(len(rows)), med, yerr=[low, high], capsize=4, color=colors)
     ax.set_xticks(range(len(rows)), names, fontsize=8)
     ax.set_ylabel("training step, ms (median, IQR)")
-    s = results["spec"]
+    s = results["work"]
     ax.set_title(f"d={s['dim']} L={s['n_layer']} heads={s['n_head']}/{s['n_kv_head']} "
                  f"V={s['vocab_size']} B×T={s['batch_size']}×{s['seq_len']}, fp32", fontsize=9)
     for i, m in enumerate(med):  # above the whisker

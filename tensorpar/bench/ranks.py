@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.bench.contenders import CONTENDERS
-from tensorpar.bench.spec import BenchSpec, StepFn, batch, dense_state
-from tensorpar.plan.meter import MemoryMeter
+from tensorpar.bench.workload import StepFn, Workload, batch, dense_state
+from tensorpar.planner.meter import MemoryMeter
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
 
@@ -41,7 +41,7 @@ def _on(device: torch.device, ids_BT: torch.Tensor, targets_BT: torch.Tensor):
     return ids_BT.to(device), targets_BT.to(device)
 
 
-def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
+def setup(run_id: str, name: str, work: Workload, warmup: int,
           compile_backend: str = "inductor") -> dict:
     """Build contender ``name`` and run its ``warmup`` untimed steps (0 .. warmup-1), on this
     rank's device (``device_for``: the CPU, or a GPU in a pool on NCCL).
@@ -61,15 +61,15 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
     it may read high by the overlapped all-reduces' buffers, one activation at most each).
     ``memory["meter"]`` says which: "allocator" (GPU), "dispatch" or "profiler" (CPU).
     """
-    torch.manual_seed(spec.seed)
+    torch.manual_seed(work.seed)
     device = device_for()
     with MemoryMeter(device) as before:
         pass
     c = CONTENDERS[name]
-    state = dense_state(spec)
+    state = dense_state(work)
     n_params = sum(t.numel() for t in state.values())
     kwargs = {"compile_backend": compile_backend} if c.compiled else {}
-    step = c.setup(spec, state, None, device, **kwargs)
+    step = c.setup(work, state, None, device, **kwargs)
     del state  # the contender keeps its own copy (or its shard) only
     counted_step = warmup - 2 if c.compiled else warmup - 1
     profiled = c.compiled and device.type == "cpu"
@@ -77,7 +77,7 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
         _quiet_profiler()
     losses, comm, memory = [], {}, {}
     for s in range(warmup):
-        ids_BT, targets_BT = _on(device, *batch(spec, s))
+        ids_BT, targets_BT = _on(device, *batch(work, s))
         counter = CollectiveCounter() if s == counted_step else None
         meter = MemoryMeter(device, profiled=profiled) if s == warmup - 1 else None
         with counter or nullcontext(), meter or nullcontext():
@@ -95,10 +95,10 @@ def setup(run_id: str, name: str, spec: BenchSpec, warmup: int,
             "n_params": n_params}
 
 
-def steps(run_id: str, name: str, spec: BenchSpec, first: int, count: int) -> dict:
+def steps(run_id: str, name: str, work: Workload, first: int, count: int) -> dict:
     """Run steps first .. first+count-1 of contender ``name``; each one's loss and seconds."""
     step, device = _LIVE[run_id][name], device_for()
-    batches = [_on(device, *batch(spec, s)) for s in range(first, first + count)]  # made first
+    batches = [_on(device, *batch(work, s)) for s in range(first, first + count)]  # made first
     losses, seconds = [], []
     _sync(device)
     _barrier()
@@ -130,7 +130,7 @@ def matmul_peak(n: int = 8192, rounds: int = 5, per_round: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
+def profile(run_id: str, name: str, work: Workload, first: int, count: int,
             top: int = 15) -> dict:
     """torch.profiler over ``count`` steps of ``name``: the top ops by self CPU time and the
     time by category (see ``profiling.py``). The steps are extra ones, after the timed ones."""
@@ -138,7 +138,7 @@ def profile(run_id: str, name: str, spec: BenchSpec, first: int, count: int,
 
     _quiet_profiler()
     step, device = _LIVE[run_id][name], device_for()
-    batches = [_on(device, *batch(spec, s)) for s in range(first, first + count)]
+    batches = [_on(device, *batch(work, s)) for s in range(first, first + count)]
     _sync(device)
     _barrier()
     t0 = time.perf_counter()

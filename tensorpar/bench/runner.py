@@ -5,7 +5,7 @@
     setup      every contender is built in its pool and runs ``warmup`` untimed steps; the last
                one is measured (collectives, memory)
     round r    each contender runs ``steps_per_repeat`` timed steps, one after the other, in an
-               order shuffled every round (seeded by the spec's seed): no contender always goes
+               order shuffled every round (seeded by the work's seed): no contender always goes
                first or always follows the same one; r = 0 .. repeats-1
     profile    (optional) a few more steps of the contenders in ``PROFILED`` under
                torch.profiler (the compiled ones with --compile)
@@ -24,7 +24,7 @@ same model when dense-1t is not among the contenders).
 On GPUs (``device="cuda"``, ``--device cuda``) every pool runs on NCCL, a GPU per rank; a
 contender with more ranks than visible GPUs, or one this bench runs on the CPU only, is skipped.
 The bench then measures the GPU's bf16 matmul peak (``ranks.matmul_peak``) and reports each
-contender's model TFLOP/s and MFU against it (``spec.model_flops_per_step``).
+contender's model TFLOP/s and MFU against it (``work.model_flops_per_step``).
 
 Failures (``Contender.ours``): another library's contender that cannot run the configuration
 becomes a row "skipped: <why>", told by ``Contender.cannot_run`` before its ranks start or by a
@@ -45,8 +45,8 @@ from functools import partial
 
 from tensorpar.bench import ranks
 from tensorpar.bench.contenders import CONTENDERS, Contender
-from tensorpar.bench.spec import BenchSpec, model_flops_per_step
-from tensorpar.runtime.launch import RankError, RankPool
+from tensorpar.bench.workload import Workload, model_flops_per_step
+from tensorpar.ranks.local import RankError, RankPool
 
 REFERENCE = "dense-1t"
 PROFILED = ("tensorpar", "tensorpar-unfused", "hf-llama", "tensorpar-c", "dense-Nt", "dense-c")
@@ -80,7 +80,7 @@ class RunPlan:
             raise ValueError(f"--device {self.device}: expected cpu or cuda")
         if self.device == "cuda" and not _gpus():
             raise ValueError("--device cuda: no CUDA GPU is visible to torch here")
-        from tensorpar.gpt.speedups import check_compile_backend
+        from tensorpar.train.compute import check_compile_backend
 
         check_compile_backend(self.compile_backend)
 
@@ -142,7 +142,7 @@ def _quantiles(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "q1": q1, "q3": q3, "min": xs[0], "max": xs[-1]}
 
 
-def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
+def run_bench(work: Workload, names: list[str], plan: RunPlan,
               pool_for: Callable[[int, int], RankPool] | None = None,
               log: Callable[[str], None] = print) -> dict:
     """Measure the contenders ``names``; return the results (see ``outputs.write_results``).
@@ -151,12 +151,12 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
     by default each pool is spawned here and closed at the end.
     """
     plan.check()
-    spec.check(plan.tp)
+    work.check(plan.tp)
     run_id = uuid.uuid4().hex
     rows: dict[str, dict] = {}
     for name in names:
         c = CONTENDERS[name]
-        why = plan.cannot_run(c) or (c.cannot_run(spec, plan.tp) if c.cannot_run else None)
+        why = plan.cannot_run(c) or (c.cannot_run(work, plan.tp) if c.cannot_run else None)
         rows[name] = {"name": name, "about": c.about, "ranks_x_threads": c.label(plan.tp),
                       "status": f"skipped: {why}" if why else "ok"}
         if why:
@@ -177,7 +177,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                     # which would otherwise count in the first contender's state memory
                     peak_flops = pool.run(ranks.matmul_peak)[0]
                     log(f"bf16 matmul peak: {peak_flops / 1e12:,.0f} TFLOP/s")
-                res = pool.run(ranks.setup, run_id, name, spec, plan.warmup, plan.compile_backend)
+                res = pool.run(ranks.setup, run_id, name, work, plan.warmup, plan.compile_backend)
             except RankError as e:
                 fail(name, e)
                 continue
@@ -187,7 +187,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                        memory=[r["memory"] for r in res], per_rank_seconds=[])
         timed = [n for n in timed if rows[n]["status"] == "ok"]
         order = [n for n in measured if rows.get(n, {}).get("status") == "ok"]
-        shuffler, orders = random.Random(spec.seed), []
+        shuffler, orders = random.Random(work.seed), []
         for r in range(plan.repeats):
             first = plan.warmup + r * plan.steps_per_repeat
             this_round = shuffler.sample(order, len(order))
@@ -197,7 +197,7 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                     continue
                 pool = pools.get(pool_key(CONTENDERS[name], plan.tp))
                 try:
-                    res = pool.run(ranks.steps, run_id, name, spec, first, plan.steps_per_repeat)
+                    res = pool.run(ranks.steps, run_id, name, work, first, plan.steps_per_repeat)
                 except RankError as e:
                     fail(name, e)
                     continue
@@ -219,15 +219,15 @@ def run_bench(spec: BenchSpec, names: list[str], plan: RunPlan,
                 pool = pools.get(pool_key(CONTENDERS[target], plan.tp))
                 log(f"profiling {target}")
                 profile.append({"contender": target,
-                                "ranks": pool.run(ranks.profile, run_id, target, spec, first,
+                                "ranks": pool.run(ranks.profile, run_id, target, work, first,
                                                   plan.profile_steps)})
         for _, pool in pools.each():
             if not pool._closed:
                 pool.run(ranks.teardown, run_id)
     finally:
         pools.close()
-    flops = model_flops_per_step(spec, n_params) if n_params else None
-    return _summarize(spec, plan, names, rows, profile, flops, peak_flops) | {
+    flops = model_flops_per_step(work, n_params) if n_params else None
+    return _summarize(work, plan, names, rows, profile, flops, peak_flops) | {
         "round_orders": orders, "errors": errors}
 
 
@@ -259,7 +259,7 @@ def _fail(rows: dict, errors: list[dict], log, name: str, err: RankError) -> Non
             "tracebacks are in bench.json)")
 
 
-def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
+def _summarize(work: Workload, plan: RunPlan, names: list[str], rows: dict,
                profile: list[dict], flops: int | None, peak_flops: float | None) -> dict:
     """Each contender's statistics; model TFLOP/s over all its ranks, and MFU against
     ``peak_flops`` per rank where the bench measured it (on GPUs)."""
@@ -270,7 +270,7 @@ def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
         row = dict(rows[name])
         if row["status"] == "ok":
             row["step_s"] = _quantiles(row["seconds"])
-            row["tokens_per_s"] = spec.tokens_per_step / row["step_s"]["median"]
+            row["tokens_per_s"] = work.tokens_per_step / row["step_s"]["median"]
             if flops:
                 row["model_tflops"] = flops / row["step_s"]["median"] / 1e12
             if flops and peak_flops:
@@ -285,7 +285,7 @@ def _summarize(spec: BenchSpec, plan: RunPlan, names: list[str], rows: dict,
                                                zip(row["losses"][:n], ref_losses[:n],
                                                    strict=True))
         out.append(row)
-    return {"spec": asdict(spec), "plan": asdict(plan), "tokens_per_step": spec.tokens_per_step,
+    return {"work": asdict(work), "plan": asdict(plan), "tokens_per_step": work.tokens_per_step,
             "reference": REFERENCE, "reference_losses": ref_losses, "contenders": out,
             "profile": profile, "device": plan.device, "model_flops_per_step": flops,
             "peak_flops": peak_flops}

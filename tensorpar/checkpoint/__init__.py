@@ -1,7 +1,6 @@
 """Sharded checkpoints that load at any TP size: one safetensors file per rank and a JSON manifest.
 
 ``format.py`` (names, constants, finding a run's checkpoints), ``save.py``, ``load.py`` (any TP
-size: resharding), ``export.py`` (one dense file), ``cli.py`` (``tensorpar export``, on top: it
-also reaches the Hugging Face export). Works for any model whose parameters carry a ``ShardSpec``
-(``tp_shard``); imports the core packages only (``cli.py`` excepted, as every command module).
+size: resharding), ``export.py`` (one dense file). Works for any model whose parameters carry a
+``ShardSpec`` (``tp_shard``); imports the core packages only.
 """

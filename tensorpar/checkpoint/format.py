@@ -57,7 +57,7 @@ def make_readable(path: Path) -> None:
 def model_kind(manifest: dict) -> str:
     """What model a checkpoint holds. ``tensorpar train``'s GPT runs record no ``model_kind``
     (they came first): "gpt". A run fine-tuned from a Hugging Face model (``train --hf``)
-    records "hf" (``hf/train.py``); ``hf/export.py`` picks the exporter by it."""
+    records "hf" (``train/hf_recipe.py``); ``hf/export.py`` picks the exporter by it."""
     return str(manifest.get("model_kind", "gpt"))
 
 

@@ -1,7 +1,5 @@
-"""tensorpar's GPT and its training: the model (``model``), data, AdamW, the trainer (its loop
-knows models by a ``recipe``), the run's report, generation, and the model's description for the
-planner (``spec``).
+"""tensorpar's GPT: the model (``model``), its byte tokenizer (``tokenizer``), generation
+(``generate``, ``sampling``) and its description for the planner (``shape``).
 
-Imports the core, ``tensorpar.checkpoint``, ``tensorpar.plan`` and ``tensorpar.scale``; nothing
-imports it but ``tensorpar.hf`` (whose trainer runs this loop), the benchmark and the CLI.
+Imports the core, ``ranks``, ``checkpoint`` and ``planner``; its trainer is ``tensorpar.train``.
 """

@@ -1,12 +1,8 @@
 """The Hugging Face bridge: plans (module-name patterns to styles), what each style does to a
 module, ``parallelize`` for a dense model in hand, ``from_pretrained`` for a model directory,
-``tensorpar verify|generate --hf`` (``cli``), and ``export``: a checkpoint written as a model
-folder that transformers loads (``tensorpar export --hf-out``).
+and ``export``: a checkpoint written as a model folder that transformers loads (``tensorpar
+export --hf-out``; ``export_finetuned`` writes a ``train --hf`` run back as its source model).
 
-``train`` is the recipe of ``tensorpar train --hf`` (fine-tuning in the GPT's training loop) and
-``export_original`` writes such a run back as its source model.
-
-Imports the core, ``checkpoint``, ``plan``, ``scale`` and, for the trainer, ``gpt``
-(transformers lazily, inside the functions that need it). ``cli`` is a command-line module and
-sits on top.
+Imports the core, ``ranks``, ``checkpoint``, ``planner`` and ``dp`` (transformers lazily,
+inside the functions that need it). Its trainer recipe is ``tensorpar/train/hf_recipe.py``.
 """

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.hf.fused_blocks import FusedColumnLinear, InRegionColumn, Region
 from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
-from tensorpar.hf.regions import FusedColumnLinear, InRegionColumn, Region
 from tensorpar.hf.sequence import SequenceLength
 from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tensorpar.parallel.linear import RowParallelLinear

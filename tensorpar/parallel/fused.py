@@ -33,7 +33,9 @@ the backward is one custom op (``tensorpar::column_backward``) that runs the eag
 The collectives write into fresh tensors that nothing else references (``dx``, the re-gathered
 input), which keeps the rule that collectives never mutate what autograd holds.
 
-The row side is ``fused_row.py``.
+The row side (:func:`fused_row`) is the row-parallel matmul and its forward all-reduce (g)
+together: the partial product is made inside the op, so it is reduced in place, without the copy
+that ``reduce_from_tp`` makes of a tensor it did not create; its backward is local, as g's is.
 """
 
 from __future__ import annotations
@@ -281,3 +283,34 @@ def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: lis
     has_bias, tensors = _flat_params(weights, biases, len(weights))
     sizes = shard_sizes(x_full.shape[SEQ_DIM], tp_size(group))
     return _RegatheringColumn.apply(x_full, x_shard.detach(), group, sizes, has_bias, *tensors)
+
+class _FusedRow(torch.autograd.Function):
+    """forward: the row-parallel matmul, then all-reduce of its product; backward: local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.x_dtype = x.dtype
+        cast = autocast_cast(x.device.type)  # what autocast's linear would compute
+        x, weight = cast(x), cast(weight)
+        y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
+        if tp_size(group) > 1:
+            y = start_all_reduce(y, group)()  # in place (eager)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw, _ = ctx.needs_input_grad
+        dx = torch.matmul(dy, weight).to(ctx.x_dtype) if need_dx else None
+        dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])) if need_dw else None
+        return dx, dw, None
+
+
+def fused_row(x: torch.Tensor, weight: torch.Tensor,
+              group: ProcessGroup | None = None) -> torch.Tensor:
+    """``reduce_from_tp(F.linear(x, weight))`` with the all-reduce done in place on the product.
+
+    x: (..., in_i) this rank's input shard; weight: (out, in_i). Returns the summed (..., out).
+    """
+    return _FusedRow.apply(x, weight, group)

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.fused import regathering_column
-from tensorpar.parallel.fused_row import fused_row
+from tensorpar.parallel.fused import fused_row, regathering_column
 from tensorpar.parallel.grad_sync import sum_grads_in_backward
 from tensorpar.parallel.mappings import (
     enter_tp_region,
@@ -219,7 +218,7 @@ class RowParallelLinear(_ParallelLinear):
     group: the TP process group (None: the whole world).
     in_range: the columns of the dense weight this rank holds (default: its ``tensor_split`` shard).
     fused: without sequence parallelism, the matmul and its all-reduce as one op that reduces the
-        product in place (``fused_row.fused_row``); the same numbers and collectives.
+        product in place (``fused.fused_row``); the same numbers and collectives.
     """
 
     split_dim = 1

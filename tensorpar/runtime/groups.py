@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tensorpar.runtime.checking import checks_wanted, collectives_checked, turn_on_checks
-
 
 def tp_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group``; 1 when torch.distributed is not initialized."""
@@ -71,6 +69,36 @@ def rank_device_type(local_world_size: int) -> str:
     """"cuda" or "cpu": where ranks started now, ``local_world_size`` of them on this machine,
     would compute (for what a launcher says before it starts them)."""
     return wanted_device() or ("cuda" if pick_backend(local_world_size) == "nccl" else "cpu")
+
+
+# "1" in a rank's environment: check every collective (``tensorpar --check-collectives``)
+CHECK_ENV = "TENSORPAR_CHECK_COLLECTIVES"
+
+def checks_wanted(check_collectives: bool | None = None) -> bool:
+    """``check_collectives`` when given, else whether ``TENSORPAR_CHECK_COLLECTIVES`` is set to
+    anything but "", "0", "false", "no" or "off"."""
+    if check_collectives is not None:
+        return check_collectives
+    return os.environ.get(CHECK_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def turn_on_checks() -> None:
+    """Make every process group created from now on in this process check its collectives
+    (torch's debug level DETAIL: process-wide, as the variable it stands for)."""
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+
+def collectives_checked(group: ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the whole world) compares its collectives across ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    group = group or dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # no backend for that device
+        return False
+    return isinstance(backend, torch._C._distributed_c10d._ProcessGroupWrapper)
 
 
 # the collective timeout in seconds, inherited by every rank (``tensorpar --timeout``)

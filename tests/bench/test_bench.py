@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from tensorpar.bench.bench_cli import add_parser, main
 from tensorpar.bench.contenders import parse_contenders
 from tensorpar.bench.outputs import table, write_results
 from tensorpar.bench.runner import RunPlan, run_bench
-from tensorpar.bench.spec import BenchSpec, batch
+from tensorpar.bench.workload import Workload, batch
+from tensorpar.cli.bench import add_parser, main
 
-TINY = BenchSpec(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=256, seq_len=16,
+TINY = Workload(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=256, seq_len=16,
                  batch_size=2)
 # every contender but megatron (tests/bench/test_bench_megatron.py); the compiled ones with
 # aot_eager (it traces as inductor does, generates no code: seconds to compile)
@@ -93,7 +93,7 @@ def _parse(*argv):
 
 
 def test_cli_flags_and_errors(capsys):
-    """Every BenchSpec field is a flag; bad input is refused with the flag and the number,
+    """Every Workload field is a flag; bad input is refused with the flag and the number,
     before any rank is spawned."""
     args = _parse("--dim", "96", "--n-layer", "3", "--lr", "0.01", "--contenders",
                   "tensorpar,dense-1t", "--repeats", "4", "--profile")

@@ -92,7 +92,7 @@ def test_failures_are_told_apart():
     another library is a failed row with its tracebacks kept for bench.json; any failure of
     tensorpar's own contenders or the reference is an error of the run (exit 1), printed whole."""
     from tensorpar.bench.runner import _fail, failure_reason
-    from tensorpar.runtime.launch import RankError
+    from tensorpar.ranks.local import RankError
 
     def ranks_raising(*last_lines, why=""):
         return RankError("\n".join([why] * bool(why) + [

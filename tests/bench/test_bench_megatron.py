@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from tensorpar.bench.spec import BenchSpec
-from tensorpar.runtime.launch import RankPool
+from tensorpar.bench.workload import Workload
+from tensorpar.ranks.local import RankPool
 
 from tp_check import assert_close
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 # 4 query heads over 2 KV heads, both split over 2 ranks; every size divides by 2 (megatron pads
 # nothing)
-TINY = BenchSpec(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=128, hidden_dim=96,
+TINY = Workload(dim=64, n_head=4, n_kv_head=2, n_layer=2, vocab_size=128, hidden_dim=96,
                  seq_len=32, batch_size=2, lr=1e-2)
 STEPS = 3
 
@@ -33,7 +33,7 @@ def megatron_ranks():
         yield pool
 
 
-def _train_body(spec, steps):
+def _train_body(work, steps):
     """Per rank: megatron-core, tensorpar's GPT at TP=2 and the dense model, `steps` AdamW steps
     each on the same batches. Returns the losses, megatron's collectives of the first step and
     the largest relative error of each megatron gradient of the first step against the dense
@@ -41,32 +41,32 @@ def _train_body(spec, steps):
     import torch.distributed as dist
 
     from tensorpar.bench.megatron_core import megatron_shards, setup_megatron
-    from tensorpar.bench.spec import DenseLlama, batch, dense_state, make_optimizer
+    from tensorpar.bench.workload import DenseLlama, batch, dense_state, make_optimizer
+    from tensorpar.cli.verify import max_rel_error
     from tensorpar.gpt.model import GPT
     from tensorpar.runtime.counting import CollectiveCounter
-    from tensorpar.transformer.verify import max_rel_error
 
     first_grads = {}
 
-    def adamw_keeping_first_grads(params, spec):  # the benchmark's AdamW, grads seen on step 0
+    def adamw_keeping_first_grads(params, work):  # the benchmark's AdamW, grads seen on step 0
         def keep(*_):
             if not first_grads:
                 first_grads.update({id(p): p.grad.clone() for p in params})
 
-        opt = make_optimizer(params, spec)
+        opt = make_optimizer(params, work)
         opt.register_step_pre_hook(keep)
         return opt
 
-    state = dense_state(spec)
-    megatron_step = setup_megatron(spec, state, make_optimizer=adamw_keeping_first_grads)
-    dense = DenseLlama(spec, state)
-    ours = GPT(spec.gpt_config(), None, seed=spec.seed)
-    optimizers = {"dense": make_optimizer(dense.parameters(), spec),
-                  "tensorpar": make_optimizer(ours.parameters(), spec)}
+    state = dense_state(work)
+    megatron_step = setup_megatron(work, state, make_optimizer=adamw_keeping_first_grads)
+    dense = DenseLlama(work, state)
+    ours = GPT(work.gpt_config(), None, seed=work.seed)
+    optimizers = {"dense": make_optimizer(dense.parameters(), work),
+                  "tensorpar": make_optimizer(ours.parameters(), work)}
     models = {"dense": dense, "tensorpar": ours}
     losses = {"megatron": [], "dense": [], "tensorpar": []}
     for s in range(steps):
-        ids_BT, targets_BT = batch(spec, s)
+        ids_BT, targets_BT = batch(work, s)
         with CollectiveCounter() as counter:
             losses["megatron"].append(megatron_step(ids_BT, targets_BT).item())
         if s == 0:
@@ -79,7 +79,7 @@ def _train_body(spec, steps):
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
             losses[name].append(loss.item())
-    expected = megatron_shards(dense_grads, spec.gpt_config(), dist.get_rank(),
+    expected = megatron_shards(dense_grads, work.gpt_config(), dist.get_rank(),
                                dist.get_world_size())
     grad_errors = {name: max_rel_error(first_grads[id(p)], expected[name])
                    for name, p in megatron_step.model.named_parameters()}
@@ -116,11 +116,11 @@ def _refusals_body():
     from tensorpar.bench.megatron_core import setup_megatron
 
     messages = []
-    for spec, sp in ((BenchSpec(n_head=6, n_kv_head=3, dim=96), False),  # 3 KV heads over 2
-                     (BenchSpec(vocab_size=129), False),
+    for work, sp in ((Workload(n_head=6, n_kv_head=3, dim=96), False),  # 3 KV heads over 2
+                     (Workload(vocab_size=129), False),
                      (TINY, True)):
         try:
-            setup_megatron(spec, {}, sequence_parallel=sp)
+            setup_megatron(work, {}, sequence_parallel=sp)
         except ValueError as e:
             messages.append(str(e))
     return messages

@@ -18,17 +18,17 @@ from torch import nn
 
 from tensorpar import cli
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.runtime.checking import CHECK_ENV, CHECK_HINT, collectives_checked, naming_layers
-from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.runtime.failures import (
+from tensorpar.ranks.checking import CHECK_HINT, naming_layers
+from tensorpar.ranks.failures import (
     CollectiveMismatch,
     RankError,
     RankFailure,
     collective_mismatch,
     rank_list,
 )
-from tensorpar.runtime.groups import tp_rank
-from tensorpar.runtime.launch import launch
+from tensorpar.ranks.local import launch
+from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.runtime.groups import CHECK_ENV, collectives_checked, tp_rank
 
 from tests_common import checkout_env
 
@@ -228,8 +228,8 @@ def test_torch_message_read():
 LOST_UNDER_TORCHRUN = '''
 import os, signal
 import torch, torch.distributed as dist
-from tensorpar.runtime.failures import PeerLost
-from tensorpar.runtime.launch import run_ranks
+from tensorpar.ranks.failures import PeerLost
+from tensorpar.ranks.local import run_ranks
 
 def body(group=None):
     dist.all_reduce(torch.ones(1), group=group)  # both ranks are up

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.parallel.fused import fused_column
-from tensorpar.parallel.fused_row import fused_row
+from tensorpar.parallel.fused import fused_column, fused_row
 from tensorpar.parallel.linear import column_linears
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_size

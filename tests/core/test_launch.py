@@ -26,7 +26,7 @@ def _collect_after_a_cycle():
 
 
 def test_ranks_freeze_what_they_imported():
-    """A rank's imports (torch, ...) are frozen out of garbage collection (runtime/launch.py);
+    """A rank's imports (torch, ...) are frozen out of garbage collection (launch/local.py);
     what it allocates afterwards is still collected."""
     for frozen, freed in launch(_collect_after_a_cycle, 2):
         assert frozen > 100_000 and freed >= 2, (frozen, freed)
@@ -96,8 +96,8 @@ def _bad_tp():
 
 
 def _verify_on_subgroup():
+    from tensorpar.cli.verify import TOLERANCE, expected_collectives, verify_rank
     from tensorpar.transformer.reference import BlockConfig
-    from tensorpar.transformer.verify import TOLERANCE, expected_collectives, verify_rank
 
     group = init_tensor_parallel(tp_size=2)
     cfg = BlockConfig()

@@ -39,7 +39,7 @@ from tensorpar import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from tensorpar.transformer.verify import dense_shard
+from tensorpar.cli.verify import dense_shard
 
 from tp_check import TOL, leaf, shard
 

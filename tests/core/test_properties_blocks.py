@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tensorpar import ParallelMLP, ParallelSelfAttention, vocab_parallel_cross_entropy
+from tensorpar.cli.verify import ParallelBlock, expected_collectives
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.transformer.mlp import ACTIVATIONS
 from tensorpar.transformer.reference import BlockConfig, DenseAttention, DenseBlock, DenseMLP
 from tensorpar.transformer.rotary import rotary_table
-from tensorpar.transformer.verify import ParallelBlock, expected_collectives
 
 from test_properties import (
     PROPERTY,

@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 
 from tensorpar import cli
 from tensorpar.checkpoint.save import _io_error
-from tensorpar.runtime.failures import RankError, RankFailure, describe
+from tensorpar.ranks.failures import RankError, RankFailure, describe
 
 
 def _raise(kinds: dict):

@@ -7,15 +7,16 @@ import subprocess
 import sys
 import time
 
-from tensorpar.runtime.checking import CHECK_ENV, CHECK_HINT
-from tensorpar.runtime.rank_guard import HINT
+from tensorpar.ranks.checking import CHECK_HINT
+from tensorpar.ranks.rank_guard import HINT
+from tensorpar.runtime.groups import CHECK_ENV
 
 from tests_common import checkout_env
 
 # what ``python -m tensorpar`` does first under torchrun, then a rank that aborts as gloo's
 # C++ terminate does after ranks fed a collective different shapes: on every rank
 ABORTS = '''
-from tensorpar.runtime.rank_guard import guard_rank
+from tensorpar.ranks.rank_guard import guard_rank
 guard_rank("train")
 import os
 print(f"rank {os.environ['RANK']} aborts", flush=True)
@@ -26,7 +27,7 @@ os.abort()
 STOPPED = '''
 import os, signal, sys, time
 from pathlib import Path
-from tensorpar.runtime.rank_guard import guard_rank
+from tensorpar.ranks.rank_guard import guard_rank
 guard_rank("train")
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))

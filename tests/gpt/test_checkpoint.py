@@ -13,9 +13,10 @@ from tensorpar.checkpoint.format import CheckpointError, find_checkpoint, list_c
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.train import TrainConfig, make_optimizer
 from tensorpar.parallel.layout import Layout
 from tensorpar.parallel.mappings import gather_from_tp
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.optim import make_optimizer
 
 from tp_check import assert_close
 

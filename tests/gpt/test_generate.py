@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.cli import main
+from tensorpar.cli.main import main
 from tensorpar.gpt.generate import format_completions, generate, generate_rank, left_pad
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, kept_tokens, pick_token

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.train import TrainConfig, train_rank
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.runtime.seeds import derive_seed
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.loop import train_rank
 
 from tests_common import TINY_GPT, tensorpar_here
 

@@ -15,11 +15,12 @@ import transformers
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
-from tensorpar.gpt.data import default_corpus
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.gpt.train import TrainConfig, train_model_rank
 from tensorpar.hf.pretrained import from_pretrained
-from tensorpar.hf.train import resolve_hf
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.data import default_corpus
+from tensorpar.train.hf_recipe import resolve_hf
+from tensorpar.train.loop import train_model_rank
 
 from tests_common import tensorpar_here
 
@@ -85,7 +86,7 @@ def resolve(path, **flags):
 
 def train_rank(cfg, recipe, resume_from):
     """``train_model_rank``; after a compiled run dynamo's caches are emptied: they hold the
-    model, and the pool's rank runs other tests next (as tests/gpt/test_compile_train.py)."""
+    model, and the pool's rank runs other tests next (as tests/train/test_compile_train.py)."""
     try:
         return train_model_rank(cfg, recipe, resume_from)
     finally:

@@ -10,12 +10,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tensorpar.cli.verify import dense_shard  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import LLAMA_PLAN, plan_for, translate_hf_plan  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.hf.styles import is_conv1d  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
-from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
 from tests_common import tensorpar_here  # noqa: E402
 from tp_check import assert_close  # noqa: E402
@@ -78,7 +78,8 @@ KV_HEADS = {"gpt2": 4, "llama": 2, "llama-mqa": 1, "qwen2-tied": 2, "qwen3": 2}
 def test_from_pretrained_matches_dense(ranks, hf_dirs, family, n):
     """Logits and loss to 1e-5, identical greedy tokens, and after one SGD step every weight
     shard equal to its slice of the dense model's; each rank holds about 1/n of the weights.
-    The blocks run the fused ops (``hf/regions.py``), with the collectives of tensorpar's GPT."""
+    The blocks run the fused ops (``hf/fused_blocks.py``), with the collectives of tensorpar's
+    GPT."""
     results = ranks(n).run(_parity_body, str(hf_dirs / family), "load")
     for r in results:
         assert r["params"] <= r["dense"] / n + 0.15 * r["dense"], r  # + replicated norms etc.

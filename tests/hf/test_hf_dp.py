@@ -24,13 +24,13 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from tensorpar.gpt.optim import adamw  # noqa: E402
+from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.dp.mesh import init_parallel  # noqa: E402
+from tensorpar.dp.wrap import data_parallel, inner, is_dp_sharded  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import LLAMA_PLAN  # noqa: E402
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from tensorpar.scale.data_parallel import data_parallel, inner, is_dp_sharded  # noqa: E402
-from tensorpar.scale.mesh import init_parallel  # noqa: E402
-from tensorpar.transformer.verify import dense_shard  # noqa: E402
+from tensorpar.train.optim import adamw  # noqa: E402
 
 from tp_check import assert_close  # noqa: E402
 

@@ -145,7 +145,7 @@ def test_seed_dropout_gives_each_step_and_dp_replica_its_masks(ranks):
 def _inductor_draws_eager_masks():
     import torch._dynamo as dynamo
 
-    from tensorpar.gpt.speedups import loss_function
+    from tensorpar.train.compute import loss_function
 
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,

@@ -12,12 +12,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.hf.fused_blocks import InRegionColumn  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
-from tensorpar.hf.regions import InRegionColumn  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
 from tensorpar.runtime.groups import tp_size  # noqa: E402
-from tensorpar.transformer.verify import dense_shard  # noqa: E402
 
 from tp_check import assert_close  # noqa: E402
 

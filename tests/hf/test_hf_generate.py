@@ -10,9 +10,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tensorpar.cli import main  # noqa: E402
+from tensorpar.cli.hf import generate_hf_rank  # noqa: E402
+from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
-from tensorpar.hf.cli import generate_hf_rank  # noqa: E402
 
 from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
 

@@ -30,7 +30,7 @@ from hf_runs import (  # noqa: E402
 
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
-from tensorpar.plan.comm import predicted_comm  # noqa: E402
+from tensorpar.planner.comm import predicted_comm  # noqa: E402
 
 from tests_common import tensorpar_here  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):
     _same(again["rows"], rows, 1e-6, "recomputed")
     peak = [r["sizes"][0]["peak_memory"] for r in (result, again)]
     assert peak[1] < 0.9 * peak[0], peak
-    predicted = predicted_comm(recipe.spec(), TRAIN["batch_size"], TRAIN["seq_len"], 2,
+    predicted = predicted_comm(recipe.shape(), TRAIN["batch_size"], TRAIN["seq_len"], 2,
                                recompute="full")
     assert again["comm"]["counts"] == dict(predicted["counts"])
     assert again["comm"]["bytes"] == dict(predicted["bytes"])
@@ -216,6 +216,6 @@ def test_summary_counts_the_collectives_exactly(runs, sp):
     """The summary's analytic count for a converted Llama at TP=2 equals what the run measured,
     kind by kind, calls and bytes; under SP too (its embedding all-reduced, hf/sequence.py)."""
     _, _, result, recipe = runs("llama", 2, sp)
-    predicted = predicted_comm(recipe.spec(), TRAIN["batch_size"], TRAIN["seq_len"], 2, sp)
+    predicted = predicted_comm(recipe.shape(), TRAIN["batch_size"], TRAIN["seq_len"], 2, sp)
     assert result["comm"]["counts"] == dict(predicted["counts"])
     assert result["comm"]["bytes"] == dict(predicted["bytes"])

@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tensorpar.hf.cli import run_verify_hf  # noqa: E402
+from tensorpar.cli.hf import run_verify_hf  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402

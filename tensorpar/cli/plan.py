@@ -1,0 +1,273 @@
+"""``tensorpar plan``: per-rank memory and communication of a training step, before running it.
+
+::
+
+    tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB --seq 4096
+    tensorpar plan --config path/to/config.json --tp 2 --dtype fp32,bf16 --json
+    tensorpar plan --model gpt2 --tp 4 --split       # which split of gelu(X W1) W2 moves least
+    tensorpar plan --model llama-2-70b --tp 8 --dp 8 --dp-mode fsdp --batch 8 --seq 4096
+
+Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies). What the command
+says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
+with ``--json``, so that stdout stays one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from tensorpar.gpt.shape import load_shape
+from tensorpar.planner.activations import DEVICES
+from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
+from tensorpar.planner.data_parallel import check_dp, dp_comm
+from tensorpar.planner.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory
+from tensorpar.planner.report import fmt, print_tables, unit_for, write_png
+from tensorpar.planner.shapes import PRESETS, preset
+
+DEFAULT_MODEL = "llama-2-7b"
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+DESCRIPTION = """\
+Per-rank memory (weights, AdamW states, gradients, activations, the peak) and communication
+of one training step at each TP size and precision, with or without data parallelism (FSDP2 or
+DDP over --dp copies), computed from the model's shape before anything runs; and whether it fits
+the device memory.
+
+examples:
+  tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype fp32,bf16 --device-memory 80GB
+  tensorpar plan --config runs/gpt/step-00000400 --tp 1,2,4 --dtype fp32
+  tensorpar plan --model gpt2 --tp 4 --split --png plan.png
+  tensorpar plan --model llama-2-7b --tp 1,2 --dp 8 --dp-mode ddp --batch 8 --device cuda
+"""
+
+
+
+def smallest_fitting(rows: list[dict]) -> dict | None:
+    """The row with the smallest TP size that fits, or None."""
+    fitting = [r for r in rows if r.get("fits")]
+    return min(fitting, key=lambda r: r["tp"]) if fitting else None
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10, '24GiB' -> 24·2^30, '1.5e9B' -> 1.5e9. A size needs its unit: '80'
+    alone (80 bytes? 80 GB?) is refused."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _UNITS | {"": 0}:
+        raise ValueError(f"--device-memory {text!r}: expected a size with a unit, like 80GB, "
+                         "24GiB or 512MB")
+    if not m.group(2):
+        n = m.group(1)
+        raise ValueError(f"--device-memory {text!r}: give the unit, e.g. " +
+                         (f"{n}B (bytes)" if "e" in n else f"{n}GB or {n}GiB"))
+    size = float(m.group(1)) * _UNITS[m.group(2)]
+    if size <= 0:
+        raise ValueError(f"--device-memory {text!r} must be above 0")
+    return size
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected integers like 1,2,4,8") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} {text!r}: every value must be >= 1")
+    return values
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``plan`` to ``subparsers``; returns its parser."""
+    p = subparsers.add_parser("plan", help="per-rank memory and communication of a training step",
+                              description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None,
+                     help=f"a preset: {', '.join(PRESETS)} (default {DEFAULT_MODEL}, with a note "
+                     "on stderr)")
+    src.add_argument("--config", metavar="FILE",
+                     help="instead of --model: a JSON file (a GPTConfig, a checkpoint's "
+                     "manifest.json or its directory, a Hugging Face config.json); no default")
+    p.add_argument("--tp", default="1,2,4,8",
+                   help="TP size, or a list like 1,2,4,8: one row each (default 1,2,4,8)")
+    p.add_argument("--dtype", default="bf16",
+                   help=f"{', '.join(DTYPES)}, a list, or all. bf16: Megatron-style mixed "
+                   "precision at 16 B/param (18 with its fp32 gradient buffer); bf16-autocast: "
+                   "what tensorpar train --dtype bf16 does (default bf16)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="plan with sequence parallelism (default off)")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="activation recomputation: none, selective (the attention core) or "
+                   "full (each block) (default none)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per step, split over the --dp copies as tensorpar train "
+                   "splits its --batch-size (default: a manifest's, else 1 per copy)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: a manifest's, else 2048)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel copies of the TP-split model (the world is TP x DP "
+                   "ranks); 1 is none (default 1)")
+    p.add_argument("--dp-mode", default="fsdp",
+                   help="how the copies share: fsdp (FSDP2, weights, gradients and AdamW states "
+                   "sharded over the copies, each block gathered for its forward and backward) "
+                   "or ddp (DDP, replicated, gradients all-reduced in buckets) (default fsdp)")
+    p.add_argument("--optimizer", choices=ADAMW, default="fused",
+                   help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
+                   "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
+                   "for-loop (torch's default on cpu) two of the largest (default fused)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where the step runs: cuda counts what torch's CUDA kernels keep for "
+                   "backward (RMSNorm's fused kernel keeps no normalized copy; the attention "
+                   "output is read by the output projection as it is), cpu what its CPU "
+                   "kernels keep (default cpu)")
+    p.add_argument("--device-memory", default="80GB",
+                   help="memory per device, with its unit: 80GB, 24GiB, 512MB (default 80GB)")
+    p.add_argument("--reserve", type=float, default=0.10,
+                   help="fraction of device memory kept free for fragmentation, the CUDA "
+                   "context and buffers, from 0 up to 1 (default 0.1)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON instead of tables (default: tables)")
+    p.add_argument("--png", metavar="FILE",
+                   help="also write a chart to FILE: per-rank memory by component against TP "
+                   "size (default: no chart)")
+    p.add_argument("--split", action="store_true",
+                   help="also compare the ways of splitting gelu(X W1) W2, by bytes moved "
+                   "(default off)")
+    p.set_defaults(func=main)
+    return p
+
+
+def _preset(name: str):
+    try:
+        return preset(name)
+    except ValueError:
+        raise ValueError(f"--model {name!r}: not a preset; choose from {', '.join(PRESETS)}, "
+                         "or give --config FILE") from None
+
+
+def _run_shape(args) -> tuple[int, int]:
+    """--batch and --seq, defaulting to a checkpoint manifest's training run (else one
+    sequence per data-parallel copy, 2048 tokens)."""
+    train = {}
+    if args.config and (args.batch is None or args.seq is None):
+        try:
+            path = Path(args.config)
+            path = path / "manifest.json" if path.is_dir() else path
+            train = json.loads(path.read_text()).get("train") or {}
+        except (OSError, ValueError, AttributeError):
+            train = {}
+    batch = args.batch if args.batch is not None else train.get("batch_size", args.dp)
+    seq = args.seq if args.seq is not None else train.get("seq_len", 2048)
+    return batch, seq
+
+
+def build(args) -> dict:
+    """Everything the command shows, as plain data (what --json prints)."""
+    check_dp(args.dp, args.dp_mode)  # before anything is read
+    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    args.batch, args.seq = _run_shape(args)
+    tps = _ints(str(args.tp), "--tp")
+    dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"--dtype {d!r}: expected one of {', '.join(DTYPES)} or all")
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    dp, dp_mode = args.dp, args.dp_mode
+    if args.batch % dp:
+        raise ValueError(f"--batch {args.batch} does not split over --dp {dp}: each copy takes "
+                         "batch/dp sequences")
+    device = parse_bytes(args.device_memory)
+    if not 0 <= args.reserve < 1:
+        raise ValueError(f"--reserve {args.reserve}: expected a fraction from 0 up to 1 "
+                         "(0.1 keeps 10% of the device free)")
+    rows = []
+    for dtype in dtypes:
+        for tp in tps:
+            try:
+                rows.append(plan_memory(shape, tp, args.batch, args.seq, dtype,
+                                        args.sequence_parallel, args.recompute, device,
+                                        args.reserve, args.optimizer, device=args.device,
+                                        dp=dp, dp_mode=dp_mode))
+            except ValueError as e:
+                raise ValueError(f"--tp {tp} for {shape.name}: {e}") from None
+    verdicts = {}
+    unit = unit_for(rows)
+    split = f" x DP={dp} ({dp_mode})" if dp > 1 else ""
+    for dtype in dtypes:
+        best = smallest_fitting([r for r in rows if r["dtype"] == dtype])
+        verdicts[dtype] = (f"{dtype}: TP={best['tp']}{split} is the smallest that fits "
+                           f"({fmt(best['total'], unit)} of {fmt(best['usable'], unit)} "
+                           f"{unit[1]} usable per device)"
+                           if best else f"{dtype}: no TP size in {tps}{split} fits "
+                           f"{args.device_memory}")
+    comm_dtype = "fp32" if dtypes == ["fp32"] else "bf16"
+    rec = "full" if args.recompute == "full" else "none"
+    comm = {tp: predicted_comm(shape, args.batch // dp, args.seq, tp, args.sequence_parallel,
+                               comm_dtype, rec) for tp in tps}
+    out = {"model": shape.name, "params": shape.params(), "rows": rows, "verdict": verdicts,
+           "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
+           "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
+    if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16
+        out["dp_comm"] = {dtype: {str(tp): dp_comm(shape, tp, dp, dp_mode,
+                                                   2 if dtype == "bf16" else 4) for tp in tps}
+                          for dtype in dtypes}
+    tp0 = tps[0]  # the comparison at the first TP size asked for
+    fp32, bf16 = (plan_memory(shape, tp0, args.batch, args.seq, dtype, args.sequence_parallel,
+                              args.recompute, optimizer=args.optimizer, device=args.device,
+                              dp=dp, dp_mode=dp_mode) for dtype in ("fp32", "bf16"))
+    out["savings_16bit"] = {
+        "tp": tp0, "weights_fp32": 4 * shape.params(), "weights_16bit": 2 * shape.params(),
+        "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],
+        "peak_fp32": fp32["total"], "peak_bf16": bf16["total"],
+        "note": "16-bit halves the weights (what inference needs) and roughly the activations; "
+                "mixed-precision training keeps fp32 master weights and AdamW moments (16 B per "
+                "parameter either way), so the training peak falls only where activations "
+                "dominate it"}
+    if args.split:
+        out["split"] = mlp_split_comparison(args.batch, args.seq, shape.dim, shape.hidden_dim,
+                                            max(tps), 2 if comm_dtype == "bf16" else 4)
+    return out
+
+
+def _check_png(path: str) -> Path:
+    """``--png``'s file, or ValueError (one line) if it cannot be written: checked before the
+    plan is built, so a mistake costs nothing and leaves nothing behind."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--png {out} is a directory; name the file, e.g. {out / 'plan.png'}")
+    if out.suffix.lower() != ".png":
+        raise ValueError(f"--png {out}: expected a file name ending in .png")
+    if not out.parent.is_dir():
+        raise ValueError(f"--png {out}: directory {out.parent} does not exist")
+    return out
+
+
+def main(args) -> int:
+    """Build the plan and write the chart first: any mistake is one line on stderr (exit 2),
+    with nothing printed before it. Then the notes, the tables or JSON, and ``wrote PATH``."""
+    try:
+        png = _check_png(args.png) if args.png else None
+        data = build(args)
+        if png:
+            write_png(data, png, parse_bytes(args.device_memory))
+    except ValueError as e:
+        print(f"tensorpar plan: {e}", file=sys.stderr)
+        return 2
+    if args.model is None and args.config is None:
+        print(f"tensorpar plan: planning {DEFAULT_MODEL} (the default; --model NAME or "
+              "--config FILE for another)", file=sys.stderr)
+    notes = sys.stderr if args.json else sys.stdout  # stdout: only the JSON with --json
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        print_tables(data, args)
+    if png:
+        print(f"wrote {png}", file=notes)
+    return 0

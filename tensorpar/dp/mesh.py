@@ -1,0 +1,83 @@
+"""The 2D device mesh: data parallelism (``dp``) across tensor-parallel groups (``tp``).
+
+``init_parallel(tp=2, dp=4)`` starts torch.distributed (as ``init_tensor_parallel`` does, from
+torchrun's environment) and returns a ``torch.distributed.device_mesh.DeviceMesh`` with the dims
+("dp", "tp"). The TP ranks of one group are consecutive: with torchrun's node-major rank order,
+a TP group stays inside a node (on NVLink) and data parallelism runs across nodes::
+
+    world 8 = dp 2 x tp 4        tp group   ranks         dp group   ranks
+                                 0          0 1 2 3       0          0 4
+                                 1          4 5 6 7       1          1 5   (... 2 6, 3 7)
+
+Every tensorpar layer takes ``mesh["tp"].get_group()`` as its ``group``; FSDP2 and DDP take the
+``mesh["dp"]`` dimension (``data_parallel.py``). Everything is checked before the mesh is built
+(before any collective), so a size that does not fit the world fails alike on every rank.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from tensorpar.runtime.groups import device_for, start_process_group, world_size_to_be
+
+if TYPE_CHECKING:  # imported on use: torch's mesh module pulls in DTensor (most of a second)
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("dp", "tp")
+
+
+def mesh_sizes(world: int, tp: int | None = None, dp: int | None = None) -> tuple[int, int]:
+    """(dp, tp) for ``world`` ranks: a size left out is what the other leaves of the world
+    (tp defaults to the whole world when both are). ValueError, naming the numbers, when they
+    do not multiply to ``world``."""
+    for flag, value in (("tp", tp), ("dp", dp)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} {value} must be >= 1")
+    if tp is None and dp is None:
+        tp = world
+    if tp is None:
+        if world % dp:
+            raise ValueError(f"--dp {dp} does not divide the world size {world}")
+        tp = world // dp
+    if dp is None:
+        if world % tp:
+            raise ValueError(f"--tp {tp} does not divide the world size {world}")
+        dp = world // tp
+    if tp * dp != world:
+        raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but the world has {world} "
+                         "(torchrun's --nnodes x --nproc-per-node)")
+    return dp, tp
+
+
+def init_parallel(tp: int | None = None, dp: int | None = None, *, backend: str | None = None,
+                  timeout: timedelta | None = None,
+                  check_collectives: bool | None = None) -> DeviceMesh:
+    """Start torch.distributed from the launcher's environment and return the ("dp", "tp") mesh.
+
+    tp, dp: the tensor- and data-parallel sizes; one left out is the world divided by the other
+        (under torchrun ``dp`` defaults to world / tp). ``tp * dp`` must be the world size.
+    backend, timeout, check_collectives: as for ``init_tensor_parallel``.
+
+    Use ``mesh["tp"].get_group()`` for tensorpar's layers, ``GPT`` and ``parallelize``, and
+    ``mesh`` for :func:`tensorpar.dp.wrap.data_parallel`. On one process (no torchrun)
+    it is a 1 x 1 mesh.
+    """
+    dp_size, tp_size = mesh_sizes(world_size_to_be(), tp, dp)  # before any collective
+    start_process_group(backend=backend, timeout=timeout, check_collectives=check_collectives)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_for().type, (dp_size, tp_size), mesh_dim_names=MESH_DIMS)
+
+
+def dp_group(mesh: DeviceMesh | None):
+    """The data-parallel group of ``mesh`` (None without a mesh: no data parallelism)."""
+    return None if mesh is None else mesh["dp"].get_group()
+
+
+def dp_size(mesh: DeviceMesh | None) -> int:
+    return 1 if mesh is None else mesh["dp"].size()
+
+
+def dp_rank(mesh: DeviceMesh | None) -> int:
+    return 0 if mesh is None else mesh["dp"].get_local_rank()

@@ -1,0 +1,112 @@
+"""What one transformer block keeps for backward, tensor by tensor, per device.
+
+The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of the
+step), and Korthikanti et al.'s formula it is shown against (``paper_activations``). ``block_terms``
+names each term; ``benchmarks/saved_activations.py`` prints them next to the tensors a real forward
+saves (``saved_tensors_hooks``), on CPU or on a GPU. Two kernels keep different tensors on CPU and
+CUDA: RMSNorm (torch's fused CUDA kernel, and tensorpar's CPU one in fp32, keep its input and rstd
+only; under CPU autocast it is composed of ops) and attention (CUDA's memory-efficient kernel, the
+one fp32 gets, hands the output projection a view of its own output instead of a copy).
+"""
+
+from __future__ import annotations
+
+from tensorpar.planner.shapes import ModelShape
+
+# where the step runs: the saved tensors of RMSNorm and attention differ (``block_terms``)
+DEVICES = ("cpu", "cuda")
+# torch's SDPA kernels, by what their backward keeps: "cpu" (the CPU flash kernel), CUDA's
+# "flash", "efficient" (its output's storage doubles as the o_proj input) and "cudnn"; the math
+# fallback, which keeps the s x s scores, is not modelled
+ATTENTION = ("cpu", "flash", "efficient", "cudnn")
+
+
+def block_copies(shape: ModelShape, s: dict) -> int:
+    """The bf16 copies of one block's matmul weights that autocast makes and backward keeps."""
+    D, hd, hl, kvl, H = shape.dim, shape.head_dim, s["heads"], s["kv_heads"], s["hidden"]
+    return ((hl + 2 * kvl) * hd * D + hl * hd * D + (3 if shape.gated_mlp else 2) * H * D) * 2
+
+
+def _attention_kernel(device: str, autocast: bool, attention: str | None) -> str:
+    """The SDPA kernel the planner assumes: given, or the one torch picks for causal training
+    attention without a mask (measured on torch 2.13 CPU and 2.11 CUDA on an H100)."""
+    if attention is not None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTION)}")
+        return attention
+    if device == "cpu":
+        return "cpu"
+    return "cudnn" if autocast else "efficient"  # flash and cuDNN take no fp32
+
+
+def block_terms(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
+                autocast: bool, dropout: bool = False, regather: bool = False,
+                device: str = "cpu", attention: str | None = None) -> dict:
+    """Bytes one block keeps for backward on one rank, term by term ("total": their sum).
+    N tokens (B·T), Ns under SP (N/t). regather: under SP the column ops keep their input shard
+    (all-gathered again in backward). device: "cpu" or "cuda" (see ``DEVICES``); attention: the
+    SDPA kernel (``ATTENTION``; None: the one torch picks there)."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)}")
+    kernel = _attention_kernel(device, autocast, attention)
+    D, hd = shape.dim, shape.head_dim
+    hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
+    T = N // B
+    t = {"residual": 2 * Ns * D * 4}  # the residual stream after attention and after the MLP
+    if shape.norm == "layer":  # layer_norm: mean and rstd
+        t["norms"] = 2 * (2 * Ns * 4)
+    elif device == "cuda" or not autocast:  # torch's CUDA kernel, or on CPU in fp32 tensorpar's
+        t["norms"] = 2 * Ns * 4  # (parallel.norm.rms_norm): the input (the residual) + rstd
+    else:  # F.rms_norm on CPU under autocast, composed of ops: x·rstd (fp32) and rstd
+        t["norms"] = 2 * (Ns * D * 4 + Ns * 4)
+    # the column layers' input: the normed (SP: gathered) activations, in autocast's dtype; the
+    # unfused path under autocast casts it once per projection
+    n_cols_attn, n_cols_mlp = (1, 1) if fused or not autocast else (3, 2 if shape.gated_mlp else 1)
+    t["columns"] = (n_cols_attn + n_cols_mlp) * N * D * act
+    if regather:  # one shard per column op, cast once to the matmul dtype
+        t["columns"] = 2 * Ns * D * act
+    q = N * hl * hd * act
+    if s["kv_identity"]:  # k and v read directly: the rotated k and the projection's v
+        kv = 2 * N * kvl * hd * act
+    else:  # index_select makes one K and V per query head
+        kv = 2 * N * hl * hd * act
+    t["sdpa q, k, v"] = q + kv  # the rotated q, k (index_selected), v
+    t["sdpa output"] = q
+    # CUDA's memory-efficient kernel writes the output as (B, T, h, hd) and returns its
+    # (B, h, T, hd) transpose: the o_proj input (B, T, h·hd) is a view of it. After the CPU
+    # kernel, CUDA's flash and cuDNN's the reshape copies (measured, torch 2.11 on an H100).
+    t["o_proj input"] = 0 if kernel == "efficient" else q
+    t["sdpa logsumexp"] = B * hl * T * 4
+    # under autocast each apply_rotary casts the fp32 cos and sin tables (T, hd/2) to bf16, for
+    # q and for k: four copies per block (in fp32 the shared table is used as it is)
+    t["rotary tables"] = 4 * T * (hd // 2) * 2 if autocast else 0
+    t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
+    # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
+    t["weight copies"] = block_copies(shape, s) if autocast else 0
+    t["dropout masks"] = 2 * Ns * D if dropout else 0  # two residual branches, 1 B each
+    t["total"] = sum(t.values())
+    return t
+
+
+def block_saved(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
+                 autocast: bool, dropout: bool = False, regather: bool = False,
+                 device: str = "cpu", attention: str | None = None) -> int:
+    """Bytes one block keeps for backward on one rank (``block_terms``' total)."""
+    return block_terms(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
+                       attention)["total"]
+
+
+def paper_activations(shape: ModelShape, tp: int, batch: int, seq: int,
+                      sequence_parallel: bool = False, recompute: str = "none") -> int:
+    """Korthikanti et al. 2022 (eq. 1-5), bytes per rank for all layers, 16-bit activations."""
+    s, b, h, a, t = seq, batch, shape.dim, shape.n_head, tp
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        per_layer = 2 * s * b * h / (t if sequence_parallel else 1)
+    elif sequence_parallel:
+        per_layer = s * b * h / t * (34 + scores)
+    elif t > 1:
+        per_layer = s * b * h * (10 + 24 / t + scores / t)
+    else:
+        per_layer = s * b * h * (34 + scores)
+    return round(shape.n_layer * per_layer)

@@ -1,0 +1,183 @@
+"""Communication of one training step, predicted: per kind and by source; and the MLP split.
+
+For tensorpar's GPT (``gpt/model.py``) the prediction is exact: it equals what ``CollectiveCounter``
+measures around forward, backward and ``layout.clip_grad_norm_`` (calls, payload bytes, ring bytes
+per rank), as ``tests/planner/test_plan.py`` checks. With N = B·T tokens, width D, TP size
+t > 1::
+
+    per block   forward: attention g + MLP g      2 all-reduces of N·D   (Megatron: 2 per layer)
+                backward: attention f + MLP f     2 all-reduces of N·D
+                SP: each all-reduce becomes an all-gather + a reduce-scatter of the same N·D,
+                and backward all-gathers again the N/t·D input shard attention's and the MLP's
+                column side kept instead of the gathered input (Megatron; payload N·D in the
+                matmuls' dtype), unless ``keep_gathered_input``
+    embedding   forward g (SP: reduce-scatter; its backward all-gather; a converted Hugging
+                Face model all-reduces it and splits at the first layer, ``hf/sequence.py``)
+    LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter and the
+                re-gather of the kept shard backward)
+    loss        1 all-gather of 2·t·N fp32 statistics (per token the logsumexp and the target
+                logit of each rank's slice; the GPT passes the vocabulary size, so the shards'
+                sizes do not travel and no all-reduce of the target logits is needed)
+    grad norm   1 all-reduce of one fp32 scalar
+    SP norms    backward: 1 all-reduce of each norm's weight gradient (2 per block + final)
+    shared KV   backward: 1 all-reduce per block of the dense K and V weight gradient (fp32),
+                when some KV head is held by several ranks (fewer KV heads than ranks)
+    recompute   each block's forward runs again in backward up to its last saved tensor: the
+                attention's exit and the MLP's entry (SP: all-gather) run again, not the MLP's
+                exit (non-reentrant checkpointing stops once every saved tensor is recomputed;
+                a Hugging Face model's gradient checkpointing runs the MLP's exit again too, and
+                so does the GPT with dropout, whose last saved tensor is the mask after that
+                exit: ``ModelShape.recompute_block_exit``); under SP the recomputed column side
+                still re-gathers its shard in its backward. These are eager counts (what the
+                trainer's summary measures): compiled, the partitioner picks what it recomputes
+
+Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
+all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
+master weights): the row layers' outputs (forward g) and the re-gathered input shards travel in
+bf16, input gradients in fp32 (the residual stream stays fp32), loss statistics and weight
+gradients in fp32.
+"""
+
+from __future__ import annotations
+
+from tensorpar.planner.shapes import ModelShape
+from tensorpar.runtime.counting import KINDS, ring_share
+from tensorpar.transformer.attention import head_layout
+
+
+def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
+                   sequence_parallel: bool = False, dtype: str = "fp32",
+                   recompute: str = "none", keep_gathered_input: bool = False) -> dict:
+    """Collectives of one step of tensorpar's GPT of ``shape`` (forward, backward, grad norm).
+
+    keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
+    (no re-gather there), as its ``keep_gathered_input`` option.
+
+    Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
+    "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
+    analytic activation volume (4 N·D per layer, payload) for comparison.
+    """
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r}: expected fp32 or bf16")
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute {recompute!r}: tensorpar's GPT has none or full")
+    if sequence_parallel and seq < tp:
+        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
+                         "least one token per rank")
+    N, D, L, t = batch * seq, shape.dim, shape.n_layer, tp
+    rows: list[dict] = []
+
+    def add(source: str, phase: str, kind: str, calls: int, payload: int) -> None:
+        if t == 1 or calls == 0:
+            return
+        rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
+                     "bytes": calls * payload,
+                     "ring_bytes": calls * round(payload * ring_share(kind, t))})
+
+    out_b = 2 if dtype == "bf16" else 4  # the row layers' output under autocast
+    sp = sequence_parallel
+    # under SP uneven shards travel padded to the largest, ceil(seq / t) tokens each
+    act = batch * (t * -(-seq // t) if sp else seq) * D
+
+    def exit_region(source: str, phase: str, calls: int, dtype_bytes: int) -> None:
+        add(source, phase, "reduce_scatter" if sp else "all_reduce", calls, act * dtype_bytes)
+
+    def exit_backward(source: str, calls: int, dtype_bytes: int) -> None:
+        if sp:  # the reduce-scatter's backward all-gathers the gradient
+            add(source, "backward", "all_gather", calls, act * dtype_bytes)
+
+    def enter_region(source: str, phase: str, calls: int) -> None:
+        if sp:  # all-gather of the (fp32) normed activations
+            add(source, phase, "all_gather", calls, act * 4)
+
+    def enter_backward(source: str, calls: int) -> None:
+        add(source, "backward", "reduce_scatter" if sp else "all_reduce", calls, act * 4)
+
+    def regather(source: str, calls: int) -> None:
+        if sp and not keep_gathered_input:  # the kept shard, cast to the matmuls' dtype
+            add(source, "backward", "all_gather", calls, act * out_b)
+
+    if sp and shape.sp_embedding_all_reduce:  # the whole (B, T, D), then split: no padding
+        add("embedding", "forward", "all_reduce", 1, N * D * 4)
+    else:
+        exit_region("embedding", "forward", 1, 4)
+    exit_backward("embedding", 1, 4)  # the split's backward all-gathers as the scatter's does
+    for part in ("attention", "mlp"):
+        enter_region(f"{part} (x{L} blocks)", "forward", L)
+        exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
+        enter_backward(f"{part} (x{L} blocks)", L)
+        regather(f"{part} input re-gather (x{L} blocks)", L)
+        exit_backward(f"{part} (x{L} blocks)", L, out_b)
+    if recompute == "full":
+        enter_region("recompute: attention", "backward", L)
+        exit_region("recompute: attention", "backward", L, out_b)
+        enter_region("recompute: mlp entry", "backward", L)
+        if shape.recompute_block_exit:
+            exit_region("recompute: mlp exit", "backward", L, out_b)
+    enter_region("LM head f", "forward", 1)
+    enter_backward("LM head f", 1)
+    regather("LM head input re-gather", 1)
+    add("loss statistics", "forward", "all_gather", 1, 2 * t * N * 4)
+    if sp:
+        norm_elems = D * (2 if shape.norm == "layer" else 1)
+        add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,
+            norm_elems * 4)
+        if shape.bias:
+            add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * 4)
+    if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
+        kv = 2 * shape.n_kv_head * shape.head_dim * (D + (shape.bias or shape.qkv_bias))
+        add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * 4)
+    add("grad norm", "step", "all_reduce", 1, 4)
+    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
+             for k in ("calls", "bytes", "ring_bytes")}
+    minimum = 4 * L * N * D * out_b if dtype == "fp32" else 2 * L * N * D * (out_b + 4)
+    return {"counts": {k: v for k, v in total["calls"].items() if v},
+            "bytes": {k: v for k, v in total["bytes"].items() if v},
+            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},
+            "breakdown": rows, "minimum_block_bytes": minimum if t > 1 else 0}
+
+
+def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,
+                         dtype_bytes: int = 2) -> list[dict]:
+    """Forward + backward communication of gelu(X W1) W2 under the four ways to split W1, W2.
+
+    X is (N, D) replicated on every rank, W1 (D, H), W2 (H, D), N = batch·seq, t = tp. The output
+    Y and the input gradient dX must end complete on every rank. gelu needs complete
+    pre-activations, so a split that leaves X W1 as partial sums must all-reduce N·H first::
+
+        split              forward               backward              ring bytes per rank
+        column-then-row    AR(N·D)               AR(N·D)               (t-1)/t ·  4 N·D
+        row-then-column    AR(N·H) + AG(N·D)     AR(N·H) + AG(N·D)     (t-1)/t · (4 N·H + 2 N·D)
+        column-then-column AG(N·H) + AG(N·D)     RS(N·H) + AR(N·D)     (t-1)/t · (2 N·H + 3 N·D)
+        row-then-row       AR(N·H) + AR(N·D)     AG(N·H) + AG(N·D)     (t-1)/t · (3 N·H + 3 N·D)
+
+    Column-then-row (Megatron) wins because W1 by columns gives each rank complete
+    pre-activations for its H/t hidden units (gelu is local) and W2 by rows consumes exactly
+    those units, leaving one partial (N, D) sum: nothing of size N·H ever moves, and H is
+    usually 4 D (8/3 D with SwiGLU). Row splits of W1 make partial pre-activations (an N·H
+    all-reduce before gelu); column splits of W2 need all of H on each rank (an N·H all-gather)
+    and leave the output split by columns (an N·D all-gather). Returns rows sorted by ring bytes.
+    """
+    N, D, H, t = batch * seq, dim, hidden, tp
+    nd, nh = N * D * dtype_bytes, N * H * dtype_bytes
+
+    def ring(kind, payload):
+        return round(payload * ring_share(kind, t)) if t > 1 else 0
+
+    plans = {
+        "column-then-row (Megatron)": [("forward", "all_reduce", nd),
+                                       ("backward", "all_reduce", nd)],
+        "row-then-column": [("forward", "all_reduce", nh), ("forward", "all_gather", nd),
+                            ("backward", "all_reduce", nh), ("backward", "all_gather", nd)],
+        "column-then-column": [("forward", "all_gather", nh), ("forward", "all_gather", nd),
+                               ("backward", "reduce_scatter", nh), ("backward", "all_reduce", nd)],
+        "row-then-row": [("forward", "all_reduce", nh), ("forward", "all_reduce", nd),
+                         ("backward", "all_gather", nh), ("backward", "all_gather", nd)],
+    }
+    out = []
+    for name, ops in plans.items():
+        out.append({"split": name, "calls": len(ops) if t > 1 else 0,
+                    "collectives": ", ".join(f"{p} {k} {b:,} B" for p, k, b in ops),
+                    "bytes": sum(b for *_, b in ops) if t > 1 else 0,
+                    "ring_bytes": sum(ring(k, b) for _, k, b in ops)})
+    return sorted(out, key=lambda r: (r["ring_bytes"], r["calls"]))

@@ -1,0 +1,270 @@
+"""Data parallelism on top of TP, planned: per-rank memory and the dp group's communication.
+
+What ``tensorpar.dp.wrap`` builds: ``dp`` copies of the TP-sharded model, each step's
+batch split over them, gradients averaged over the "dp" group, by torch's own engines.
+
+**FSDP2** (``fully_shard`` each block, then the root: embedding, final norm, LM head). Each rank
+keeps 1/dp of its TP shard of every weight, gradient and AdamW state: each tensor's dim 0 is cut
+into dp chunks of c = ceil(d0/dp) rows (``torch.chunk``); weights and gradients are stored padded
+to c rows, AdamW states as the chunk itself (the last ranks' chunks may be shorter or empty).
+Per step, with U_r and U_b the root's and a block's bytes padded to dp·c rows::
+
+    forward    all-gather the root (kept to the end of backward: torch never reshards the root
+               after forward), then each block, freed after its forward
+    backward   all-gather each block again (the next one is prefetched while one runs), then
+               reduce-scatter its gradients (U_b in, U_b/dp out); the root's last
+    calls      all-gather 2L + 1, reduce-scatter L + 1, payload U_r or U_b each
+
+Memory per rank, above the sharded weights and states, at each moment of the step (tensorpar's
+activations of ``memory.tensorpar_memory`` for the rank's batch/dp sequences; "between" is the
+backward between two blocks, ``blocks["between"]``)::
+
+    loss backward          the TP plan's + U_r + U_b (the last block, prefetched)
+    block i's backward     between - (L-1-i)·kept + inside + U_r + U_b (its own)
+                           + U_b (block i-1 prefetched, i > 0) + U_b (block i+1's reduce-scatter
+                           input, kept until the next reduce-scatter, i < L-1)
+                           + (L-1-i)·U_b/dp (the later blocks' sharded gradients)
+    block i's reduce-      between - (L-i)·kept + U_r + U_b (prefetched, i > 0) + 2 U_b (the
+    scatter                gradients copied into the reduce-scatter input; gloo on CPU copies
+                           that input again) + U_b/dp (its output, CPU) + (L-1-i)·U_b/dp
+    embedding backward     U_r + the root's gradients (tied: + 2 embeddings, the two gradients
+                           of the shared table and their sum) + U_b + L·U_b/dp
+    root reduce-scatter    2 U_r + U_r/dp (CPU) + L·U_b/dp
+    optimizer step         the sharded gradients + the temporaries of the gradient norm and
+                           AdamW (``memory.step_temporaries``) of the sharded tensors
+
+Under bf16 autocast the bf16 copy autocast makes of each gathered weight is kept for backward,
+whole: 2 B per parameter of the TP shard, not divided by dp (in "between", as without DP). An
+FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16)`` would gather bf16 weights and keep none.
+
+**DDP** (``DistributedDataParallel``, gradient_as_bucket_view off): replicated weights, gradients
+and states as without data parallelism, plus its buckets, one more gradient-sized buffer kept for
+the whole run. Gradients are copied into the buckets as they become ready and each bucket is
+all-reduced in place (calls: the buckets, payload: every gradient). From the second step the
+buckets follow the order in which gradients became ready in the first: the first closes once it
+holds 1 MiB, the next ones 25 MiB (``bucket_cap_mb``), a bucket taking whole tensors until it
+reaches its limit.
+
+Both: the trainer all-reduces the loss over dp to report it (one fp32 scalar); under FSDP the
+gradient norm sums its squares over dp too (one more), and on a TP rank that holds a KV head
+another rank owns besides one of its own it gathers that K and V gradient over dp first (2L
+all-gathers, ``partly_owned``). Ring bytes per rank as in
+``runtime.counting``: 2(dp-1)/dp of the payload for an all-reduce, (dp-1)/dp for the others.
+Checked against ``MemoryMeter`` and ``CollectiveCounter`` in ``tests/planner/test_plan_dp.py``.
+"""
+
+from __future__ import annotations
+
+from tensorpar.planner.memory import rank_shapes, step_temporaries
+from tensorpar.planner.shapes import ModelShape
+from tensorpar.runtime.counting import KINDS, ring_share
+from tensorpar.transformer.attention import head_layout
+
+# the names of ``tensorpar.dp.wrap.DP_MODES`` (the planner imports no engine)
+DP_MODES = ("fsdp", "ddp")
+# DistributedDataParallel's defaults: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, then
+# bucket_cap_mb=25 (MiB)
+DDP_FIRST_BUCKET = 2**20
+DDP_BUCKET_CAP = 25 * 2**20
+
+
+def check_dp(dp: int, mode: str) -> None:
+    """ValueError, naming the flag, for a DP size below 1 or an unknown mode."""
+    if dp < 1:
+        raise ValueError(f"--dp {dp} must be >= 1")
+    if mode not in DP_MODES:
+        raise ValueError(f"--dp-mode {mode!r}: expected {' or '.join(DP_MODES)}")
+
+
+def tensor_shapes(shape: ModelShape, tp: int, rank: int = 0) -> dict[str, list[tuple]]:
+    """This TP rank's parameter tensors, (name, dim 0, elements per row), in the model's order:
+    "root" (what ``fully_shard(model)`` holds: embedding, position table, final norm, LM head)
+    and "block" (one block's)."""
+    s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
+    hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
+    layer = shape.norm == "layer"
+
+    def norm(name):
+        return [(f"{name}.weight", D, 1)] + ([(f"{name}.bias", D, 1)] if layer else [])
+
+    def linear(name, out, inp, bias):
+        return [(f"{name}.weight", out, inp)] + ([(f"{name}.bias", out, 1)] if bias else [])
+
+    qkv_bias = shape.bias or shape.qkv_bias
+    attention = linear("attn.q_proj", hl * hd, D, qkv_bias) + \
+        linear("attn.k_proj", kvl * hd, D, qkv_bias) + \
+        linear("attn.v_proj", kvl * hd, D, qkv_bias) + linear("attn.o_proj", D, hl * hd, shape.bias)
+    mlp = (linear("mlp.gate", H, D, shape.bias) if shape.gated_mlp else []) + \
+        linear("mlp.up", H, D, shape.bias) + linear("mlp.down", D, H, shape.bias)
+    block = norm("attn_norm") + attention + norm("mlp_norm") + mlp
+    root = [("embed.weight", s["vocab"], D)]
+    root += [("pos.weight", shape.learned_pos, D)] if shape.learned_pos else []
+    root += norm("norm") + ([] if shape.tie_embeddings else [("lm_head.weight", s["vocab"], D)])
+    return {"root": root, "block": block}
+
+
+def fsdp_elements(tensors: list[tuple], dp: int, dp_rank: int = 0) -> dict[str, int]:
+    """Elements of ``tensors`` under FSDP2 over ``dp`` ranks: "unsharded" (padded to dp·c rows,
+    what an all-gather makes and a reduce-scatter takes), "sharded" (c rows each, the padded
+    shard a rank stores), "local" (the rows of ``dp_rank``'s chunk, what AdamW's states copy),
+    "largest" (the largest local tensor)."""
+    out = {"unsharded": 0, "sharded": 0, "local": 0, "largest": 0}
+    for _, d0, row in tensors:
+        c = -(-d0 // dp)
+        local = max(0, min(c, d0 - dp_rank * c)) * row
+        out["unsharded"] += dp * c * row
+        out["sharded"] += c * row
+        out["local"] += local
+        out["largest"] = max(out["largest"], local)
+    return out
+
+
+def ready_order(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
+    """The parameter tensors in the order their gradients are complete in backward (DDP's
+    buckets follow it): the LM head, the final norm, each block from the last (its MLP from the
+    output side, then attention), then the embedding (a tied head's too: a table used twice is
+    complete once both uses have given their gradient)."""
+    t = tensor_shapes(shape, tp, rank)
+    root = {name.split(".")[0]: (name, d0, row) for name, d0, row in t["root"]}
+    order = [root["lm_head"]] if "lm_head" in root else []
+    order += [x for x in reversed(t["root"]) if x[0].startswith("norm.")]
+    for _ in range(shape.n_layer):
+        order += list(reversed(t["block"]))
+    order += [x for x in t["root"] if x[0].startswith(("embed.", "pos."))]
+    return order
+
+
+def ddp_buckets(shape: ModelShape, tp: int, rank: int = 0, grad_bytes: int = 4,
+                first: int = DDP_FIRST_BUCKET, cap: int = DDP_BUCKET_CAP) -> list[int]:
+    """Bytes of each of DDP's gradient buckets in a steady step (after its rebuild in the first
+    step), in order: tensors in ``ready_order`` fill a bucket until it holds ``first`` bytes,
+    then each next until ``cap``; the rest make the last."""
+    buckets, size, limit = [], 0, first
+    for _, d0, row in ready_order(shape, tp, rank):
+        size += d0 * row * grad_bytes
+        if size >= limit:
+            buckets.append(size)
+            size, limit = 0, cap
+    return buckets + ([size] if size else [])
+
+
+def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
+    """The K and V tensors of a block of which TP ``rank`` owns some rows but not all: a KV
+    head held by several ranks belongs to the lowest (``parallel.layout``), and this rank holds
+    both such a head and one of its own. Under FSDP2 the gradient norm gathers their gradients
+    over dp to cut its part (``layout.clip_grad_norm_``)."""
+    ranges = [head_layout(shape.n_head, shape.n_kv_head, tp, r)[1] for r in range(rank + 1)]
+    (k0, k1), lower = ranges[rank], max([0] + [stop for _, stop in ranges[:rank]])
+    if not k0 < lower < k1:
+        return []
+    return [x for x in tensor_shapes(shape, tp, rank)["block"]
+            if x[0].startswith(("attn.k_proj", "attn.v_proj"))]
+
+
+def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes: int = 4,
+            rank: int = 0, report_loss: bool = True) -> dict:
+    """Collectives TP ``rank`` issues on its dp group in one step, as ``comm.predicted_comm``
+    returns the TP ones: {"counts", "bytes", "ring_bytes"} per kind (as ``CollectiveCounter``
+    counts them), "breakdown" rows {source, phase, kind, calls, bytes, ring_bytes}. Nothing when
+    dp is 1.
+
+    param_bytes: the width of the weights gathered and gradients reduced: 4 for tensorpar's
+    training, fp32 and bf16 autocast alike (fp32 weights); 2 for Megatron-style bf16 weights.
+    report_loss: the trainer's all-reduce of the loss over dp (one fp32 scalar)."""
+    check_dp(dp, mode)
+    width = param_bytes
+    L, rows = shape.n_layer, []
+
+    def add(source, phase, kind, calls, payload):
+        if dp > 1 and calls:
+            rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
+                         "bytes": calls * payload,
+                         "ring_bytes": calls * round(payload * ring_share(kind, dp))})
+
+    t = tensor_shapes(shape, tp, rank)
+    if mode == "fsdp":
+        root = width * fsdp_elements(t["root"], dp)["unsharded"]
+        block = width * fsdp_elements(t["block"], dp)["unsharded"]
+        add("root weights", "forward", "all_gather", 1, root)
+        add(f"block weights (x{L})", "forward", "all_gather", L, block)
+        add(f"block weights again (x{L})", "backward", "all_gather", L, block)
+        add(f"block gradients (x{L})", "backward", "reduce_scatter", L, block)
+        add("root gradients", "backward", "reduce_scatter", 1, root)
+        add("grad norm", "step", "all_reduce", 1, 4)
+        for name, d0, row in partly_owned(shape, tp, rank):
+            add(f"grad norm: {name.split('.', 1)[1]} gathered (x{L})", "step", "all_gather", L,
+                width * fsdp_elements([(name, d0, row)], dp)["unsharded"])
+    else:
+        buckets = ddp_buckets(shape, tp, rank, width)
+        for size in sorted(set(buckets), reverse=True):
+            add(f"gradient buckets of {size:,} B", "backward", "all_reduce",
+                buckets.count(size), size)
+    if report_loss:
+        add("loss (reported mean)", "step", "all_reduce", 1, 4)
+    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
+             for k in ("calls", "bytes", "ring_bytes")}
+    return {"counts": {k: v for k, v in total["calls"].items() if v},
+            "bytes": {k: v for k, v in total["bytes"].items() if v},
+            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},
+            "breakdown": rows}
+
+
+def dp_memory(shape: ModelShape, tp: int, dp: int, mode: str, mem: dict, param_bytes: int = 4,
+              state_bytes: int = 8, rank: int = 0, dp_rank: int = 0, device: str = "cpu",
+              optimizer: str = "fused") -> dict:
+    """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under data parallelism ``mode``.
+
+    mem: the step without data parallelism for this rank's batch/dp sequences, as
+    ``memory.tensorpar_memory`` returns it (or ``memory.plan_memory``'s Megatron-style bf16
+    version of it). param_bytes: the width of weights and gradients (4: fp32 and tensorpar's
+    autocast; 2: Megatron-style bf16); state_bytes: AdamW's per element (8; Megatron-style bf16
+    12, with the fp32 master weights). device: "cpu" (gloo copies a reduce-scatter's input) or
+    "cuda". Returns tensorpar_memory's keys ("weights", "grads", "optimizer", "activations",
+    "peaks", "peak_extra", "peak_at", "total") for the data-parallel step, and "dp_buffers":
+    DDP's buckets, or the gathered weights and reduce-scatter buffers at FSDP2's peak.
+    """
+    check_dp(dp, mode)
+    out = {k: mem[k] for k in ("weights", "grads", "optimizer", "activations")}
+    out |= {"dp": dp, "dp_mode": mode, "dp_buffers": 0}
+    if dp == 1:
+        return out | {k: mem[k] for k in ("peaks", "peak_extra", "peak_at", "total")}
+    t = tensor_shapes(shape, tp, rank)
+    if mode == "ddp":
+        buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank))
+        peaks = dict(mem["peaks"])
+        where = max(peaks, key=peaks.get)
+        return out | {"dp_buffers": buckets, "peaks": peaks, "peak_extra": peaks[where],
+                      "peak_at": where,
+                      "total": mem["weights"] + mem["optimizer"] + buckets + peaks[where]}
+    root, block = fsdp_elements(t["root"], dp, dp_rank), fsdp_elements(t["block"], dp, dp_rank)
+    L, b = shape.n_layer, mem["blocks"]
+    between, inside, kept = b["between"], b["inside"], b["kept"]
+    Ur, Ub = param_bytes * root["unsharded"], param_bytes * block["unsharded"]
+    Urs, Ubs = param_bytes * root["sharded"], param_bytes * block["sharded"]
+    cpu = device == "cpu"
+    n_tensors = len(t["root"]) + L * len(t["block"])
+    weights = grads = Urs + L * Ubs
+    states = state_bytes * (root["local"] + L * block["local"]) + 4 * n_tensors
+    # each moment: (bytes above sharded weights and states, of which data parallelism's buffers)
+    moments = {"loss backward": (mem["peaks"]["loss backward"] + Ur + Ub, Ur + Ub)}
+    for i in range(L - 1, -1, -1):
+        later = L - 1 - i
+        prefetched = Ub if i > 0 else 0
+        buf = Ur + Ub + prefetched + (Ub if later else 0) + later * Ubs
+        moments[f"block {i} backward"] = (between - later * kept + inside + buf, buf)
+        buf = Ur + prefetched + 2 * Ub + (Ubs if cpu else 0) + later * Ubs
+        moments[f"block {i} reduce-scatter"] = (between - (later + 1) * kept + buf, buf)
+    embed = param_bytes * t["root"][0][1] * t["root"][0][2]
+    root_grads = param_bytes * sum(d0 * row for _, d0, row in t["root"])
+    buf = Ur + root_grads + (2 * embed if shape.tie_embeddings else 0) + Ub + L * Ubs
+    moments["embedding backward"] = (buf, buf)
+    buf = 2 * Ur + (Urs if cpu else 0) + L * Ubs
+    moments["root reduce-scatter"] = (buf, buf)
+    largest = max(root["largest"], block["largest"])
+    step = grads + step_temporaries(optimizer, root["local"] + L * block["local"], largest)
+    moments["optimizer step"] = (step, grads)
+    peaks = {k: v for k, (v, _) in moments.items()}
+    where = max(peaks, key=peaks.get)
+    return out | {"weights": weights, "grads": grads, "optimizer": states,
+                  "dp_buffers": moments[where][1], "peaks": peaks, "peak_extra": peaks[where],
+                  "peak_at": where, "total": weights + states + peaks[where]}

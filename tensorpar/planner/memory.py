@@ -1,0 +1,301 @@
+"""Per-rank training memory: weights, gradients, AdamW states, activations; which TP size fits.
+
+Two precisions of weights and optimizer (bytes per parameter P_rank on one rank):
+
+- ``fp32``: weights 4, gradients 4, AdamW moments 8 = 16 B.
+- ``bf16`` (Megatron-style mixed precision, as in ZeRO, Rajbhandari et al. 2020, section 3.1):
+  bf16 weights 2 + bf16 gradients 2 + fp32 master weights 4 + fp32 moments 8 = 16 B/param
+  (18 with Megatron's fp32 gradient buffer, ``accumulate_allreduce_grads_in_fp32``; we take 16).
+- ``bf16-autocast`` (what ``tensorpar train --dtype bf16`` does): fp32 weights, gradients and
+  moments (16 B) plus, during forward and backward, the bf16 copy of every matmul weight that
+  autocast makes and the backward keeps (2 B per matmul parameter); activations in bf16 where
+  autocast computes them (matmuls, attention), fp32 elsewhere (residual stream, norms, loss).
+
+Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L layers, t = TP):
+
+- ``paper``: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", eq. 1-5, 16-bit activations with dropout masks, per layer::
+
+      no TP           s·b·h·(34 + 5·a·s/h)
+      TP              s·b·h·(10 + 24/t + 5·a·s/(h·t))
+      TP + SP         s·b·h/t·(34 + 5·a·s/h)
+      selective       the 5·a·s/h term dropped (attention scores recomputed)
+      full            2·s·b·h per layer (s·b·h·2/t under SP): only each layer's input
+
+- ``tensorpar``: the tensors tensorpar's GPT really keeps for backward, counted tensor by tensor
+  (``activations.block_terms``): SwiGLU keeps gate and up pre-activations, silu(gate) and the
+  product (4 hidden-sized tensors, not GELU's 2); PyTorch's fused SDPA kernels keep q, k, v, the
+  output and a logsumexp per query, never the s x s scores (so selective recomputation saves
+  nothing); no dropout masks at dropout 0; under autocast each block casts the rotary tables to
+  bf16; the vocab-parallel loss keeps exp(logits - max) in one fp32 buffer (b·s·V/t: the fp32
+  logits' own, or the fp32 copy of bf16 ones) and a few per-token statistics. Two kernels keep
+  different tensors on CPU and CUDA (``device``): RMSNorm keeps only rstd besides its input on CUDA
+  (torch's fused kernel) and on CPU in fp32 (``parallel.norm.rms_norm``), and x·rstd too under CPU
+  autocast, where ``F.rms_norm`` is composed of ops; CUDA's memory-efficient attention (fp32's)
+  returns a view of a (b, s, a, h/a) output, which the output projection reads as it is (after the
+  CPU kernel, CUDA's flash and cuDNN's, bf16's on an H100, the projection's input is a copy).
+  ``benchmarks/saved_activations.py`` prints a block's terms next to the tensors a real forward
+  saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of the
+  logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank, where
+  the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or the
+  optimizer step. It is checked against ``MemoryMeter`` around real steps: within 10% on CPU
+  (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
+  T2048, fp32, bf16, unfused and recomputed; issue 15).
+
+Data parallelism (``plan_memory``'s dp and dp_mode: FSDP2's shards and gathered blocks, DDP's
+buckets) builds on these numbers in ``data_parallel.py``.
+
+``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
+fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
+"""
+
+from __future__ import annotations
+
+from tensorpar.parallel.sharding import shard_range, shard_sizes
+from tensorpar.planner.activations import block_copies, block_saved, paper_activations
+from tensorpar.planner.shapes import ModelShape
+from tensorpar.transformer.attention import head_layout
+
+DTYPES = ("fp32", "bf16", "bf16-autocast")
+RECOMPUTE = ("none", "selective", "full")
+# torch's AdamW implementations (train/optim.py picks fused), by the temporaries of their step
+ADAMW = ("fused", "foreach", "for-loop")
+
+
+def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
+    """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
+    (h0, h1), (k0, k1), shared = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    v0, v1 = shard_range(shape.vocab_size, tp, rank)
+    f0, f1 = shard_range(shape.hidden_dim, tp, rank)
+    return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
+            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared}
+
+
+def rank_params(shape: ModelShape, tp: int, rank: int = 0) -> dict:
+    """Parameter elements this rank holds: total, matmul weights (autocast copies them), the
+    largest tensor (the optimizer's temporaries) and the count of tensors."""
+    s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * hd * D
+    o = s["heads"] * hd * D
+    mlp = (3 if shape.gated_mlp else 2) * s["hidden"] * D
+    norm = D * (2 if shape.norm == "layer" else 1)
+    bias = 0
+    if shape.bias:
+        bias = (s["heads"] + 2 * s["kv_heads"]) * hd + D + \
+            (2 if shape.gated_mlp else 1) * s["hidden"] + D
+    elif shape.qkv_bias:
+        bias = (s["heads"] + 2 * s["kv_heads"]) * hd
+    embed = s["vocab"] * D
+    head = 0 if shape.tie_embeddings else embed
+    block = qkv + o + mlp + 2 * norm + bias
+    n_tensors = (1 + (shape.learned_pos > 0) + (not shape.tie_embeddings) + 1
+                 + (shape.norm == "layer"))
+    linears = 7 if shape.gated_mlp else 6  # q, k, v, o, (gate,) up, down
+    biases = linears if shape.bias else 3 if shape.qkv_bias else 0
+    n_tensors += shape.n_layer * (linears + 2 * (1 + (shape.norm == "layer")) + biases)
+    return {"total": embed + head + shape.learned_pos * D + shape.n_layer * block + norm,
+            "matmul": shape.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
+            "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors, "block": block}
+
+
+def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
+    """Bytes AdamW's step allocates on top of its states, for fp32 parameters of ``total``
+    elements, the largest of ``largest``: fused steps in place; foreach makes one temporary per
+    parameter (the denominators); the single-tensor loop two of one parameter at a time."""
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
+    return {"fused": 0, "foreach": 4 * total, "for-loop": 2 * 4 * largest}[optimizer]
+
+
+def step_temporaries(optimizer: str, total: int, largest: int) -> int:
+    """Bytes allocated on top of the gradients after backward: the gradient norm squares one
+    gradient at a time (an fp32 temporary of the largest), then AdamW steps
+    (``adamw_temporaries``); the larger of the two."""
+    return max(4 * largest, adamw_temporaries(optimizer, total, largest))
+
+
+def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
+                     sequence_parallel: bool = False, dtype: str = "fp32",
+                     recompute: str = "none", fused: bool = True, rank: int = 0,
+                     optimizer: str = "fused", dropout: bool = False,
+                     keep_gathered_input: bool = False, device: str = "cpu",
+                     attention: str | None = None) -> dict:
+    """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
+    exist; gradients are freed between steps): components and the predicted peak.
+
+    dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
+    ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
+    (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
+    temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
+    denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
+    dropout: the residual branches drop (a bool mask each is kept). keep_gathered_input: under SP
+    the column ops keep their gathered (B, T, D) input instead of their (B, T_r, D) shard.
+    device: where the step runs, "cpu" or "cuda" (``activations.DEVICES``): on CUDA, F.rms_norm
+    is torch's fused kernel (it keeps its input and rstd, not x·rstd), and attention runs CUDA's
+    kernels. attention: the SDPA kernel (``activations.ATTENTION``); None: what torch picks on
+    ``device`` (CPU: its flash kernel; CUDA: cuDNN under bf16 autocast, as torch 2.11 does on an
+    H100, whose output the o_proj input copies; memory-efficient in fp32, whose output it views).
+    "flash" (bf16 where cuDNN is not picked) keeps what cuDNN keeps; "efficient" under bf16 one
+    copy less.
+    "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
+    bf16 weight copies each moment includes (what Megatron-style bf16 weights replace).
+    """
+    if optimizer not in ADAMW:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
+    if dtype not in ("fp32", "bf16-autocast"):
+        raise ValueError(f"dtype {dtype!r}: tensorpar trains fp32 or bf16-autocast")
+    autocast = dtype == "bf16-autocast"
+    act = 2 if autocast else 4
+    s, p = rank_shapes(shape, tp, rank), rank_params(shape, tp, rank)
+    D, L, B, T = shape.dim, shape.n_layer, batch, seq
+    N = B * T
+    Ns = B * shard_sizes(T, tp)[rank] if sequence_parallel and tp > 1 else N  # its SP shard
+    weights, grads = 4 * p["total"], 4 * p["total"]
+    states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
+    regather = sequence_parallel and tp > 1 and not keep_gathered_input
+    block = block_saved(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
+                         attention)
+    weight_copies = block_copies(shape, s) if autocast else 0
+    embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
+    if shape.norm == "layer":
+        final_norm = 2 * Ns * 4
+    else:  # rstd; on CPU under autocast also x·rstd (see block_terms)
+        final_norm = Ns * 4 if device == "cuda" or not autocast else Ns * D * 4 + Ns * 4
+    final_norm += (Ns if regather else N) * D * act  # the head's input
+    head_copy = s["vocab"] * D * 2 if autocast else 0
+    if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
+        logits = N * s["vocab"] * 4
+    else:  # the vocab-parallel loss keeps exp(logits - max) in fp32, in the logits' buffer
+        logits = N * s["vocab"] * 4
+    loss = N * 18 + 12  # local max, lse, local targets, two masks
+    # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
+    # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
+    # ("rotary tables" in block_terms)
+    rope = 0 if autocast and recompute != "full" else 4 * T * shape.head_dim
+    tail = final_norm + head_copy + logits + loss
+    if recompute == "full":  # each block keeps only its input (the checkpoint's)
+        blocks, copies = L * Ns * D * 4, head_copy
+    else:
+        blocks, copies = L * block, L * weight_copies + head_copy
+    activations = embed + blocks + tail + rope
+    # the loss backward: the vocab-parallel loss builds its gradient in place in the buffer it
+    # kept; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
+    # autocast the gradient is then cast to bf16 for the head's matmuls.
+    loss_bwd = (2 * N * s["vocab"] * 4 if tp == 1 else 0) + (N * s["vocab"] * 2 if autocast
+                                                              else 0)
+    peaks = {"loss backward": activations + loss_bwd}
+    in_copies = {"activations": copies, "loss backward": copies, "optimizer step": 0}
+    # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
+    # full recomputation also the recomputed block
+    hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+    if regather:  # the column op's input, gathered again for its weight gradients
+        hidden_grads += N * D * act
+    top = activations - tail + 4 * s["vocab"] * D + hidden_grads
+    in_copies["block backward"] = copies - head_copy
+    if recompute == "full":
+        # inside the recomputed block's MLP backward (measured: tests/planner/test_plan_modes.py):
+        # the block's saved tensors are back, less its input (a checkpointed input already) and
+        # the SwiGLU product, which down's backward has consumed; one gradient of the width
+        # is in flight, not two; and the embedding's output is block 0's checkpointed input,
+        # not a tensor of its own
+        block_input = embed_output = Ns * D * 4
+        swiglu_product, second_width_grad = N * s["hidden"] * act, N * D * 4
+        top += block - block_input - swiglu_product - second_width_grad - embed_output
+        in_copies["block backward"] += weight_copies
+    # that is the last block's backward (L blocks' activations, no block gradient yet); at the
+    # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
+    kept = Ns * D * 4 if recompute == "full" else block
+    # between blocks in backward (the last block's activations, the head's gradient) and what
+    # a block's backward adds: what data parallelism (plan.data_parallel) builds on
+    between = activations - tail + 4 * s["vocab"] * D
+    blocks = {"count": L, "between": between, "inside": top - between, "kept": kept,
+              "copies": {"between": copies - head_copy, "kept": 0 if recompute == "full" else
+                         weight_copies, "inside": in_copies["block backward"] - copies + head_copy}}
+    first = top + (L - 1) * (4 * p["block"] - kept)
+    if first > top:
+        top = first
+        if recompute != "full":
+            in_copies["block backward"] -= (L - 1) * weight_copies
+    peaks["block backward"] = top
+    optimizer_peak = grads + step_temporaries(optimizer, p["total"], p["largest"])
+    peaks["optimizer step"] = optimizer_peak
+    where = max(peaks, key=peaks.get)
+    return {"weights": weights, "grads": grads, "optimizer": states,
+            "activations": activations, "peak_extra": peaks[where], "peak_at": where,
+            "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies,
+            "blocks": blocks}
+
+
+def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "bf16",
+                sequence_parallel: bool = False, recompute: str = "none",
+                device_memory: float | None = None, reserve: float = 0.10,
+                optimizer: str = "fused", dropout: bool = False, device: str = "cpu",
+                dp: int = 1, dp_mode: str = "fsdp") -> dict:
+    """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
+
+    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). device:
+    "cpu" or "cuda", the kernels whose saved tensors differ (``tensorpar_memory``). Weights,
+    gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
+    what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
+    Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
+    states + the largest moment ("peak_bytes" at "peak_at": the activations and the loss
+    backward's temporaries, a block's backward, or the gradients and the optimizer's temporaries).
+    dp, dp_mode: data parallelism over ``dp`` copies by FSDP2 ("fsdp") or DDP ("ddp")
+    (``data_parallel.dp_memory``); ``batch`` is the step's, each copy takes batch/dp sequences;
+    "dp_buffers" is DDP's buckets or FSDP2's gathered weights and gradient buffers at the peak.
+    """
+    # data_parallel builds on this module's functions
+    from tensorpar.planner.data_parallel import check_dp, dp_memory
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    check_dp(dp, dp_mode)
+    if batch % dp:
+        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
+                         "batch/dp sequences")
+    head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
+    if sequence_parallel and seq < tp:
+        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
+                         "least one token per rank")
+    rec = "full" if recompute == "full" else "none"
+    mem = tensorpar_memory(shape, tp, batch // dp, seq, sequence_parallel,
+                           "fp32" if dtype == "fp32" else "bf16-autocast", rec,
+                           optimizer=optimizer, dropout=dropout, device=device)
+    params = rank_params(shape, tp)
+    p = params["total"]
+    if dtype == "bf16":
+        # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
+        # moments as tensorpar's autocast, less the bf16 weight copies each of them holds (the
+        # bf16 weights replace them) and with half-size gradients at the optimizer step. An
+        # estimate: the activations are autocast's (fp32 residual stream and norms), a little
+        # above a fully bf16 model's.
+        peaks = {k: v - mem["copies"][k] for k, v in mem["peaks"].items()}
+        peaks["optimizer step"] += 2 * p - mem["grads"]
+        blocks = mem["blocks"] | {k: mem["blocks"][k] - mem["blocks"]["copies"][k]
+                                  for k in ("between", "inside", "kept")}
+        mem = mem | {"weights": 2 * p, "grads": 2 * p, "optimizer": 12 * p + 4 * params["tensors"],
+                     "activations": mem["activations"] - mem["copies"]["activations"],
+                     "peaks": peaks, "blocks": blocks}
+        mem["peak_at"] = max(peaks, key=peaks.get)
+        mem["peak_extra"] = peaks[mem["peak_at"]]
+        mem["total"] = mem["weights"] + mem["optimizer"] + mem["peak_extra"]
+    # gradients are allocated during backward and freed after the step, activations freed
+    # during backward: they never peak together, so the total is weights + optimizer states +
+    # the largest moment of the step (loss backward, a block's backward, the optimizer step)
+    mem = dp_memory(shape, tp, dp, dp_mode, mem, 2 if dtype == "bf16" else 4,
+                    12 if dtype == "bf16" else 8, device=device, optimizer=optimizer)
+    row = {"model": shape.name, "tp": tp, "dp": dp, "dp_mode": dp_mode if dp > 1 else None,
+           "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
+           "batch": batch, "seq": seq, "device": device, "params_per_rank": p,
+           "weights": mem["weights"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+           "activations": mem["activations"], "dp_buffers": mem["dp_buffers"],
+           "peak_bytes": mem["peak_extra"], "peak_at": mem["peak_at"],
+           "activations_paper": paper_activations(shape, tp, batch // dp, seq, sequence_parallel,
+                                                  recompute),
+           "total": mem["total"]}
+    if device_memory is not None:
+        row["usable"] = round(device_memory * (1 - reserve))
+        row["fits"] = row["total"] <= row["usable"]
+    return row

@@ -1,0 +1,113 @@
+"""How to train: ``TrainConfig``, every field a ``tensorpar train`` flag, checked in one place,
+and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tensorpar.dp.wrap import check_dp_mode
+from tensorpar.train.compute import check_compile_backend
+
+
+@dataclass
+class TrainConfig:
+    """How to train. Every field is a ``tensorpar train`` flag."""
+
+    tp: int = dataclasses.field(default=2, metadata={"help": "tensor-parallel size"})
+    dp: int | None = dataclasses.field(default=None, metadata={
+        "help": "data-parallel size: tp x dp ranks, each TP group training on its 1/dp of "
+                "every batch", "default": "1; under torchrun the world size / --tp"})
+    dp_mode: str = dataclasses.field(default="fsdp", metadata={
+        "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
+                "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
+    sequence_parallel: bool = dataclasses.field(default=False, metadata={
+        "help": "shard norms and the residual stream over the sequence"})
+    steps: int = dataclasses.field(default=400, metadata={
+        "help": "optimizer steps, counted from the start of training (a resumed run stops here)"})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per step"})
+    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
+    lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: int = dataclasses.field(default=20, metadata={
+        "help": "linear warmup, then cosine decay to lr/10 at --lr-decay-steps"})
+    lr_decay_steps: int | None = dataclasses.field(default=None, metadata={
+        "help": "the step where the cosine decay reaches lr/10 (constant after); stored with "
+                "the run, so a resume with another --steps keeps the original schedule",
+        "default": "--steps"})
+    weight_decay: float = dataclasses.field(default=0.1, metadata={
+        "help": "AdamW weight decay (matrices and embeddings; not norms)"})
+    grad_clip: float = dataclasses.field(default=1.0, metadata={
+        "help": "clip the global gradient norm to this (0: off)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed for weights, data, dropout"})
+    dtype: str = dataclasses.field(default="fp32", metadata={
+        "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
+    data: str | None = dataclasses.field(default=None, metadata={
+        "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
+    out: str = dataclasses.field(default="runs/gpt", metadata={
+        "help": "run directory: checkpoints, metrics.jsonl, loss.png (and tensorboard/ with "
+                "--tensorboard)"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue from the newest checkpoint in --out (at any --tp)"})
+    save_every: int = dataclasses.field(default=100, metadata={
+        "help": "checkpoint every N steps (and always at the end)"})
+    recompute: bool = dataclasses.field(default=False, metadata={
+        "help": "recompute each block in backward instead of keeping its activations"})
+    skip_nonfinite: int = dataclasses.field(default=0, metadata={
+        "help": "skip up to N steps whose loss or gradient norm is NaN or inf (their gradients "
+                "are dropped; counted in metrics.jsonl and the summary); past N the run stops "
+                "before the optimizer applies one"})
+    fused: bool = dataclasses.field(default=True, metadata={
+        "help": "overlap each block's backward all-reduce with its weight gradients "
+                "(parallel/fused.py)"})
+    compile: bool = dataclasses.field(default=False, metadata={
+        "help": "run the forward and the loss under torch.compile (the backward through AOT "
+                "autograd); the first step compiles; checkpoints stay the same (train/compute.py)"})
+    compile_backend: str = dataclasses.field(default="inductor", metadata={
+        "help": "torch.compile's backend for --compile: inductor, or aot_eager (traces, "
+                "generates no code: quick to compile)"})
+    tf32: bool = dataclasses.field(default=False, metadata={
+        "help": "let fp32 matmuls on a GPU use TF32 tensor cores: several times faster, but "
+                "TF32 keeps a 10-bit mantissa, about 1e-3 relative error per product instead of "
+                "fp32's 1e-7; only --dtype fp32 on CUDA (on the CPU: no effect, with a note)"})
+    tensorboard: bool = dataclasses.field(default=False, metadata={
+        "help": "also write the metrics.jsonl rows as TensorBoard scalars (train/loss, train/lr, "
+                "...) into --out's tensorboard/ directory, each step flushed, a resumed run "
+                "appended (view: tensorboard --logdir RUN/tensorboard); needs pip install "
+                "tensorboard"})
+
+    def check(self) -> None:
+        for flag in ("tp", "dp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
+            if getattr(self, flag) is not None and getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
+        for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
+            if not getattr(self, flag) >= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
+        if self.sequence_parallel and self.seq_len < self.tp:
+            raise ValueError(f"--seq-len {self.seq_len} is shorter than --tp {self.tp}: "
+                             "--sequence-parallel needs at least one token per rank")
+        if self.compile:
+            check_compile_backend(self.compile_backend)
+        check_dp_mode(self.dp_mode)
+        dp = self.dp or 1
+        if self.batch_size % dp:
+            raise ValueError(f"--batch-size {self.batch_size} (the global batch) does not divide "
+                             f"over --dp {dp} data-parallel ranks")
+        if self.tensorboard:  # importable, or one line before any rank starts
+            from tensorpar.train.report import summary_writer  # report imports rich: only then
+
+            summary_writer()
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to lr/10 at ``lr_decay_steps``
+    (``steps`` when unset), constant after."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    horizon = cfg.lr_decay_steps or cfg.steps
+    frac = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))

@@ -1,0 +1,281 @@
+"""``tensorpar train --hf PATH``: fine-tune a Hugging Face causal LM with tensor parallelism, in
+the GPT's training loop (``train/loop.py``, every flag of it), through the recipe below::
+
+    tensorpar train --hf ./my-llama --tp 2 --steps 200 --data notes.txt --out runs/ft
+    tensorpar train --resume --tp 4 --steps 400 --out runs/ft      # no --hf: the run's copy
+    tensorpar export --ckpt runs/ft --hf-out runs/ft-hf             # its architecture, its names
+
+The model is ``from_pretrained(PATH, plan=<its plan> | {"lm_head": "column"})``: the head stays
+split by vocabulary, and the loss is ``vocab_parallel_cross_entropy`` on each rank's logits,
+never gathered, never the model's own ``labels=`` loss. The text (``--data``, default the GPT's
+corpus) is tokenized by PATH's tokenizer, without special tokens, and kept in the smallest
+integer type of the vocabulary; batches are the GPT's (a function of seed and step).
+
+The run keeps what it needs without PATH: at its start the lead rank copies PATH's files but
+the weights (config.json, generation_config.json, the tokenizer's) into ``RUN/hf/``; a resumed
+run builds the model from that copy (zeros, then the checkpoint) and tokenizes with it.
+Checkpoints are the GPT's (``model_kind: "hf"``, ``config``: the config.json), so they resume at
+any --tp and --dp; GPT-2's Conv1D weights are stored (out, in), as the trainer holds them.
+
+Dropout: outside the TP regions HF layers draw from torch's global generator, which each step
+seeds from (seed, "hf-dropout", step, dp rank), the same on the ranks of a TP group; inside them
+from the model's per-rank stream (``hf/dropout.py``), restarted each step from (seed,
+"hf-tp-region", step, dp rank, tp rank). A resumed run at the same TP size draws the same masks.
+
+Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
+safetensors weights; a model no plan covers (the error lists its linear layers); a split the
+model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
+model flags; --no-fused, and --compile with --recompute for a model with dropout (not supported
+here yet); on --resume, a --hf whose config.json is not the run's.
+
+``--compile`` compiles the converted model as the GPT's (``train/compute.py``): one graph, no
+break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
+graph where each TP region swaps the generator states (torch.compile runs those calls eagerly),
+and each compiled piece draws its masks from the generator in place when it runs: the per-rank
+stream inside the regions, the shared one outside, seeded each step as above; inductor with
+torch's own random ops (``fallback_random``), so compiled steps draw eager's masks (the one
+step the trainer measures runs eagerly, and a resumed run measures another).
+
+``--recompute`` turns on transformers' gradient checkpointing (non-reentrant): each decoder layer
+keeps only its input and runs again in backward, its collectives included, and draws the
+dropout masks of its first forward (``RegionStream.checkpoint_contexts``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tensorpar.checkpoint.format import model_kind
+from tensorpar.hf.dropout import seed_dropout
+from tensorpar.hf.parallelize import check_layout, has_dropout
+from tensorpar.hf.plans import plan_for
+from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
+from tensorpar.train.compute import loss_function
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.run import resolve_run
+
+HF_FILES = "hf"  # the run's copy of the source model's files, in --out
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                ".index.json")  # not copied into the run
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--hf needs transformers: pip install tensorpar[hf]") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+class HFTokenizer:
+    """The model's own tokenizer as the trainer reads text: ids without special tokens, each
+    checked against the model's vocabulary."""
+
+    name = "hf"
+
+    def __init__(self, path: str, vocab_size: int):
+        try:
+            self.tok = _transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: cannot load its tokenizer ({str(e).splitlines()[0]})") \
+                from None
+        self.path, self.vocab_size = path, vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if ids and max(ids) >= self.vocab_size:
+            raise ValueError(f"the tokenizer of {self.path} gives id {max(ids)}, outside the "
+                             f"model's vocabulary of {self.vocab_size} (config.json vocab_size)")
+        return ids
+
+
+@dataclass
+class HFRecipe:
+    """A Hugging Face causal LM for the trainer (``train/gpt_recipe.py`` has the interface).
+
+    source: the directory the ranks load: PATH (a new run: config, tokenizer, weights) or the
+    run's copy (a resumed run: config and tokenizer; ``weights`` False, zeros that the
+    checkpoint fills). origin: the PATH the run started from. config: its config.json. plan:
+    its tensor-parallel plan, the head ``column``. dropout: whether the model drops anything.
+    """
+
+    source: str
+    origin: str
+    config: dict
+    plan: dict[str, str]
+    weights: bool = True
+    dropout: bool = False
+    kind = "hf"
+
+    def check(self, cfg: TrainConfig) -> None:
+        if not cfg.fused:
+            raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
+                             "always run the fused ops)")
+        if cfg.compile and cfg.recompute and self.dropout:
+            raise ValueError(f"--compile with --recompute is not supported with --hf for a model "
+                             f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
+                             "layer replays its TP regions' masks through checkpoint contexts, "
+                             "which torch.compile does not trace")
+        split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
+        try:
+            check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
+
+    def tokenizer(self) -> HFTokenizer:
+        return HFTokenizer(self.source, self.config["vocab_size"])
+
+    def build(self, cfg: TrainConfig, group, dp_rank: int,
+              device: torch.device) -> tuple[nn.Module, Callable[[int], None]]:
+        from tensorpar.hf.pretrained import from_pretrained
+
+        _transformers()
+        model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
+                                sequence_parallel=cfg.sequence_parallel).to(device).train()
+        stream = model.tp_region_stream
+        if cfg.recompute:  # transformers' own: each decoder layer keeps its input only
+            enable = getattr(model, "activation_checkpointing_enable", None) or \
+                model.gradient_checkpointing_enable  # its name before transformers 5.x
+            # the recomputed layer replays its dropout masks: torch's global generator by the
+            # checkpoint's preserve_rng_state, the per-rank region stream by its contexts (so
+            # not with --compile for a model that drops: dynamo traces no context_fn)
+            replay = {"context_fn": stream.checkpoint_contexts} if self.dropout else {}
+            enable({"use_reentrant": False} | replay)
+
+        def at_step(step: int) -> None:  # this step's dropout masks, from (seed, step) alone
+            seed_dropout(model, cfg.seed, step, dp_rank)
+
+        return model, at_step
+
+    def loss_fn(self, model: nn.Module, cfg: TrainConfig, group) -> Callable:
+        vocab = self.config["vocab_size"]
+
+        # (or compiled; with dropout, inductor draws eager's masks: the run's measured step runs
+        # eagerly, and a resumed run measures another step)
+        forward = loss_function(model, cfg.compile, cfg.compile_backend, self.dropout)
+
+        def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False).logits
+            return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
+                                                vocab_size=vocab, reuse_logits=True)
+
+        return loss
+
+    def manifest(self) -> dict:
+        return {"model_kind": self.kind, "config": self.config, "tokenizer": HFTokenizer.name,
+                "hf": {"source": self.origin, "files": HF_FILES, "plan": self.plan}}
+
+    def shape(self) -> ModelShape | None:
+        """The planner's view of config.json (``tensorpar plan --config``), None if it has none."""
+        try:
+            return shape_from_hf_config(self.config, Path(self.origin).name)
+        except ValueError:
+            return None
+
+    def prepare(self, out: Path) -> None:
+        """Copy the source's files but the weights into ``out/hf`` (atomically; a resumed run
+        has them there already)."""
+        target, tmp = out / HF_FILES, out / f".{HF_FILES}.tmp"
+        if Path(self.source).resolve() == target.resolve():
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in sorted(Path(self.source).iterdir()):
+            if f.is_file() and not f.name.endswith(WEIGHT_FILES):
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
+        os.rename(tmp, target)
+
+
+def _meta_model(path: str) -> nn.Module:
+    """The model of ``path``'s config.json, its parameters on the meta device (nothing read)."""
+    from accelerate import init_empty_weights
+
+    transformers = _transformers()
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _read_config(path: str | Path, weights: bool) -> dict:
+    """config.json of a model directory (or of a run's copy of one) that has what training
+    needs: a tokenizer and, for ``weights``, the safetensors weights."""
+    p, what = Path(path), f"--hf {path}" if weights else f"the run's copy of its model, {path}"
+    _transformers()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{what}: no config.json (not a Hugging Face model directory)")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{what}: no tokenizer ({', '.join(TOKENIZER_FILES)}); train --hf "
+                         "tokenizes --data with the model's own (tokenizer.save_pretrained)")
+    if weights and not any((p / f).is_file() for f in ("model.safetensors",
+                                                       "model.safetensors.index.json")):
+        raise ValueError(f"{what}: no model.safetensors or model.safetensors.index.json")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}: config.json: {e}") from None
+    if not isinstance(config, dict) or type(config.get("vocab_size")) is not int:
+        raise ValueError(f"{what}: config.json has no vocab_size (not a causal LM's config)")
+    return config
+
+
+def started_as_hf_run(out: str | None) -> bool:
+    """Whether ``out`` holds a fine-tune's copy of its model's files (written before its first
+    step): ``--resume`` of it before its first checkpoint is the fine-tune's, not a GPT run."""
+    return (Path(out or TrainConfig.out) / HF_FILES / "config.json").is_file()
+
+
+def hf_recipe(path: str | None, out: str, manifest: dict | None,
+              ckpt: Path | None) -> HFRecipe:
+    """The recipe of a new run from ``path``, or of the run whose checkpoint is resumed (its
+    copy of the model's files; ``path``, if given, must have the same config.json)."""
+    if manifest is None and path is None:
+        raise ValueError(f"--resume: {out} has no checkpoint of its fine-tune yet; pass --hf "
+                         "PATH to start it over")
+    if manifest is None:
+        config, source, weights, origin = _read_config(path, True), path, True, path
+    else:
+        if model_kind(manifest) != HFRecipe.kind:
+            raise ValueError(f"{ckpt} holds tensorpar's GPT, not a fine-tuned Hugging Face "
+                             "model: leave out --hf to resume it")
+        source = str(Path(out) / HF_FILES)
+        origin = (manifest.get("hf") or {}).get("source", source)
+        config, weights = _read_config(source, False), False
+        theirs = _read_config(path, True) if path is not None else config
+        differ = sorted(k for k in config.keys() | theirs.keys() if config.get(k) != theirs.get(k))
+        if differ:
+            raise ValueError(f"--hf {path}: its config.json differs from the run's ({source}) in "
+                             f"{differ[0]} ({theirs.get(differ[0])!r}, the run's "
+                             f"{config.get(differ[0])!r}); leave out --hf to resume the run")
+    model = _meta_model(source)
+    plan = plan_for(model)  # a model no plan covers: the error lists its linear layers
+    if "lm_head" not in plan:
+        raise ValueError(f"--hf {origin}: the plan of {type(model).__name__} does not split "
+                         "lm_head, so the loss cannot run on logits split by vocabulary")
+    return HFRecipe(str(source), str(origin), config, plan | {"lm_head": "column"}, weights,
+                    has_dropout(model))
+
+
+def resolve_hf(train_args: dict, model_args: dict,
+               path: str | None) -> tuple[TrainConfig, HFRecipe, str | None]:
+    """``tensorpar train --hf PATH`` (or ``--resume`` of such a run, PATH then optional): the
+    flags merged and checked as the GPT's (``train/run.py``'s ``resolve_run``), with the
+    recipe above. model_args: the GPT's model flags, which must all be None here."""
+    given = [f"--{k.replace('_', '-')}" for k, v in model_args.items() if v is not None]
+    if given:
+        raise ValueError(f"--hf takes the model from {path or 'the run'}'s config.json: leave "
+                         f"out the GPT's model flags {', '.join(given)}")
+    out = train_args.get("out") or TrainConfig.out
+    return resolve_run(train_args, partial(hf_recipe, path, out))

@@ -1,0 +1,243 @@
+"""Train the GPT of ``model.py``, or fine-tune a Hugging Face model, with tensor parallelism.
+
+Local ranks, spawned by the command itself (gloo on CPU, NCCL when there is a GPU per rank)::
+
+    tensorpar train --tp 2 --steps 300 --out runs/gpt
+    tensorpar train --tp 2 --steps 600 --out runs/gpt --resume     # continue to step 600
+    tensorpar train --tp 4 --sequence-parallel --dtype bf16 ...     # 4 GPUs, bf16 autocast
+    tensorpar --device cuda train --tp 4 ...    # a test mode: 4 ranks on one GPU, over gloo
+
+Under torchrun (one process per rank; multi-node through torchrun's rendezvous)::
+
+    torchrun --standalone --nproc-per-node 2 -m tensorpar train --tp 2 --out runs/gpt
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m tensorpar train --tp 16 ...
+
+A Hugging Face causal LM from a local directory, under the same flags (``train/hf_recipe.py``)::
+
+    tensorpar train --hf ./my-llama --tp 2 --steps 200 --data notes.txt --out runs/ft
+
+Every rank of the TP group sees the same batch; the randomness of a step (its batch, its dropout
+masks) derives from (seed, step), so a resumed run, at any TP size, repeats exactly what an
+uninterrupted one would have done. The loop knows no model class: a *recipe* (``recipe.py``)
+builds the model and its loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import ExitStack, closing
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.checkpoint.load import load_checkpoint
+from tensorpar.checkpoint.save import save_checkpoint
+from tensorpar.dp.mesh import dp_group, dp_rank, dp_size, init_parallel
+from tensorpar.dp.wrap import data_parallel, dp_groups
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
+from tensorpar.ranks.checking import naming_layers
+from tensorpar.ranks.signals import StopRequest, signal_name
+from tensorpar.runtime.dtensors import local_part
+from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
+from tensorpar.train.compute import tf32_matmuls
+from tensorpar.train.config import TrainConfig, learning_rate
+from tensorpar.train.data import TokenBatches, load_text
+from tensorpar.train.gpt_recipe import GPTRecipe
+from tensorpar.train.history import RNG_SCHEME
+from tensorpar.train.measure import StepMeasure
+from tensorpar.train.optim import implementation, make_optimizer
+from tensorpar.train.report import RunReport
+
+
+def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
+               group=None) -> dict:
+    """The GPT's training loop on one rank: :func:`train_model_rank` with ``GPTRecipe``."""
+    return train_model_rank(cfg, GPTRecipe(model_cfg), resume_from, group)
+
+
+def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=None) -> dict:
+    """The training loop of one rank, for the model of ``recipe`` (``gpt_recipe.py``). Returns
+    what the run measured (on every rank).
+
+    group: every rank of the run (tp x dp of them; default the whole world). With ``cfg.dp`` > 1
+    they form a ("dp", "tp") mesh (``dp/mesh.py``) and each TP group trains on its slice of
+    every batch.
+
+    A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in
+    flight (the first, if it came during setup) with a checkpoint (``ranks/signals.py``)."""
+    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    with StopRequest(group, device_for(group)) as stop, ExitStack() as scope:
+        run = Run(cfg, recipe, resume_from, group, scope)
+        report = scope.enter_context(closing(RunReport(run.out, run.start, cfg, run.lead)))
+        measure = StepMeasure(run.start, cfg.steps, run.counted, run.device, run.ddp)
+        skipped = run.agree(report.skipped())  # rank 0 read them: every rank counts alike
+        stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
+        for step in range(run.start, cfg.steps):
+            t0 = time.perf_counter()
+            lr = learning_rate(cfg, step)
+            for g in run.opt.param_groups:
+                g["lr"] = lr
+            x, y = run.batch(step)  # this dp rank's slice of the step's batch
+            run.at_step(step)  # the step's dropout streams
+            with measure.around(step):
+                loss, norm, finite = run.step(x, y, step, skipped)
+            skipped += not finite
+            report.step(step + 1, loss, norm, finite, lr, time.perf_counter() - t0)
+            signum = stop.agreed()  # the same on every rank: all stop after this step
+            if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                run.save(step + 1)
+            if signum:
+                stopped = (signum, step + 1)
+                break
+        report.close()
+        return run.result(measure, report, stopped)
+
+
+class Run:
+    """One rank's run, set up: its groups, model, optimizer, data and files. ``step`` is one
+    optimizer step; ``save`` a checkpoint; ``result`` what the run returns."""
+
+    def __init__(self, cfg: TrainConfig, recipe, resume_from: str | None, run_group,
+                 scope: ExitStack):
+        self.cfg, self.recipe, self.run_group = cfg, recipe, run_group
+        dp = cfg.dp or 1
+        self.mesh = init_parallel(tp=cfg.tp, dp=dp) if dp > 1 else None
+        self.group = run_group if self.mesh is None else self.mesh["tp"].get_group()
+        self.device = device_for(self.group)
+        self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
+        self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
+        text, self.source = load_text(cfg.data)
+        self.batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed,
+                                              recipe.tokenizer())
+        r = dp_rank(self.mesh)
+        self.rows = slice(r * cfg.batch_size // dp, (r + 1) * cfg.batch_size // dp)
+        # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
+        # the step calls; saves, clipping and the layout use ``net``
+        self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
+        if collectives_checked(self.group):  # a mismatch then names the layer
+            scope.enter_context(naming_layers(self.net))
+        scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
+        self.layout = Layout.gather(self.net, self.group)  # ranks go on to other jobs
+        self.model = self.net if self.mesh is None else \
+            data_parallel(self.net, self.mesh, cfg.dp_mode)
+        self.forward = recipe.loss_fn(self.model, cfg, self.group)
+        self.opt = make_optimizer(self.net, cfg)
+        self.counted = {"tp": self.group} | \
+            ({} if self.mesh is None else {"dp": dp_groups(self.model, self.mesh)})
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                       enabled=cfg.dtype == "bf16")
+        self.start = 0
+        if resume_from is not None:  # the files were hashed once before the ranks started
+            self.start = load_checkpoint(resume_from, self.net, self.opt,
+                                         check_hashes=False)["step"]
+        self.out = Path(cfg.out)
+        if self.lead:
+            self.out.mkdir(parents=True, exist_ok=True)
+            recipe.prepare(self.out)
+        self.meta = recipe.manifest() | {
+            "train": dataclasses.asdict(cfg),
+            "data": {"source": self.source, "sha256_16": self.batches.digest,
+                     "position": {"step": None, "sequences": None}},
+            "rng": {"scheme": RNG_SCHEME, "seed": cfg.seed,
+                    "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"},
+            "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
+                              "stored": "each TP rank's shard once, written by dp rank 0"}}
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t[self.rows].to(self.device) for t in self.batches.batch(step))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int,
+             skipped: int) -> tuple[float, float, bool]:
+        """Forward, backward, clip, and the optimizer's update unless the loss or the gradient
+        norm is not finite (then the gradients are dropped, or, past ``--skip-nonfinite``, the
+        run stops). The loss and the norm are reduced, so every rank decides alike."""
+        cfg = self.cfg
+        with self.autocast:
+            loss = self.forward(x, y)
+        loss.backward()
+        norm = clip_grad_norm_(self.net, self.layout, cfg.grad_clip, self.group,
+                               dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None)
+        loss_value, norm_value = self._mean_over_dp(loss.detach()), norm.item()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if finite:
+            self.opt.step()
+        elif skipped == cfg.skip_nonfinite:
+            raise FloatingPointError(nonfinite_step(step + 1, loss_value, norm_value, self.net,
+                                                    self.run_group, cfg, self.out))
+        self.opt.zero_grad(set_to_none=True)
+        return loss_value, norm_value, finite
+
+    def _mean_over_dp(self, loss: torch.Tensor) -> float:
+        """The loss of the whole batch: the mean of the dp ranks' losses (equal slices), one
+        all-reduce over dp (gloo has no average: a sum, divided)."""
+        if self.mesh is None:
+            return loss.item()
+        total = loss.float().clone()
+        dist.all_reduce(total, group=dp_group(self.mesh))
+        return total.item() / dp_size(self.mesh)
+
+    def save(self, step: int) -> None:
+        self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
+                                         "epoch": round(self.batches.epoch_of(step), 4)}
+        save_checkpoint(self.out, step, self.net, self.layout, self.opt, self.group, self.meta,
+                        dp_group=dp_group(self.mesh))
+
+    def agree(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank of the run."""
+        if tp_size(self.run_group) == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.run_group, 0), group=self.run_group)
+        return int(t.item())
+
+    def result(self, measure: StepMeasure, report: RunReport, stopped) -> dict:
+        """Every rank's sizes and peak memory (gathered), the measured step's collectives, how
+        the run ended; on the lead rank the metrics rows, after the plot and the summary."""
+        on_cpu = self.device.type == "cpu"  # the token data is then memory the meter counts
+        mine = rank_sizes(self.net, self.layout) | {
+            "peak_memory": measure.peak_memory, "device": self.device.type,
+            "data_bytes": self.batches.tokens.nbytes * on_cpu, "tp_rank": tp_rank(self.group),
+            "dp_rank": dp_rank(self.mesh)}
+        sizes = [mine]
+        if tp_size(self.run_group) > 1:
+            sizes = [None] * tp_size(self.run_group)
+            dist.all_gather_object(sizes, mine, group=self.run_group)
+        result = {"rank": tp_rank(self.run_group), "sizes": sizes, "comm": measure.comm,
+                  "start": self.start,
+                  "stopped": None if stopped is None else {"signal": signal_name(stopped[0]),
+                                                           "signum": stopped[0],
+                                                           "step": stopped[1]}}
+        if self.lead:
+            result["rows"] = report.finish(self.start, sizes, measure.comm, self.recipe.shape(),
+                                           implementation(self.opt), self.recipe.dropout,
+                                           self.source, stopped is not None)
+        return result
+
+
+def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, group,
+                   cfg: TrainConfig, out: Path) -> str:
+    """The one line that stops a run at a non-finite step, naming the first parameter (in the
+    model's order) whose gradient is not finite, on whichever rank holds it. Every rank calls
+    it (one all_gather_object, on this path only)."""
+    first = next(((i, name) for i, (name, p) in enumerate(model.named_parameters())
+                  if p.grad is not None and not bool(local_part(p.grad).isfinite().all())), None)
+    found = [first]
+    if tp_size(group) > 1:
+        found = [None] * tp_size(group)
+        dist.all_gather_object(found, first, group=group)
+    hits = sorted((f[0], r, f[1]) for r, f in enumerate(found) if f is not None)
+    where = f"first non-finite gradient: {hits[0][2]} (rank {hits[0][1]})" if hits else \
+        "every gradient is finite"
+    ckpt = find_checkpoint(out)
+    kept = f"the newest checkpoint, {ckpt}, holds the weights before it" if ckpt else \
+        "no checkpoint was written yet"
+    skip = f"after skipping {cfg.skip_nonfinite} such steps" if cfg.skip_nonfinite else \
+        "--skip-nonfinite N skips up to N such steps"
+    return (f"step {step}: loss {loss}, gradient norm {norm}; {where}; stopped before the "
+            f"optimizer applied it; {kept}; {skip}")

@@ -1,0 +1,304 @@
+"""What the trainer shows and writes on rank 0: a progress line, ``metrics.jsonl`` (and, with
+``--tensorboard``, the same scalars in ``RUN/tensorboard/``), ``loss.png`` and the summary table
+at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tensorpar.planner.comm import predicted_comm
+from tensorpar.planner.data_parallel import dp_comm, dp_memory
+from tensorpar.planner.memory import tensorpar_memory
+from tensorpar.planner.shapes import ModelShape
+from tensorpar.runtime.output import human_bytes, write_atomically
+
+BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
+
+
+class Metrics:
+    """``metrics.jsonl``: one JSON object per optimizer step, flushed as it is written.
+
+    On resume from step S the entries after S (from the interrupted run) are dropped first, so the
+    file reads like one uninterrupted run.
+
+    tensorboard: a directory (``RUN/tensorboard``) that also gets each row's numbers as TensorBoard
+    scalars (``train/loss``, ``train/lr``, ...; float32, at ``global_step`` = the row's step),
+    flushed with the row. A resumed run appends a new event file to it that starts with a purge at
+    S + 1: TensorBoard hides the interrupted run's steps after S, so the curve, too, reads like
+    one run.
+    """
+
+    def __init__(self, path: Path, resume_step: int, tensorboard: Path | None = None):
+        self.path = path
+        kept = [r for r in self.read(path) if r.get("step", 0) <= resume_step] \
+            if resume_step else []
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+        self.rows = kept
+        self._board = None if tensorboard is None else \
+            summary_writer()(str(tensorboard), purge_step=resume_step + 1)
+        self._f = open(path, "a")
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        """The rows of a ``metrics.jsonl`` (none if it is missing); a line cut short by a kill
+        is skipped."""
+        rows = []
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        if self._board is not None:  # a skipped step's None (and its reason) has no scalar
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._board.add_scalar(f"train/{key}", value, global_step=row["step"])
+            self._board.flush()  # a run killed later still has this step's scalars
+
+    def close(self) -> None:
+        """Idempotent: the trainer closes it on every way out."""
+        self._f.close()
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def summary_writer():
+    """``torch.utils.tensorboard.SummaryWriter``, imported only for ``--tensorboard``; a
+    ValueError (one line, naming the pip command) when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--tensorboard needs the tensorboard package ({reason}): pip install "
+                         "tensorboard (or pip install 'tensorpar[tensorboard]'), or leave out "
+                         "--tensorboard (--no-tensorboard on a run resumed with it)") from None
+    return SummaryWriter
+
+
+class ProgressLine:
+    """A rich progress bar on a terminal; plain lines about every 10% of the run otherwise."""
+
+    def __init__(self, start: int, total: int):
+        self.console = Console(file=sys.stdout)
+        self.total, self.every = total, max(1, (total - start) // 10)
+        self.bar = None
+        if self.console.is_terminal:
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]:.4f}"),
+                                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                TimeRemainingColumn(), console=self.console)
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=0.0, tps=0)
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tps: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+        elif step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    """Loss against step, written atomically to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows],  # a skipped step's loss (None) is a gap
+            [float("nan") if r["loss"] is None else r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    plt.close(fig)
+
+
+class RunReport:
+    """What the lead rank shows and writes as a run trains: a ``metrics.jsonl`` row (and
+    TensorBoard scalars) and the progress line per step; at the end ``loss.png``, the summary
+    table and where the files are. The other ranks write nothing (``lead`` False)."""
+
+    def __init__(self, out: Path, start: int, cfg, lead: bool):
+        self.out, self.cfg, self.lead = out, cfg, lead
+        self.metrics = self.progress = None
+        if lead:
+            self.metrics = Metrics(out / "metrics.jsonl", start,
+                                   out / "tensorboard" if cfg.tensorboard else None)
+            self.progress = ProgressLine(start, cfg.steps)
+
+    def skipped(self) -> int:
+        """Steps a resumed run skipped before (non-finite), as its metrics.jsonl says."""
+        return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
+
+    def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
+             seconds: float) -> None:
+        if not self.lead:
+            return
+        tokens = self.cfg.batch_size * self.cfg.seq_len
+        row = {"step": step, "loss": loss if finite else None, "lr": lr,
+               "grad_norm": norm if finite else None, "tokens_per_s": tokens / seconds,
+               "step_time_s": seconds}
+        if not finite:  # JSON has no NaN: the values are named instead
+            row["skipped"] = f"non-finite: loss {loss}, gradient norm {norm}"
+        self.metrics.write(row)
+        self.progress.update(step, loss, tokens / seconds)
+
+    def close(self) -> None:
+        """Idempotent, on every way out: the terminal gets its cursor back, the TensorBoard
+        writer's thread ends."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def finish(self, start: int, sizes: list[dict], comm: dict, shape: ModelShape | None,
+               optimizer: str, dropout: bool, source: str, stopped: bool) -> list[dict]:
+        """``loss.png``, and for a run that was not stopped the summary and the files' line;
+        the rows of ``metrics.jsonl``."""
+        cfg, out, rows = self.cfg, self.out, self.metrics.rows
+        if rows:
+            dp = cfg.dp or 1
+            plot_loss(rows, out / "loss.png",
+                      f"TP={cfg.tp}{' + SP' if cfg.sequence_parallel else ''}"
+                      f"{f' x DP={dp} ({cfg.dp_mode})' if dp > 1 else ''}, {source}")
+        if not stopped:  # a stopped run's line is said by the launcher (train/run.py)
+            from tensorpar.checkpoint.format import find_checkpoint
+
+            ran = [r for r in rows if r["step"] > start]
+            console = self.progress.console
+            console.print(summary(ran, sizes, comm, cfg, shape, optimizer, dropout))
+            console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
+                          f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}"
+                          + (f"   tensorboard: {out / 'tensorboard'}" if cfg.tensorboard
+                             else ""))
+        return rows
+
+
+def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelShape,
+            optimizer: str = "fused", dropout: bool = False) -> Table:
+    """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
+    prediction) and the collectives of one step (measured against the analytic minimum).
+    shape: the model as the planner sees it (``recipe.shape()``; None: the planner cannot describe
+    it, the measured numbers alone); optimizer: the trainer's AdamW implementation
+    (``optim.implementation``); dropout: whether the model drops, for the plan."""
+    tp, sp = cfg.tp, cfg.sequence_parallel
+    recompute = "full" if cfg.recompute else "none"
+    how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
+        + (", TF32" if getattr(cfg, "tf32", False) else "")
+    dp = getattr(cfg, "dp", None) or 1
+    split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
+    table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{split}{how}",
+                  show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    done = [r for r in rows if not r.get("skipped")]
+    if done:
+        table.add_row("loss (first -> final step)",
+                      f"{done[0]['loss']:.4f} -> {done[-1]['loss']:.4f} "
+                      f"(steps {done[0]['step']}-{done[-1]['step']})")
+    if len(done) < len(rows):
+        table.add_row("skipped steps (non-finite)",
+                      ", ".join(str(r["step"]) for r in rows if r.get("skipped")))
+    if rows:
+        steady = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
+        table.add_row("tokens/s (median of steps)", f"{statistics.median(steady):,.0f}")
+    dense = sizes[0]["dense"]
+    per_param = sum(BYTES_PER_PARAM.values())
+    table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
+                  "weights + grads + AdamW (fp32)")
+    for r, s in enumerate(sizes):
+        line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
+                f"{human_bytes(s['local'] * per_param)}")
+        if s.get("peak_memory") and shape is None:
+            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
+        elif s.get("peak_memory"):
+            tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
+            planned = tensorpar_memory(shape, tp, cfg.batch_size // dp, cfg.seq_len, sp,
+                                       "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
+                                       recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
+                                       dropout=dropout, device=device)
+            planned = dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
+                                rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
+                                optimizer=optimizer)["total"]
+            data = s.get("data_bytes", 0)
+            planned += data
+            line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
+                     f"(planned {human_bytes(planned)}"
+                     + (f" with {human_bytes(data)} of token data" if data else "")
+                     + f", {planned / s['peak_memory'] - 1:+.1%})")
+        where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
+        table.add_row(f"rank {r}{where}", line)
+    if comm["counts"]:
+        minimum = None if shape is None else predicted_comm(
+            shape, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype, recompute)
+        _collective_rows(table, "", comm, minimum)
+        if minimum is not None:
+            table.add_row("analytic count (payload)", _by_source(minimum, sp))
+    else:
+        table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
+                      "not measured (no step ran)")
+    if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
+        expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0)
+        _collective_rows(table, "dp ", comm["dp"], expected)
+        if expected is not None:
+            table.add_row("dp analytic count (payload)", " + ".join(
+                f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
+    return table
+
+
+def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:
+    """A row per kind of collective: the calls, payload and ring bytes of one measured step
+    (``CollectiveCounter``'s), and whether they are the analytic count (``expected``; None:
+    there is none)."""
+    for kind in sorted(set(measured.get("counts", {})) | set((expected or {}).get("counts", {}))):
+        got = (measured["counts"].get(kind, 0), measured["bytes"].get(kind, 0))
+        want = (0, 0) if expected is None else \
+            (expected["counts"].get(kind, 0), expected["bytes"].get(kind, 0))
+        verdict = "no analytic count" if expected is None else "= the analytic count" \
+            if got == want else f"analytic count: {want[0]} calls, {human_bytes(want[1])}"
+        table.add_row(f"{prefix}{kind} per step",
+                      f"{got[0]} calls, {human_bytes(got[1])} payload, "
+                      f"{human_bytes(measured['ring_bytes'].get(kind, 0))} sent per rank "
+                      f"(ring); {verdict}")
+
+
+def _by_source(predicted: dict, sp: bool) -> str:
+    """'blocks 36.00 MiB (Megatron's minimum: ...) + embedding 1.50 MiB + ...' from a
+    prediction (``plan.comm.predicted_comm``)."""
+    parts: dict[str, int] = {}
+    for row in predicted["breakdown"]:
+        source = row["source"]
+        if source.startswith(("attention", "mlp")):
+            source = "blocks"
+        parts[source] = parts.get(source, 0) + row["bytes"]
+    minimum = ("Megatron's minimum: per layer 2 all-reduces of B·T·D each way"
+               if not sp else "Megatron's minimum under SP: per layer 2 all-gathers + 2 "
+               "reduce-scatters of B·T·D each way (the ring bytes of the 4 all-reduces), and in "
+               "backward each column op's input shard gathered again, as Megatron does")
+    text = [f"{name} {human_bytes(b)}" + (f" ({minimum})" if name == "blocks" else "")
+            for name, b in parts.items()]
+    return " + ".join(text)

@@ -1,0 +1,50 @@
+"""Multi-node through torchrun's rendezvous: two torchrun "nodes" on this machine
+(``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on 127.0.0.1) train TP=2 inside each node and
+DP=2 across them, and the losses are those of one node with 4 ranks."""
+
+import subprocess
+import sys
+
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.ranks.local import free_port
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.loop import train_rank
+
+from tests_common import TINY_GPT, checkout_env, read_metrics
+
+STEPS = 4
+MODEL = {"n_layer": 1, "dim": 32, "n_head": 4, "n_kv_head": 1}
+
+
+def _one_node(out):
+    """The same run on one node's 4 ranks (the test pool, tp 2 x dp 2)."""
+    cfg = TrainConfig(tp=2, dp=2, steps=STEPS, batch_size=4, seq_len=32, warmup_steps=3,
+                      seed=2, out=out)
+    return train_rank(cfg, GPTConfig(**MODEL), None).get("rows")
+
+
+def test_two_torchrun_nodes_equal_one_node(ranks, tmp_path):
+    """Each node's ranks are consecutive global ranks (torchrun numbers node by node), so a TP
+    group stays inside a node and the dp groups cross the nodes; the run reads --dp from the
+    world size (4 / --tp 2)."""
+    port, out = free_port(), tmp_path / "two-nodes"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+           "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "tensorpar-test", "-m", "tensorpar", "train", "--tp", "2",
+           "--steps", str(STEPS), "--out", str(out), *TINY_GPT]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=checkout_env()) for _ in range(2)]
+    try:
+        logs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, logs, strict=True):
+        assert node.returncode == 0, err
+    summary = "".join(log[0] for log in logs)
+    assert "TP=2 x DP=2 (fsdp)" in summary, summary
+    two_nodes = read_metrics(out)
+    one_node = ranks(4).run(_one_node, str(tmp_path / "one-node"))[0]
+    assert [r["step"] for r in two_nodes] == [r["step"] for r in one_node] == [1, 2, 3, 4]
+    for a, b in zip(two_nodes, one_node, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
