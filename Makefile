@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 SETUP_STAMP := .setup.stamp
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 setup: $(SETUP_STAMP)
 
@@ -26,8 +26,14 @@ demo: setup
 	$(PYTHON) -m tensorpar generate --ckpt $(DEMO_DIR) --tp 2 --max-new-tokens 300 --temperature 0.7 \
 		--prompt "The with statement"
 
+# Everything (CI runs this), with the 25 slowest tests listed at the end.
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
+
+# The fast tier for development: every package's core behaviour, under 3 minutes on 2 cores;
+# the end-to-end runs (marked slow: whole commands, torchrun, the README's lines) left out.
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow"
 
 clean:
 	rm -f $(SETUP_STAMP)

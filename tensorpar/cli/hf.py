@@ -18,7 +18,8 @@ from tensorpar.cli.verify import dense_shard, max_rel_error
 from tensorpar.hf.plans import is_conv1d
 from tensorpar.ranks.local import RankError, run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.runtime.output import human_bytes, say, speaks
+from tensorpar.runtime.output import human_bytes
+from tensorpar.runtime.torchrun import say, speaks
 
 TOL = 1e-5
 

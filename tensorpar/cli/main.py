@@ -22,14 +22,18 @@ import importlib
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 
 from tensorpar.ranks.failures import EXPECTED, RankError, describe
-from tensorpar.ranks.signals import Interrupted, ignore_stops, raise_interrupted, signal_name
-from tensorpar.runtime import output
+from tensorpar.ranks.signals import (
+    Interrupted,
+    await_torchrun_stop,
+    ignore_stops,
+    signal_name,
+    unwinding,
+)
 from tensorpar.runtime.groups import CHECK_ENV, DEVICE_ENV, TIMEOUT_ENV, check_device, wanted_device
+from tensorpar.runtime.torchrun import speaks as speaks_for_all
 
 SILENT_RANK_DELAY_S = 5.0  # a torchrun rank that leaves its error to rank 0 waits this long
 
@@ -114,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEVICE_ENV] = args.rank_device
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
-    speaks = output.speaks()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, raise_interrupted)  # unwind: the ranks are stopped cleanly
+    speaks = speaks_for_all()
+    unwinding()  # SIGTERM unwinds as Ctrl-C does: the ranks are stopped cleanly
     late = None  # a Ctrl-C or SIGTERM that came while the command ended
     try:
         check_device(wanted_device())  # --device cuda without a GPU: one line, no rank started
@@ -133,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if speaks or rank is not None:
             where = "" if rank is None else f"rank {rank}: "
             print(f"tensorpar {args.command}: {where}{describe(e)}", file=sys.stderr)
-        else:  # a silent rank that exits first makes torchrun stop rank 0 before it speaks:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # wait; torchrun's SIGTERM ends it
-            time.sleep(SILENT_RANK_DELAY_S)
+        else:  # a silent rank that exits first makes torchrun stop rank 0 before it speaks
+            await_torchrun_stop(SILENT_RANK_DELAY_S)
         code = 2 if isinstance(e, ValueError) and rank is None else 1
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143): every rank is stopped
         code = _interrupted(e, args.command, speaks)

@@ -25,7 +25,8 @@ from tensorpar.gpt.shape import load_shape
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
-from tensorpar.planner.memory import ADAMW, DTYPES, RECOMPUTE, plan_memory
+from tensorpar.planner.layouts import plan_memory
+from tensorpar.planner.memory import ADAMW, DTYPES, RECOMPUTE
 from tensorpar.planner.report import fmt, print_tables, unit_for, write_png
 from tensorpar.planner.shapes import PRESETS, preset
 

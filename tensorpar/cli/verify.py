@@ -29,7 +29,7 @@ from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
 from tensorpar.runtime.groups import device_for
-from tensorpar.runtime.output import say
+from tensorpar.runtime.torchrun import say
 from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.reference import BlockConfig, DenseBlock

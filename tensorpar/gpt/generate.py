@@ -45,8 +45,8 @@ from tensorpar.gpt.sampling import check_sampling, pick_token
 from tensorpar.gpt.tokenizer import ByteTokenizer
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.groups import device_for, tp_rank
-from tensorpar.runtime.output import speaks
 from tensorpar.runtime.seeds import derive_seed
+from tensorpar.runtime.torchrun import speaks
 
 
 def left_pad(seqs: list[list[int]], pad_id: int = 0, device=None

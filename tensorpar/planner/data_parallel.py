@@ -215,7 +215,7 @@ def dp_memory(shape: ModelShape, tp: int, dp: int, mode: str, mem: dict, param_b
     """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under data parallelism ``mode``.
 
     mem: the step without data parallelism for this rank's batch/dp sequences, as
-    ``memory.tensorpar_memory`` returns it (or ``memory.plan_memory``'s Megatron-style bf16
+    ``memory.tensorpar_memory`` returns it (or ``layouts.plan_memory``'s Megatron-style bf16
     version of it). param_bytes: the width of weights and gradients (4: fp32 and tensorpar's
     autocast; 2: Megatron-style bf16); state_bytes: AdamW's per element (8; Megatron-style bf16
     12, with the fp32 master weights). device: "cpu" (gloo copies a reduce-scatter's input) or

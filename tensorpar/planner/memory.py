@@ -42,8 +42,8 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
   T2048, fp32, bf16, unfused and recomputed; issue 15).
 
-Data parallelism (``plan_memory``'s dp and dp_mode: FSDP2's shards and gathered blocks, DDP's
-buckets) builds on these numbers in ``data_parallel.py``.
+Data parallelism (``layouts.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
+blocks, DDP's buckets) builds on these numbers in ``data_parallel.py``.
 
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
 fragmentation and cache, the CUDA context and communication buffers, which no tensor count sees).
@@ -52,7 +52,7 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 from __future__ import annotations
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.planner.activations import block_copies, block_saved, paper_activations
+from tensorpar.planner.activations import block_copies, block_saved
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.transformer.attention import head_layout
 
@@ -163,10 +163,9 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
         final_norm = Ns * 4 if device == "cuda" or not autocast else Ns * D * 4 + Ns * 4
     final_norm += (Ns if regather else N) * D * act  # the head's input
     head_copy = s["vocab"] * D * 2 if autocast else 0
-    if tp == 1:  # F.cross_entropy: log_softmax keeps its fp32 output, not the logits
-        logits = N * s["vocab"] * 4
-    else:  # the vocab-parallel loss keeps exp(logits - max) in fp32, in the logits' buffer
-        logits = N * s["vocab"] * 4
+    # the same fp32 (N, V_local) either way: at TP=1 F.cross_entropy's log_softmax output (not
+    # the logits), at TP > 1 the vocab-parallel loss's exp(logits - max), in the logits' buffer
+    logits = N * s["vocab"] * 4
     loss = N * 18 + 12  # local max, lse, local targets, two masks
     # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
@@ -224,78 +223,3 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
             "activations": activations, "peak_extra": peaks[where], "peak_at": where,
             "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies,
             "blocks": blocks}
-
-
-def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "bf16",
-                sequence_parallel: bool = False, recompute: str = "none",
-                device_memory: float | None = None, reserve: float = 0.10,
-                optimizer: str = "fused", dropout: bool = False, device: str = "cpu",
-                dp: int = 1, dp_mode: str = "fsdp") -> dict:
-    """One row of ``tensorpar plan``: per-rank bytes by component, the total and whether it fits.
-
-    optimizer: AdamW's implementation (``ADAMW``; tensorpar's trainer uses "fused"). device:
-    "cpu" or "cuda", the kernels whose saved tensors differ (``tensorpar_memory``). Weights,
-    gradients and optimizer states follow ``dtype`` (module docstring). "activations" is
-    what tensorpar's GPT keeps for backward at the end of forward, "activations_paper" the
-    Korthikanti et al. formula for comparison. "total" is the step's peak: weights + optimizer
-    states + the largest moment ("peak_bytes" at "peak_at": the activations and the loss
-    backward's temporaries, a block's backward, or the gradients and the optimizer's temporaries).
-    dp, dp_mode: data parallelism over ``dp`` copies by FSDP2 ("fsdp") or DDP ("ddp")
-    (``data_parallel.dp_memory``); ``batch`` is the step's, each copy takes batch/dp sequences;
-    "dp_buffers" is DDP's buckets or FSDP2's gathered weights and gradient buffers at the peak.
-    """
-    # data_parallel builds on this module's functions
-    from tensorpar.planner.data_parallel import check_dp, dp_memory
-
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-    check_dp(dp, dp_mode)
-    if batch % dp:
-        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
-                         "batch/dp sequences")
-    head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
-    if sequence_parallel and seq < tp:
-        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
-                         "least one token per rank")
-    rec = "full" if recompute == "full" else "none"
-    mem = tensorpar_memory(shape, tp, batch // dp, seq, sequence_parallel,
-                           "fp32" if dtype == "fp32" else "bf16-autocast", rec,
-                           optimizer=optimizer, dropout=dropout, device=device)
-    params = rank_params(shape, tp)
-    p = params["total"]
-    if dtype == "bf16":
-        # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
-        # moments as tensorpar's autocast, less the bf16 weight copies each of them holds (the
-        # bf16 weights replace them) and with half-size gradients at the optimizer step. An
-        # estimate: the activations are autocast's (fp32 residual stream and norms), a little
-        # above a fully bf16 model's.
-        peaks = {k: v - mem["copies"][k] for k, v in mem["peaks"].items()}
-        peaks["optimizer step"] += 2 * p - mem["grads"]
-        blocks = mem["blocks"] | {k: mem["blocks"][k] - mem["blocks"]["copies"][k]
-                                  for k in ("between", "inside", "kept")}
-        mem = mem | {"weights": 2 * p, "grads": 2 * p, "optimizer": 12 * p + 4 * params["tensors"],
-                     "activations": mem["activations"] - mem["copies"]["activations"],
-                     "peaks": peaks, "blocks": blocks}
-        mem["peak_at"] = max(peaks, key=peaks.get)
-        mem["peak_extra"] = peaks[mem["peak_at"]]
-        mem["total"] = mem["weights"] + mem["optimizer"] + mem["peak_extra"]
-    # gradients are allocated during backward and freed after the step, activations freed
-    # during backward: they never peak together, so the total is weights + optimizer states +
-    # the largest moment of the step (loss backward, a block's backward, the optimizer step)
-    mem = dp_memory(shape, tp, dp, dp_mode, mem, 2 if dtype == "bf16" else 4,
-                    12 if dtype == "bf16" else 8, device=device, optimizer=optimizer)
-    row = {"model": shape.name, "tp": tp, "dp": dp, "dp_mode": dp_mode if dp > 1 else None,
-           "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
-           "batch": batch, "seq": seq, "device": device, "params_per_rank": p,
-           "weights": mem["weights"], "grads": mem["grads"], "optimizer": mem["optimizer"],
-           "activations": mem["activations"], "dp_buffers": mem["dp_buffers"],
-           "peak_bytes": mem["peak_extra"], "peak_at": mem["peak_at"],
-           "activations_paper": paper_activations(shape, tp, batch // dp, seq, sequence_parallel,
-                                                  recompute),
-           "total": mem["total"]}
-    if device_memory is not None:
-        row["usable"] = round(device_memory * (1 - reserve))
-        row["fits"] = row["total"] <= row["usable"]
-    return row

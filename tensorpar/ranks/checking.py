@@ -29,10 +29,12 @@ import traceback
 from torch import nn
 
 from tensorpar.ranks.failures import CollectiveMismatch, collective_mismatch
-from tensorpar.ranks.rank_guard import HINT
 
 # what the launcher says after a rank's abort when the ranks did not check their collectives
-CHECK_HINT = HINT
+CHECK_HINT = ("if the dead rank said \"Received data size doesn't match expected size\", ranks fed "
+              "a collective different shapes: run again with tensorpar --check-collectives CMD "
+              "(in code: TENSORPAR_CHECK_COLLECTIVES=1) to have the layer and each rank's shape "
+              "named")
 
 
 class naming_layers:  # noqa: N801 (used as a function: ``with naming_layers(model):``)

@@ -27,6 +27,9 @@ import signal
 import threading
 import time
 
+from tensorpar.ranks.signals import ignoring
+from tensorpar.runtime.torchrun import under_torchrun
+
 # what the server imports before it forks any rank: the rank's entry point, which brings torch
 PRELOAD = ["tensorpar.ranks.local"]
 # modules a command's ranks run, imported by the server too (a name that fails is skipped).
@@ -58,14 +61,8 @@ def start_server(preload: list[str] | tuple[str, ...] = ()) -> mp.context.BaseCo
     from multiprocessing import forkserver
 
     ctx = rank_context(preload)
-    main = threading.current_thread() is threading.main_thread()  # signals: main thread only
-    previous = {s: signal.signal(s, signal.SIG_IGN)
-                for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    try:
+    with ignoring(signal.SIGINT, signal.SIGTERM):
         forkserver.ensure_running()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return ctx
 
 
@@ -74,7 +71,7 @@ def start_early(argv: list[str]) -> None:
     the command starts local ranks (not under torchrun, whose processes are the ranks; not for
     ``--help``). A word of ARGV is taken for the command: at worst the server starts for
     nothing."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or {"-h", "--help"} & set(argv):
+    if under_torchrun() or {"-h", "--help"} & set(argv):
         return
     command = next((word for word in argv if word in COMMAND_MODULES), None)
     if command is not None:

@@ -29,16 +29,18 @@ import os
 import queue
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from tensorpar.ranks.checking import CHECK_HINT
 from tensorpar.ranks.failures import EXPECTED, RankError, RankFailure, collective_failure
 from tensorpar.ranks.forkserver import exit_with_launcher, start_server
-from tensorpar.ranks.signals import forwarding, signal_name
+from tensorpar.ranks.signals import forwarding, ignoring, rank_defaults, signal_name
 from tensorpar.runtime.groups import DEVICE_ENV, check_device, checks_wanted, collectives_checked
+from tensorpar.runtime.torchrun import under_torchrun
 
 
 def free_port() -> int:
@@ -48,17 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, tasks, results,
-            launcher: int, env: dict[str, str], check_collectives: bool | None,
+def _worker(rank: int, world: int, port: int, backend: str | None, threads: int, all_tasks,
+            results, launcher: int, env: dict[str, str], check_collectives: bool | None,
             device: str | None):
+    """One local rank: its process group, then every job of ``all_tasks[rank]`` until None."""
+    tasks = all_tasks[rank]
     exit_with_launcher(launcher)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a spawned process (the server ignores it)
-    os.environ.clear()  # the launcher's environment, not the fork server's (forking.py)
+    rank_defaults()
+    os.environ.clear()  # the launcher's environment, not the fork server's (forkserver.py)
     os.environ.update(env)
-    # a write past ``ulimit -f`` then fails with OSError(EFBIG) instead of killing the rank
-    # (CPython ignores SIGXFSZ already; said here so that it stays so)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -139,25 +139,14 @@ class RankPool:
         ctx = start_server()  # a no-op once it runs (python -m tensorpar starts it early)
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(nprocs)]
-        port = free_port()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, nprocs, port, backend, threads, self._tasks[r], self._results,
-                      os.getpid(), dict(os.environ), check_collectives, device),
-                daemon=True,
-            )
-            for r in range(nprocs)
-        ]
-        # started with Ctrl-C ignored (inherited): one while a rank imports is the launcher's too
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            for p in self._procs:
-                p.start()
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+        args = (nprocs, free_port(), backend, threads, self._tasks, self._results, os.getpid(),
+                dict(os.environ), check_collectives, device)
+        # torch's own start (the forkserver's processes, as mp.spawn's); Ctrl-C ignored while
+        # they start (inherited): one while a rank imports is the launcher's to handle
+        with ignoring(signal.SIGINT):
+            self._context = mp.start_processes(_worker, args, nprocs, join=False, daemon=True,
+                                               start_method="forkserver")
+        self._procs = self._context.processes
         self._closed = self._stop_asked = False
         try:  # every rank reports "ready" once its process group is up
             self._collect(timeout_s)
@@ -259,7 +248,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any,
     """Run ``fn(*args, group=...)`` on ``nprocs`` ranks: spawn them, or, under torchrun, be one of
     them. Every rank's result in rank order (under torchrun, on every rank: each ends alike).
     ``forward_signals``: see :func:`launch` (torchrun passes its signals on by itself)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not under_torchrun():
         return launch(fn, nprocs, *args, forward_signals=forward_signals)
     import torch.distributed as dist
 

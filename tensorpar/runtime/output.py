@@ -1,10 +1,5 @@
-"""What every command writes: files replaced atomically, byte counts in human units, and its
-lines, printed once for all ranks.
-
-Spawned by tensorpar's launcher, the ranks return their results and the launcher prints. Under
-torchrun every process is a rank that computes the same result and exit status, and global rank
-0 prints for them (``speaks``), so a table or a completion appears once. No torch import here.
-"""
+"""What every command writes: files replaced atomically, byte counts in human units. No torch
+import here."""
 
 from __future__ import annotations
 
@@ -31,15 +26,3 @@ def write_atomically(path: Path, write) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def speaks() -> bool:
-    """Whether this process prints the command's lines: rank 0 under torchrun; any process
-    outside it (a launcher, whatever ``RANK`` a scheduler left in its environment)."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0"
-
-
-def say(*args, **kwargs) -> None:
-    """``print``, in the process that speaks; nothing elsewhere."""
-    if speaks():
-        print(*args, **kwargs)

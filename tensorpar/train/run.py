@@ -26,7 +26,7 @@ from tensorpar.checkpoint.save import remove_unfinished
 from tensorpar.ranks.local import run_ranks
 from tensorpar.ranks.signals import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 from tensorpar.runtime.groups import rank_device_type, wanted_device
-from tensorpar.runtime.output import speaks
+from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import has_tokens, load_text
@@ -135,7 +135,7 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
 def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
     """--dp: as given; else, under torchrun, the world size / --tp (an error when --tp does not
     divide it); else the resumed run's, or 1."""
-    if explicit is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if explicit is not None or not under_torchrun():
         return 1 if cfg.dp is None else cfg.dp  # --dp 0 stays 0, for check() to refuse
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.tp < 1 or world % cfg.tp:
@@ -151,7 +151,7 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
     status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
     ranks = cfg.tp * (cfg.dp or 1)
     world = int(os.environ.get("WORLD_SIZE", ranks))
-    if "TORCHELASTIC_RUN_ID" in os.environ and world != ranks:
+    if under_torchrun() and world != ranks:
         raise ValueError(f"torchrun started {world} processes but --tp {cfg.tp} x --dp "
                          f"{cfg.dp or 1} is {ranks}: start {ranks} in all (torchrun "
                          f"--nnodes x --nproc-per-node), or change --tp / --dp")

@@ -16,7 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar import cli
+from tensorpar.cli import export as cli_export
+from tensorpar.cli import main as cli
+from tensorpar.cli import train as cli_train
+from tensorpar.cli import verify as cli_verify
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.ranks.checking import CHECK_HINT, naming_layers
 from tensorpar.ranks.failures import (
@@ -178,7 +181,7 @@ def test_cli(monkeypatch, capsys, unset, flag):
     """``tensorpar train`` whose ranks feed all_reduce different shapes, exit 1 in under 30 s.
     Without the flag gloo aborts a rank: the line names it, SIGABRT, and the flag to use. With
     it (read by every spawned rank from the environment): the mismatch in one line."""
-    monkeypatch.setattr(cli, "_run", _cli_runs(_unchecked_mismatch))
+    monkeypatch.setattr(cli_train, "run", _cli_runs(_unchecked_mismatch))
     previous = signal.getsignal(signal.SIGTERM)
     start = time.monotonic()
     try:
@@ -199,8 +202,10 @@ def test_cli(monkeypatch, capsys, unset, flag):
 def test_check_is_on_for_verify_by_default(monkeypatch, unset):
     """``tensorpar verify`` checks its collectives unless told not to; other commands do not."""
     seen = []
-    monkeypatch.setattr(cli, "_run", lambda args: seen.append(os.environ.get(CHECK_ENV)) or 0)
+    for command in (cli_verify, cli_export):
+        monkeypatch.setattr(command, "run", lambda args: seen.append(os.environ.get(CHECK_ENV)))
     for argv, want in ((["verify"], "1"), (["--no-check-collectives", "verify"], "0"),
+                       (["verify", "--no-check-collectives"], "0"),
                        (["export", "--ckpt", "c", "--out", "o"], None)):
         os.environ.pop(CHECK_ENV, None)
         cli.main(argv)

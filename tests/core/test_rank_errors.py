@@ -9,8 +9,9 @@ import pytest
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from tensorpar import cli
 from tensorpar.checkpoint.save import _io_error
+from tensorpar.cli import main as cli
+from tensorpar.cli import train as cli_train
 from tensorpar.ranks.failures import RankError, RankFailure, describe
 
 
@@ -92,7 +93,7 @@ def test_cli_prints_one_line_or_tracebacks(monkeypatch, capsys, debug):
     previous = signal.getsignal(signal.SIGTERM)
     try:
         for error, shows_traceback in ((expected, bool(debug)), (bug, True)):
-            monkeypatch.setattr(cli, "_run", _failing_run(error))
+            monkeypatch.setattr(cli_train, "run", _failing_run(error))
             assert cli.main(argv) == 1
             err = capsys.readouterr().err
             assert ("Traceback" in err) == shows_traceback, err

@@ -15,7 +15,8 @@ from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import ddp_buckets, dp_comm, dp_memory, fsdp_elements
-from tensorpar.planner.memory import plan_memory, tensorpar_memory
+from tensorpar.planner.layouts import plan_memory
+from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.shapes import preset
 from tensorpar.runtime.counting import CollectiveCounter
