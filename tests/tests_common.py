@@ -114,6 +114,45 @@ def rank_pids(launcher: int) -> list[int]:
     return sorted(p for p, parent, _, _ in found if parent in servers)
 
 
+def sockets(pid: int) -> int:
+    """How many sockets process ``pid`` holds open (0 once it is gone)."""
+    import os
+
+    try:
+        return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+                   for fd in os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def ranks_met(launcher: int, n: int) -> bool:
+    """Whether the ``n`` ranks of a ``tensorpar`` process have met: each holds the sockets of a
+    process group (its store connection, and gloo's listening socket and pair connection)."""
+    ranks = rank_pids(launcher)
+    return len(ranks) >= n and all(sockets(r) >= 3 for r in ranks)
+
+
+def importing_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun to import torch (its C++ library is mapped)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any("libtorch" in line for line in maps)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(event, proc, what: str, timeout: float = 60.0, every: float = 0.02) -> None:
+    """Until ``event()`` is true, while ``proc`` runs; fails, with its output, past ``timeout``
+    seconds or if it ends first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not event():
+        assert proc.poll() is None, (what, proc.communicate())
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(every)
+
+
 def char_tokenizer():
     """A character-level tokenizer for the 95 printable ASCII characters (ids 1-95): nothing
     downloaded."""

@@ -23,10 +23,12 @@ from tests_common import (
     TINY_GPT,
     checkout_env,
     cli_env,
-    rank_pids,
+    importing_torch,
+    ranks_met,
     read_metrics,
     tensorpar_cli,
     tensorpar_here,
+    wait_for,
 )
 
 STEPS = 80  # tiny steps of about 20 ms: the signal tests send theirs 35-55 steps before the end
@@ -129,12 +131,8 @@ def test_ctrl_c_in_other_commands(uninterrupted, command):
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", command, "--tp", "2",
                              *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(), start_new_session=True)
-    deadline = time.monotonic() + 60
-    while len(rank_pids(proc.pid)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    time.sleep(3)  # the ranks import and meet
-    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(lambda: ranks_met(proc.pid, 2), proc, "process group of 2 ranks")
+    os.killpg(proc.pid, signal.SIGINT)  # while the ranks work (20 s of it)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert err.strip() == f"tensorpar {command}: interrupted (Ctrl-C)", err
@@ -265,9 +263,8 @@ def test_ctrl_c_while_torch_is_imported():
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "verify", "--tp", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=cli_env(), start_new_session=True)
-    # past the interpreter's own start, which a loaded machine (the suite's other ranks) can
-    # stretch to tenths of a second, and well inside torch's import (seconds)
-    time.sleep(0.8)
+    # past the interpreter's own start, inside torch's import (seconds)
+    wait_for(lambda: importing_torch(proc.pid), proc, "import of torch", every=0.005)
     for _ in range(20):
         os.killpg(proc.pid, signal.SIGINT)
         try:
