@@ -164,62 +164,72 @@ class Converter:
         return m
 
     def attention(self, name, m):
-        cfg, sp = getattr(m, "config", None), self.seq is not None
+        """q, k and v split by heads (``head_layout``: GQA and MQA with fewer KV heads than
+        ranks too), the output projection by its input; the module's own head counts made
+        local, so that its forward reshapes to this rank's heads. Two layouts: separate
+        q/k/v projections (Llama and most families) and GPT-2's packed q|k|v Conv1D."""
         if self.model is not None:
             check_split(self.model, name, "attention", self.n)
-        if hasattr(m, "c_attn"):  # GPT-2: fused q|k|v Conv1D, multi-head only
-            H, hd = m.num_heads, m.head_dim
-            (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
-            E = H * hd
-            if not is_conv1d(m.c_attn) or _features(m.c_attn)[1] != 3 * E or \
-                    getattr(m, "is_cross_attention", False):
-                raise ValueError(f"{name}.c_attn is not GPT-2's Conv1D packing q|k|v of "
-                                 f"{H} heads each ({_features(m.c_attn)} features): style "
-                                 "'attention' does not know this layout")
-            m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
-                                   ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
-            m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd), sp)
-            columns = [m.c_attn]
-            m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
+        if hasattr(m, "c_attn"):
+            columns, converted, hd = self._packed_qkv(name, m)
         elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
                 any(hasattr(m, p) for p in OUT_PROJ):
-            out = next(p for p in OUT_PROJ if hasattr(m, p))
-            (H, K), hd = attention_heads(m, cfg), m.head_dim
-            (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
-            m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
-                                   cls=InRegionColumn)
-            groups = H // K
-            kv_index = torch.arange(h0, h1) // groups - k0  # local KV head of each query head
-            h_local, k_local = h1 - h0, k1 - k0
-            uniform = h_local % k_local == 0 and torch.equal(
-                kv_index, torch.arange(h_local) // (h_local // k_local))
-            for proj in ("k_proj", "v_proj"):
-                layer = self.column(f"{name}.{proj}", getattr(m, proj), [(k0 * hd, k1 * hd)],
-                                    cls=InRegionColumn)
-                layer.shared, layer.head_dim = shared, hd
-                if not uniform:
-                    layer.expand = kv_index
-                setattr(m, proj, layer)
-            setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd), sp))
-            columns = [m.q_proj, m.k_proj, m.v_proj]
-            m.num_key_value_groups = h_local // k_local if uniform else 1
-            kv_local = k_local if uniform else h_local
-            for attr, value in (("num_heads", h_local), ("num_attention_heads", h_local),
-                                ("n_head", h_local), ("num_key_value_heads", kv_local),
-                                ("num_kv_heads", kv_local)):
-                if isinstance(getattr(m, attr, None), int):
-                    setattr(m, attr, value)
-            if isinstance(getattr(m, "embed_dim", None), int):
-                m.embed_dim = h_local * hd
+            columns, converted, hd = self._separate_qkv(name, m)
         else:
             raise ValueError(f"{name}: style 'attention' needs q_proj/k_proj/v_proj and one of "
                              f"{OUT_PROJ}, or c_attn/c_proj; "
                              f"{type(m).__name__} has "
                              f"{[c for c, _ in m.named_children()]}")
-        # other parameters (Qwen3's per-head q/k norms) stay whole but see only this rank's
-        # heads: their gradients are partial sums, completed over the group in backward
-        converted = {"c_attn", "c_proj"} if hasattr(m, "c_attn") else {"q_proj", "k_proj",
-                                                                        "v_proj", out}
+        self._other_parameters(name, m, converted, hd)
+        Region(m, columns, self.group, self.seq)
+        return m
+
+    def _packed_qkv(self, name, m) -> tuple[list, set[str], int]:
+        """GPT-2: one Conv1D packing q|k|v (multi-head only), each third split by heads."""
+        H, hd = m.num_heads, m.head_dim
+        (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
+        E = H * hd
+        if not is_conv1d(m.c_attn) or _features(m.c_attn)[1] != 3 * E or \
+                getattr(m, "is_cross_attention", False):
+            raise ValueError(f"{name}.c_attn is not GPT-2's Conv1D packing q|k|v of "
+                             f"{H} heads each ({_features(m.c_attn)} features): style "
+                             "'attention' does not know this layout")
+        m.c_attn = self.column(f"{name}.c_attn", m.c_attn, parts=3, cls=InRegionColumn,
+                               ranges=[(i * E + h0 * hd, i * E + h1 * hd) for i in range(3)])
+        m.c_proj = self.row(f"{name}.c_proj", m.c_proj, (h0 * hd, h1 * hd), self.seq is not None)
+        m.num_heads, m.split_size, m.embed_dim = h1 - h0, (h1 - h0) * hd, (h1 - h0) * hd
+        return [m.c_attn], {"c_attn", "c_proj"}, hd
+
+    def _separate_qkv(self, name, m) -> tuple[list, set[str], int]:
+        """q_proj by query heads, k_proj and v_proj by KV heads (a KV head several ranks share
+        is held by each; a rank whose query heads do not map evenly onto its KV heads expands
+        them by ``kv_index``), the output projection by its input."""
+        out = next(p for p in OUT_PROJ if hasattr(m, p))
+        (H, K), hd = attention_heads(m, getattr(m, "config", None)), m.head_dim
+        (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
+        m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
+                               cls=InRegionColumn)
+        kv_index = torch.arange(h0, h1) // (H // K) - k0  # local KV head of each query head
+        h_local, k_local = h1 - h0, k1 - k0
+        uniform = h_local % k_local == 0 and torch.equal(
+            kv_index, torch.arange(h_local) // (h_local // k_local))
+        for proj in ("k_proj", "v_proj"):
+            layer = self.column(f"{name}.{proj}", getattr(m, proj), [(k0 * hd, k1 * hd)],
+                                cls=InRegionColumn)
+            layer.shared, layer.head_dim = shared, hd
+            if not uniform:
+                layer.expand = kv_index
+            setattr(m, proj, layer)
+        setattr(m, out, self.row(f"{name}.{out}", getattr(m, out), (h0 * hd, h1 * hd),
+                                 self.seq is not None))
+        _local_head_counts(m, h_local, k_local if uniform else h_local, hd,
+                           h_local // k_local if uniform else 1)
+        return [m.q_proj, m.k_proj, m.v_proj], {"q_proj", "k_proj", "v_proj", out}, hd
+
+    def _other_parameters(self, name, m, converted: set[str], hd: int) -> None:
+        """Other parameters of the attention (Qwen3's per-head q/k norms) stay whole but see
+        only this rank's heads: their gradients are partial sums, completed over the group in
+        backward. Ones that mix heads, or the module's own, are refused."""
         own = [p for p, _ in m.named_parameters(recurse=False)]
         if own:  # e.g. per-head attention sinks: they would need splitting by heads too
             raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
@@ -232,8 +242,6 @@ class Converter:
                                  f"({hd}): it mixes heads, so it cannot run on a rank's heads "
                                  "alone; this attention is not supported by style 'attention'")
         self.grad_sum += [pname for pname, _ in others]
-        Region(m, columns, self.group, self.seq)
-        return m
 
     def mlp(self, name, m):
         linears = [(c, sub) for c, sub in m.named_children()
@@ -254,3 +262,20 @@ class Converter:
                 setattr(m, c, columns[-1])
         Region(m, columns, self.group, self.seq)
         return m
+
+
+# the names transformers' attention modules give their head counts, across families and
+# releases: each that the module has is set to this rank's count
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _local_head_counts(m, heads: int, kv_heads: int, head_dim: int, groups: int) -> None:
+    """The attention module's own head counts (those it has) set to this rank's."""
+    m.num_key_value_groups = groups
+    for attr, value in ([(a, heads) for a in _HEAD_COUNTS]
+                        + [(a, kv_heads) for a in _KV_HEAD_COUNTS]):
+        if isinstance(getattr(m, attr, None), int):
+            setattr(m, attr, value)
+    if isinstance(getattr(m, "embed_dim", None), int):
+        m.embed_dim = heads * head_dim
