@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from tensorpar.bench import bench_cli
-from tensorpar.planner import cli as plan_cli
+from tensorpar.cli import bench as bench_cli
+from tensorpar.cli import plan as plan_cli
 
 from tests_common import leftovers, tensorpar_here
 
