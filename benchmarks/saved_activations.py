@@ -4,7 +4,7 @@ Builds the GPT at TP=1 in this process (no torch.distributed), runs one forward 
 ``torch.autograd.graph.saved_tensors_hooks`` and prints, per block and for the rest of the model,
 every distinct saved storage (each counted once, however many saved tensors view it), grouped as
 ``count x shape dtype bytes  module: autograd nodes``, with the block's total next to the
-planner's terms (``tensorpar/plan/memory.py``). Then the measured memory of one forward and
+planner's terms (``tensorpar/planner/memory.py``). Then the measured memory of one forward and
 backward (no optimizer step): on CUDA the caching allocator's statistics, on CPU ``MemoryMeter``.
 
 ::

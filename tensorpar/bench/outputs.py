@@ -85,7 +85,7 @@ def table(results: dict) -> str:
                      "allocator events, which see the compiled code (the eager rows: a "
                      "TorchDispatchMode, under which torch.compile would run eagerly); at TP > 1 "
                      "it may read high by the overlapped all-reduces' buffers, one activation "
-                     "at most each (tensorpar/plan/meter.py)")
+                     "at most each (tensorpar/planner/meter.py)")
     for a, b, what in (("tensorpar", "dtensor", "target <= 0.70"),
                        ("tensorpar", "megatron", "target <= 1.00"),
                        ("hf-llama", "dtensor", "target <= 0.78"),

@@ -3,7 +3,7 @@
 The training loop (``train.py``) and its launcher (``start.py``) know no model class: a recipe
 builds one rank's model, says how its loss is computed, which tokenizer reads the text, what a
 checkpoint's manifest records and how the planner sees the model. ``GPTRecipe`` is tensorpar's
-GPT; ``tensorpar/hf/train.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
+GPT; ``tensorpar/train/hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
 A recipe travels to every rank (pickled), so it holds plain values only::
 
     kind                                  the manifest's model_kind ("gpt" records none)
