@@ -157,13 +157,13 @@ def test_folder_loads_as_llama_without_warnings(runs, loaded, name):
 @pytest.mark.parametrize("name", ["tied", "untied"])
 def test_logits_equal_tensorpar(runs, loaded, name):
     """transformers' logits on the exported folder equal the dense tensorpar GPT's, loaded from
-    the checkpoint, to fp32 rounding (relative 1e-5 of the largest), over 2 x 32 random ids."""
+    the checkpoint, to fp32 rounding (relative 2e-6 of the largest), over 2 x 32 random ids."""
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         mine = dense_gpt(runs[name][0])(ids)
         theirs = loaded[name][0](ids).logits
     scale = mine.abs().max().item()
-    assert (mine - theirs).abs().max().item() <= 1e-5 * scale
+    assert (mine - theirs).abs().max().item() <= 2e-6 * scale  # measured 2.3e-7 (tied)
 
 
 def _hf_greedy(model, tok, prompt: str) -> list[int]:

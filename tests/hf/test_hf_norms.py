@@ -42,6 +42,8 @@ def test_fused_norm_is_transformers_norm(cls_name):
         (y * torch.linspace(-1, 1, 24)).sum().backward()
         outs.append(y)
         grads += [xi.grad, norm.weight.grad]
+    # measured over the 4 classes: output and weight grad 0, x grad 7.8e-8; 1e-6 is the floor
+    # (a few fp32 ulps: the fused kernel may sum in another order on another CPU)
     assert_close("output", outs[1], outs[0], 1e-6)
     assert_close("x grad", grads[2], grads[0], 1e-6)
     assert_close("weight grad", grads[3], grads[1], 1e-6)

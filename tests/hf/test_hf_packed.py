@@ -23,6 +23,11 @@ from tensorpar.parallel.layout import Layout, clip_grad_norm_  # noqa: E402
 from tp_check import assert_close  # noqa: E402
 
 QKV = "transformer.h.0.attn.c_attn"
+# the largest relative error of each kind, ~10x the largest measured (2026-11-27, torch 2.13 CPU)
+TOL = {"norm": 6e-7,  # the global gradient norm: measured 6.0e-8 (TP=2)
+       "clipped grad": 7e-6,  # measured 6.7e-7 (TP=2)
+       "exp_avg": 5e-6,  # AdamW's moments resharded to TP=1 and 3: measured 5.3e-7
+       "exp_avg_sq": 1e-5}  # measured 1.2e-6
 
 
 def _dense(path):
@@ -56,19 +61,20 @@ def _grad_norm_body(path):
     grads = {name: p.grad for name, p in dense.named_parameters()}
     for name, p in model.named_parameters():
         assert_close(f"clipped grad {name}", p.grad,
-                     dense_shard(_linear_layout(dense, name, grads[name]), p.tp_shard))
+                     dense_shard(_linear_layout(dense, name, grads[name]), p.tp_shard),
+                     TOL["clipped grad"])
     return norm, ref
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_gpt2_global_grad_norm(ranks, hf_dirs, n):
     """The global gradient norm (each rank summing the squares it owns: its rows of all three
-    q|k|v blocks) equals the dense model's to 1e-6, the same on every rank, and clipping scales
+    q|k|v blocks) equals the dense model's (``TOL``), the same on every rank, and clipping scales
     every shard as torch's clip_grad_norm_ scales the dense gradients. TP=3: heads 2, 1, 1."""
     results = ranks(n).run(_grad_norm_body, str(hf_dirs / "gpt2"))
     norm, ref = results[0]
     assert all(r[0] == norm for r in results), results
-    assert abs(norm - ref) <= 1e-6 * ref, (norm, ref)
+    assert abs(norm - ref) <= TOL["norm"] * ref, (norm, ref)
 
 
 def _adam(model):
@@ -101,7 +107,8 @@ def _load_body(path, out):
         assert torch.equal(p, dense_shard(_linear_layout(dense, name, ref), p.tp_shard)), name
         for s in ("exp_avg", "exp_avg_sq"):
             assert_close(f"{s} {name}", tp_opt.state[p][s],
-                         dense_shard(_linear_layout(dense, name, opt.state[ref][s]), p.tp_shard))
+                         dense_shard(_linear_layout(dense, name, opt.state[ref][s]), p.tp_shard),
+                         TOL[s])
     return sum(p.numel() for p in model.parameters())
 
 

@@ -35,7 +35,8 @@ def test_cli_trains_and_exports(models, tmp_path):
     assert not list((run / "hf").glob("*.safetensors"))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     got = exported_logits(run, tmp_path / "hf", ids)
-    torch.testing.assert_close(got, checkpoint_logits(run, ids), rtol=1e-5, atol=1e-5)
+    # measured 0: the same model class on the same weights; the floor: a few fp32 ulps
+    torch.testing.assert_close(got, checkpoint_logits(run, ids), rtol=1e-6, atol=1e-6)
     done = tensorpar_here("export", "--ckpt", run, "--out", tmp_path / "dense.safetensors")
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
