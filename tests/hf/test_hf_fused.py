@@ -1,6 +1,7 @@
 """The fused, overlapped path of converted Llama-family blocks
-(``tensorpar/hf/fused_blocks.py``) and sequence parallelism on their norms (``tensorpar/hf/sequence.py``): loss, logits and every
-gradient equal the dense model's (fp32, ``TOL``), with the collectives of tensorpar's GPT. Without
+(``tensorpar/hf/fused_blocks.py``) and sequence parallelism on their norms
+(``tensorpar/hf/sequence.py``): loss, logits and every gradient equal the dense model's (fp32,
+``TOL``), with the collectives of tensorpar's GPT. Without
 SP the fused path runs in every test of ``test_hf.py`` (the default); here: SP at TP=1-4
 (uneven heads and sequences at 3, KV heads shared between ranks at 3 and 4), and its refusals."""
 
