@@ -10,7 +10,7 @@ a TP group stays inside a node (on NVLink) and data parallelism runs across node
                                  1          4 5 6 7       1          1 5   (... 2 6, 3 7)
 
 Every tensorpar layer takes ``mesh["tp"].get_group()`` as its ``group``; FSDP2 and DDP take the
-``mesh["dp"]`` dimension (``data_parallel.py``). Everything is checked before the mesh is built
+``mesh["dp"]`` dimension (``wrap.py``). Everything is checked before the mesh is built
 (before any collective), so a size that does not fit the world fails alike on every rank.
 """
 

@@ -1,9 +1,9 @@
 """tensorpar's GPT described to the planner, and the planner's model files read.
 
-The planner (``tensorpar/planner/``) reasons about a ``ModelShape`` and knows no model class; the GPT
-describes itself here, so ``gpt`` imports ``plan`` and never the reverse. ``load_shape`` reads the
-JSON files ``tensorpar plan --config`` takes: a ``GPTConfig``, a checkpoint's ``manifest.json``
-(its "config"), or a Hugging Face ``config.json``.
+The planner (``tensorpar/planner/``) reasons about a ``ModelShape`` and knows no model class;
+the GPT describes itself here, so ``gpt`` imports ``planner`` and never the reverse.
+``load_shape`` reads the JSON files ``tensorpar plan --config`` takes: a ``GPTConfig``, a
+checkpoint's ``manifest.json`` (its "config"), or a Hugging Face ``config.json``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does.
 
 The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
 writer: ``"gpt"`` above; ``"hf"``, a run fine-tuned from a Hugging Face model (``train --hf``),
-is written back as that model (``export_original.py``). Nothing half-written: the target is
+is written back as that model (``export_finetuned.py``). Nothing half-written: the target is
 checked first (a new or empty folder in an existing directory), then the checkpoint (every
 file's sha256), its config and tensors; everything is written to a hidden folder next to the
 target, renamed into place.

@@ -15,7 +15,7 @@ plan: a dict from module-name patterns to styles, so a model's whole layout fits
   output / its output, gathered after / its input (partial sums all-reduced, bias added once).
 - ``attention``: an attention module with ``q_proj, k_proj, v_proj, o_proj`` (Llama, Mistral,
   Qwen) or ``c_attn, c_proj`` (GPT-2). Heads are dealt like ``tensor_split``; q, k and v are one
-  fused op (``regions.py``: the input enters the TP region once, and the backward all-reduce
+  fused op (``fused_blocks.py``: the input enters the TP region once, and the backward all-reduce
   runs while the weight-gradient matmuls compute, as in tensorpar's GPT), the output projection
   reduces its product in place, and the head-count attributes are set to the local values. With
   fewer KV heads than ranks, each rank holds the KV heads its query heads read (their gradients

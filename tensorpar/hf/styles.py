@@ -2,7 +2,7 @@
 
 A ``Converter`` reads dense weights from a *source*, slice by slice, and builds the tensorpar
 version of one module: ``column``, ``row`` and ``vocab`` for single layers; ``attention`` and
-``mlp`` for whole blocks, whose column projections run as one fused op (``regions.py``: f, or
+``mlp`` for whole blocks, whose column projections run as one fused op (``fused_blocks.py``: f, or
 the sequence all-gather, once; the backward collective overlapped with the weight-gradient
 matmuls), whose row layer reduces its product in place, and whose head-count attributes become
 local. Sources: the dense model itself (``ModuleSource``) or safetensors files

@@ -3,7 +3,8 @@
 torch's fused AdamW (``fused=True``) updates every parameter in one kernel per dtype and device,
 in place: no per-parameter temporaries. On this project's 2-core CPU it takes 9 ms per step for
 the benchmark model's 9.7M parameters per rank against 35 ms for the single-tensor loop CPU gets
-by default (``benchmarks/results/profile.md``); on CUDA it is what torchtitan and Megatron use.
+by default (``benchmarks/results/2026-11-26/profile.md``); on CUDA it is what torchtitan and
+Megatron use.
 DTensor parameters take it too. Elsewhere (other devices, non-float parameters) torch picks its
 default. The planner models all three implementations (``plan.memory.ADAMW``).
 """
