@@ -31,6 +31,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -81,10 +82,23 @@ def _worker(rank: int, world: int, port: int, backend: str | None, threads: int,
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            results.put((rank, True, _sendable(fn(*args, **kwargs), fn)))
         except BaseException as e:
             results.put((rank, False, RankFailure.of(rank, e)))
     _shut_down()
+
+
+def _sendable(value: Any, fn: Callable) -> Any:
+    """``value``, once it is known to pickle: the queue pickles it in a thread of its own, where
+    an error (a tensor still part of an autograd graph: "Cowardly refusing to serialize non-leaf
+    tensor") would never reach the launcher, which would wait for the result forever."""
+    try:
+        ForkingPickler.dumps(value)
+    except Exception as e:
+        raise TypeError(f"{getattr(fn, '__name__', fn)} returned a value that cannot be sent back "
+                        f"to the launcher ({type(e).__name__}: {e}); return plain values, or "
+                        "tensors detached from autograd (.detach())") from e
+    return value
 
 
 def _freeze_imports() -> None:

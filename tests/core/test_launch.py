@@ -59,6 +59,20 @@ def test_failing_rank_is_reported_and_the_others_stopped():
         pool.run(_whoami)
 
 
+def _attached_tensor():
+    return torch.ones(2, requires_grad=True) * 2  # part of an autograd graph: not picklable
+
+
+def test_a_result_that_cannot_be_sent_back_is_an_error(ranks):
+    """A function that returns what cannot be pickled (a tensor still part of an autograd graph)
+    fails on every rank, naming the function and the fix, instead of leaving the launcher to
+    wait for a result that never comes; the pool goes on."""
+    pool = ranks(2)
+    with pytest.raises(RankError, match="_attached_tensor returned a value that cannot be sent"):
+        pool.run(_attached_tensor)
+    assert pool.run(_whoami)[1][:2] == (1, 2)
+
+
 def _die():
     os._exit(3)
 
@@ -96,13 +110,15 @@ def _bad_tp():
 
 
 def _verify_on_subgroup():
-    from tensorpar.cli.verify import TOLERANCE, expected_collectives, verify_rank
+    from tensorpar.cli.verify import expected_collectives, verify_rank
     from tensorpar.transformer.reference import BlockConfig
 
     group = init_tensor_parallel(tp_size=2)
     cfg = BlockConfig()
     result = verify_rank(cfg, True, seed=0, group=group)
-    assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
+    # ~10x the largest relative error measured (2026-11-27, torch 2.13 CPU): 4.2e-7 (tensorpar
+    # verify's own bound, TOLERANCE, is 1e-5)
+    assert max(result["errors"].values()) <= 5e-6, result["errors"]
     assert result["counts"] == expected_collectives(cfg, 2, True)
     return tp_rank(group), tp_size(group)
 
