@@ -22,7 +22,8 @@ is the whole TP shard's. DDP keeps the parameters; the model is ``wrapped.module
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -118,6 +119,28 @@ def dp_groups(model: nn.Module, mesh: DeviceMesh) -> list[ProcessGroup]:
     if isinstance(model, DistributedDataParallel) and model.process_group not in groups:
         groups.append(model.process_group)
     return groups
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, whether backward reduces the gradients over dp. Off for each pass of an
+    accumulated step but the last, so that they are reduced once per step: DDP's ``no_sync``
+    (the gradients add up locally), FSDP2's ``set_requires_gradient_sync(False)`` (unsharded
+    gradients add up, reduce-scattered with the last pass's). A model that is not
+    data-parallel: nothing to hold back."""
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def inner(model: nn.Module) -> nn.Module:

@@ -202,10 +202,16 @@ class GPT(nn.Module):
 
     def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 cache: KVCache | None = None,
-                attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask_BS: torch.Tensor | None = None,
+                loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T), the same on every rank. Returns this rank's logits
-        (B, T, V_local), or with targets the mean cross-entropy (a scalar, the same on every
-        rank). With a cache, the T new tokens follow the cached ones.
+        (B, T, V_local), or with targets the mean cross-entropy over the targets that are not
+        ignored (-100) (a scalar, the same on every rank). With a cache, the T new tokens follow
+        the cached ones.
+
+        loss_tokens: the number of targets the loss is a mean over, when this batch is a part of
+        them (a pass of an accumulated step, a data-parallel slice): the losses of the batch's
+        targets summed, divided by it (a 0-dim tensor). None: this batch's own count.
 
         attention_mask_BS: a left-padded batch (generation): (B, S) over the S = cached + T
         positions, 1 (True) at real tokens and 0 at padding, as in transformers. Padding is never
@@ -246,5 +252,7 @@ class GPT(nn.Module):
                                      keep_gathered_input=self.keep_gathered_input, seq_len=T)
         if targets_BT is None:
             return logits_BTV_local
-        return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=self.group,
-                                            vocab_size=self.cfg.vocab_size, reuse_logits=True)
+        loss = vocab_parallel_cross_entropy(
+            logits_BTV_local, targets_BT, group=self.group, vocab_size=self.cfg.vocab_size,
+            reuse_logits=True, reduction="mean" if loss_tokens is None else "sum")
+        return loss if loss_tokens is None else loss / loss_tokens

@@ -47,11 +47,14 @@ from tensorpar.transformer.attention import head_layout
 
 def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
-                   recompute: str = "none", keep_gathered_input: bool = False) -> dict:
+                   recompute: str = "none", keep_gathered_input: bool = False,
+                   passes: int = 1) -> dict:
     """Collectives of one step of tensorpar's GPT of ``shape`` (forward, backward, grad norm).
 
     keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
-    (no re-gather there), as its ``keep_gathered_input`` option.
+    (no re-gather there), as its ``keep_gathered_input`` option. passes: forward and backward
+    passes of the step (gradient accumulation), ``batch`` sequences each: their collectives
+    are made once a pass, the gradient norm's once a step.
 
     Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
@@ -70,6 +73,7 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     def add(source: str, phase: str, kind: str, calls: int, payload: int) -> None:
         if t == 1 or calls == 0:
             return
+        calls *= 1 if phase == "step" else passes
         rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
                      "bytes": calls * payload,
                      "ring_bytes": calls * round(payload * ring_share(kind, t))})

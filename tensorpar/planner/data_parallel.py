@@ -162,7 +162,7 @@ def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
 
 
 def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes: int = 4,
-            rank: int = 0, report_loss: bool = True) -> dict:
+            rank: int = 0, report_loss: bool = True, passes: int = 1) -> dict:
     """Collectives TP ``rank`` issues on its dp group in one step, as ``comm.predicted_comm``
     returns the TP ones: {"counts", "bytes", "ring_bytes"} per kind (as ``CollectiveCounter``
     counts them), "breakdown" rows {source, phase, kind, calls, bytes, ring_bytes}. Nothing when
@@ -170,12 +170,16 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
 
     param_bytes: the width of the weights gathered and gradients reduced: 4 for tensorpar's
     training, fp32 and bf16 autocast alike (fp32 weights); 2 for Megatron-style bf16 weights.
-    report_loss: the trainer's all-reduce of the loss over dp (one fp32 scalar)."""
+    report_loss: the trainer's all-reduce of the loss over dp (one fp32 scalar). passes: forward
+    and backward passes of the step (gradient accumulation): FSDP2 gathers the weights again in
+    each, while the gradients are reduced once, with the last."""
     check_dp(dp, mode)
     width = param_bytes
     L, rows = shape.n_layer, []
 
     def add(source, phase, kind, calls, payload):
+        if kind == "all_gather" and phase != "step":
+            calls *= passes
         if dp > 1 and calls:
             rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
                          "bytes": calls * payload,

@@ -26,7 +26,13 @@ class TrainConfig:
         "help": "shard norms and the residual stream over the sequence"})
     steps: int = dataclasses.field(default=400, metadata={
         "help": "optimizer steps, counted from the start of training (a resumed run stops here)"})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per step"})
+    batch_size: int = dataclasses.field(default=8, metadata={
+        "help": "sequences per optimizer step, over all data-parallel ranks (the global batch)"})
+    micro_batch_size: int | None = dataclasses.field(default=None, metadata={
+        "help": "sequences each data-parallel rank runs per forward and backward pass; the "
+                "step's gradients accumulate over --batch-size / (--dp x this) passes and are "
+                "reduced over dp once, and the loss is the mean over the step's target tokens, "
+                "as in one pass", "default": "--batch-size / --dp: one pass"})
     seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per sequence"})
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int = dataclasses.field(default=20, metadata={
@@ -77,7 +83,8 @@ class TrainConfig:
                 "tensorboard"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "steps", "batch_size", "seq_len", "save_every", "lr_decay_steps"):
+        for flag in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len",
+                     "save_every", "lr_decay_steps"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -97,10 +104,20 @@ class TrainConfig:
         if self.batch_size % dp:
             raise ValueError(f"--batch-size {self.batch_size} (the global batch) does not divide "
                              f"over --dp {dp} data-parallel ranks")
+        if self.micro_batch_size is not None and (self.batch_size // dp) % self.micro_batch_size:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} does not divide the "
+                             f"{self.batch_size // dp} sequences of each data-parallel rank "
+                             f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
             summary_writer()
+
+
+def passes(cfg: TrainConfig) -> int:
+    """Forward and backward passes per optimizer step (1 without --micro-batch-size)."""
+    per_rank = cfg.batch_size // (cfg.dp or 1)
+    return per_rank // (cfg.micro_batch_size or per_rank)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:

@@ -1,9 +1,9 @@
 """What the trainer needs of a model (a *recipe*), and tensorpar's GPT as one.
 
-The training loop (``train.py``) and its launcher (``start.py``) know no model class: a recipe
+The training loop (``loop.py``) and the run's start (``run.py``) know no model class: a recipe
 builds one rank's model, says how its loss is computed, which tokenizer reads the text, what a
 checkpoint's manifest records and how the planner sees the model. ``GPTRecipe`` is tensorpar's
-GPT; ``tensorpar/train/hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
+GPT; ``hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
 A recipe travels to every rank (pickled), so it holds plain values only::
 
     kind                                  the manifest's model_kind ("gpt" records none)
@@ -13,9 +13,12 @@ A recipe travels to every rank (pickled), so it holds plain values only::
     build(cfg, group, dp_rank, device)    -> (model, at_step): this rank's model, built on its TP
                                           group, and what to call before step s's forward (the
                                           dropout streams of step s)
-    loss_fn(model, cfg, group)            -> loss(ids_BT, targets_BT): the mean cross-entropy, the
-                                          same on every rank of the TP group (the logits split by
-                                          vocabulary, never gathered)
+    loss_fn(model, cfg, group)            -> loss(ids_BT, targets_BT, loss_tokens=None): the
+                                          cross-entropy over the targets that are not ignored
+                                          (-100), the same on every rank of the TP group (the
+                                          logits split by vocabulary, never gathered): their mean,
+                                          or with loss_tokens (a 0-dim tensor) their sum divided
+                                          by it (a pass of an accumulated step)
     manifest()                            what a checkpoint records of the model ("config", ...)
     shape(), dropout                       the model as the planner sees it (the summary's plan)
     prepare(out)                          the lead rank, before the first step: files the run keeps

@@ -166,10 +166,13 @@ class HFRecipe:
         # eagerly, and a resumed run measures another step)
         forward = loss_function(model, cfg.compile, cfg.compile_backend, self.dropout)
 
-        def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor,
+                 loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
             logits_BTV_local = forward(input_ids=ids_BT, use_cache=False).logits
-            return vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
-                                                vocab_size=vocab, reuse_logits=True)
+            loss = vocab_parallel_cross_entropy(
+                logits_BTV_local, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
+                reduction="mean" if loss_tokens is None else "sum")
+            return loss if loss_tokens is None else loss / loss_tokens
 
         return loss
 

@@ -19,7 +19,7 @@ A Hugging Face causal LM from a local directory, under the same flags (``train/h
 
 Every rank of the TP group sees the same batch; the randomness of a step (its batch, its dropout
 masks) derives from (seed, step), so a resumed run, at any TP size, repeats exactly what an
-uninterrupted one would have done. The loop knows no model class: a *recipe* (``recipe.py``)
+uninterrupted one would have done. The loop knows no model class: a *recipe* (``gpt_recipe.py``)
 builds the model and its loss.
 """
 
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.dp.mesh import dp_group, dp_rank, dp_size, init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups
+from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
+from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
@@ -46,13 +46,15 @@ from tensorpar.ranks.signals import StopRequest, signal_name
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
 from tensorpar.train.compute import tf32_matmuls
-from tensorpar.train.config import TrainConfig, learning_rate
+from tensorpar.train.config import TrainConfig, learning_rate, passes
 from tensorpar.train.data import TokenBatches, load_text
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.report import RunReport
+
+IGNORE_INDEX = -100  # a target that counts for no loss (the losses' ignore_index)
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
@@ -83,10 +85,9 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
             lr = learning_rate(cfg, step)
             for g in run.opt.param_groups:
                 g["lr"] = lr
-            x, y = run.batch(step)  # this dp rank's slice of the step's batch
             run.at_step(step)  # the step's dropout streams
             with measure.around(step):
-                loss, norm, finite = run.step(x, y, step, skipped)
+                loss, norm, finite = run.step(step, skipped)
             skipped += not finite
             report.step(step + 1, loss, norm, finite, lr, time.perf_counter() - t0)
             signum = stop.agreed()  # the same on every rank: all stop after this step
@@ -116,7 +117,12 @@ class Run:
         self.batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed,
                                               recipe.tokenizer())
         r = dp_rank(self.mesh)
-        self.rows = slice(r * cfg.batch_size // dp, (r + 1) * cfg.batch_size // dp)
+        # this dp rank's rows of every batch, cut into the step's passes
+        per_rank, n = cfg.batch_size // dp, passes(cfg)
+        first = r * per_rank
+        self.passes = [slice(first + i * per_rank // n, first + (i + 1) * per_rank // n)
+                       for i in range(n)]
+        self.dp = dp
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the layout use ``net``
         self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
@@ -149,21 +155,40 @@ class Run:
             "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
                               "stored": "each TP rank's shard once, written by dp rank 0"}}
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t[self.rows].to(self.device) for t in self.batches.batch(step))
+    def step(self, step: int, skipped: int) -> tuple[float, float, bool]:
+        """One optimizer step: forward and backward over this rank's passes (the gradients
+        reduced over dp with the last), clip, and the optimizer's update unless the loss or the
+        gradient norm is not finite (then the gradients are dropped, or, past
+        ``--skip-nonfinite``, the run stops). The loss and the norm are reduced, so every rank
+        decides alike.
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int,
-             skipped: int) -> tuple[float, float, bool]:
-        """Forward, backward, clip, and the optimizer's update unless the loss or the gradient
-        norm is not finite (then the gradients are dropped, or, past ``--skip-nonfinite``, the
-        run stops). The loss and the norm are reduced, so every rank decides alike."""
+        The loss is the mean over the step's target tokens, ignored ones left out, as one pass
+        over the whole batch computes it: each pass sums its tokens' losses and divides by the
+        step's count (counted from the batch every rank holds), not by its own (with ignored
+        tokens, a mean of per-pass means is another number)."""
         cfg = self.cfg
-        with self.autocast:
-            loss = self.forward(x, y)
-        loss.backward()
+        x, y = self.batches.batch(step)  # the whole step's batch, on every rank
+        if len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
+            with self.autocast:
+                loss = self.forward(x.to(self.device), y.to(self.device))
+            loss.backward()
+            loss_sum = loss.detach().float()
+        else:
+            # each pass's summed loss over the dp rank's share of the step's tokens: dp averages
+            # the gradients over its ranks, so the step's gradient is that of the mean over all
+            # of its tokens, as one pass over the whole batch makes it
+            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.dp, device=self.device)
+            loss_sum = 0.0
+            for i, rows in enumerate(self.passes):
+                with gradient_sync(self.model, i == len(self.passes) - 1):
+                    with self.autocast:
+                        loss = self.forward(x[rows].to(self.device), y[rows].to(self.device),
+                                            loss_tokens=tokens)
+                    loss.backward()
+                loss_sum = loss_sum + loss.detach().float() / self.dp
         norm = clip_grad_norm_(self.net, self.layout, cfg.grad_clip, self.group,
                                dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None)
-        loss_value, norm_value = self._mean_over_dp(loss.detach()), norm.item()
+        loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             self.opt.step()
@@ -173,14 +198,14 @@ class Run:
         self.opt.zero_grad(set_to_none=True)
         return loss_value, norm_value, finite
 
-    def _mean_over_dp(self, loss: torch.Tensor) -> float:
-        """The loss of the whole batch: the mean of the dp ranks' losses (equal slices), one
-        all-reduce over dp (gloo has no average: a sum, divided)."""
+    def _sum_over_dp(self, loss: torch.Tensor) -> float:
+        """The step's loss: the sum of the dp ranks' parts (each its mean, or its tokens' share,
+        divided by dp), one all-reduce over dp."""
         if self.mesh is None:
             return loss.item()
-        total = loss.float().clone()
+        total = loss.clone()
         dist.all_reduce(total, group=dp_group(self.mesh))
-        return total.item() / dp_size(self.mesh)
+        return total.item()
 
     def save(self, step: int) -> None:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,

@@ -210,7 +210,11 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
         + (", TF32" if getattr(cfg, "tf32", False) else "")
     dp = getattr(cfg, "dp", None) or 1
+    # the planner sees one pass's activations; a step makes each pass's collectives
+    micro = getattr(cfg, "micro_batch_size", None) or cfg.batch_size // dp
+    n = cfg.batch_size // dp // micro
     split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
+    split += f", {n} passes of {micro}" if n > 1 else ""
     table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{split}{how}",
                   show_header=False)
     table.add_column("what", style="bold")
@@ -237,7 +241,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
         elif s.get("peak_memory"):
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
-            planned = tensorpar_memory(shape, tp, cfg.batch_size // dp, cfg.seq_len, sp,
+            planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
                                        dropout=dropout, device=device)
@@ -254,7 +258,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         table.add_row(f"rank {r}{where}", line)
     if comm["counts"]:
         minimum = None if shape is None else predicted_comm(
-            shape, cfg.batch_size // dp, cfg.seq_len, tp, sp, cfg.dtype, recompute)
+            shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n)
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
             table.add_row("analytic count (payload)", _by_source(minimum, sp))
@@ -262,7 +266,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
-        expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0)
+        expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0,
+                                                      passes=n)
         _collective_rows(table, "dp ", comm["dp"], expected)
         if expected is not None:
             table.add_row("dp analytic count (payload)", " + ".join(
