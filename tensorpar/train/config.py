@@ -50,6 +50,16 @@ class TrainConfig:
         "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
     data: str | None = dataclasses.field(default=None, metadata={
         "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
+    val_data: str | None = dataclasses.field(default=None, metadata={
+        "help": "a UTF-8 text file held out for validation: cut into consecutive windows of "
+                "--seq-len + 1 tokens in order, its loss (the mean over every predicted token) "
+                "written as val_loss", "default": "none, no validation"})
+    eval_every: int | None = dataclasses.field(default=None, metadata={
+        "help": "with --val-data: the validation loss every N steps (with the weights after "
+                "that step's update) and after the last", "default": "--save-every"})
+    eval_batches: int | None = dataclasses.field(default=None, metadata={
+        "help": "with --val-data: the first K batches of --batch-size windows",
+        "default": "all of them"})
     out: str = dataclasses.field(default="runs/gpt", metadata={
         "help": "run directory: checkpoints, metrics.jsonl, loss.png (and tensorboard/ with "
                 "--tensorboard)"})
@@ -84,7 +94,7 @@ class TrainConfig:
 
     def check(self) -> None:
         for flag in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len",
-                     "save_every", "lr_decay_steps"):
+                     "save_every", "lr_decay_steps", "eval_every", "eval_batches"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -112,6 +122,12 @@ class TrainConfig:
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
             summary_writer()
+
+
+def evaluates(cfg: TrainConfig, step: int) -> bool:
+    """Whether the run computes the validation loss after ``step`` (counted from 1)."""
+    every = cfg.eval_every or cfg.save_every
+    return cfg.val_data is not None and (step % every == 0 or step == cfg.steps)
 
 
 def passes(cfg: TrainConfig) -> int:

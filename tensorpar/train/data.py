@@ -29,13 +29,14 @@ def default_corpus() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def load_text(path: str | None) -> tuple[str, str]:
-    """The corpus text and a label for it (the file path, or ``pydoc_data``)."""
+def load_text(path: str | None, flag: str = "--data") -> tuple[str, str]:
+    """The corpus text and a label for it (the file path, or ``pydoc_data``). flag: the option
+    that named the file, for the error."""
     if path is None:
         return default_corpus(), "pydoc_data"
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--data {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file")
     return p.read_text(encoding="utf-8", errors="replace"), str(p)
 
 
@@ -63,6 +64,19 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.uint16 if vocab_size <= 2**16 else torch.int32  # GPT-2's 50257: 2 bytes
 
 
+def token_ids(text: str, tokenizer=None) -> torch.Tensor:
+    """``text`` as token ids, in the smallest integer type of the vocabulary (bytes: uint8, an
+    eighth of int64; batches come out int64). tokenizer: anything with ``encode(text) -> ids``
+    and ``vocab_size`` (default: bytes). Bytes are read as they are: a list of ints is 8 bytes a
+    token and seconds a 50 MB corpus (0.7 GB and 2.9 s, against 0.06 s)."""
+    tok = tokenizer or ByteTokenizer()
+    if isinstance(tok, ByteTokenizer):
+        data = bytearray(text.encode("utf-8"))
+        return torch.frombuffer(data, dtype=torch.uint8) if data else \
+            torch.empty(0, dtype=torch.uint8)
+    return torch.tensor(tok.encode(text), dtype=token_dtype(tok.vocab_size))
+
+
 class TokenBatches:
     """Batches of (input, target) windows, (B, T) each, in an order fixed by (seed, step)."""
 
@@ -82,17 +96,7 @@ class TokenBatches:
     def from_text(cls, text: str, seq_len: int, batch_size: int, seed: int,
                   tokenizer: ByteTokenizer | None = None) -> TokenBatches:
         """tokenizer: anything with ``encode(text) -> ids`` and ``vocab_size`` (default: bytes)."""
-        tok = tokenizer or ByteTokenizer()
-        # the smallest integer per token in memory (bytes: uint8, an eighth of int64); batches
-        # come out int64. Bytes are read as they are: a list of ints is 8 bytes a token and
-        # seconds a 50 MB corpus (0.7 GB and 2.9 s, against 0.06 s).
-        if isinstance(tok, ByteTokenizer):
-            data = bytearray(text.encode("utf-8"))
-            tokens = torch.frombuffer(data, dtype=torch.uint8) if data else \
-                torch.empty(0, dtype=torch.uint8)
-        else:
-            tokens = torch.tensor(tok.encode(text), dtype=token_dtype(tok.vocab_size))
-        return cls(tokens, seq_len, batch_size, seed)
+        return cls(token_ids(text, tokenizer), seq_len, batch_size, seed)
 
     def _window_order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -111,3 +115,35 @@ class TokenBatches:
 
     def epoch_of(self, step: int) -> float:
         return step * self.batch_size / self.windows
+
+
+class ValidationWindows:
+    """The validation data as consecutive, non-overlapping windows of ``seq_len + 1`` tokens, in
+    order (no shuffle; the last partial window dropped), so that anyone can recompute the number:
+    window i is ``tokens[i * (seq_len + 1): (i + 1) * (seq_len + 1)]``, its first ``seq_len``
+    tokens the input and its last ``seq_len`` the targets.
+
+    batches: how many batches of ``batch_size`` windows to use (None: all of them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int,
+                 batches: int | None = None):
+        n = len(tokens) // (seq_len + 1)
+        if n < 1:
+            raise ValueError(f"the validation data has {len(tokens)} tokens, fewer than "
+                             f"--seq-len {seq_len} + 1")
+        if batches is not None:
+            n = min(n, batches * batch_size)
+        self.windows = tokens[:n * (seq_len + 1)].view(n, seq_len + 1)
+        self.batch_size = batch_size
+
+    def batches(self, dp: int, dp_rank: int):
+        """This dp rank's part of each batch, (inputs, targets), every rank the same number of
+        rows: the batch's windows dealt out by ``tensor_split``, a rank with fewer topped up with
+        rows whose targets are all ignored (-100), which count for nothing."""
+        for start in range(0, len(self.windows), self.batch_size):
+            chunk = self.windows[start:start + self.batch_size].long()
+            mine = chunk.tensor_split(dp)[dp_rank]
+            rows = -(-len(chunk) // dp)  # the largest share
+            pad = torch.full((rows - len(mine), chunk.shape[1]), -100, dtype=torch.long)
+            mine = torch.cat([mine, pad])
+            yield mine[:, :-1].clamp(min=0), mine[:, 1:]

@@ -46,8 +46,8 @@ from tensorpar.ranks.signals import StopRequest, signal_name
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
 from tensorpar.train.compute import tf32_matmuls
-from tensorpar.train.config import TrainConfig, learning_rate, passes
-from tensorpar.train.data import TokenBatches, load_text
+from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
+from tensorpar.train.data import TokenBatches, ValidationWindows, load_text, token_ids
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure
@@ -89,7 +89,9 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
             with measure.around(step):
                 loss, norm, finite = run.step(step, skipped)
             skipped += not finite
-            report.step(step + 1, loss, norm, finite, lr, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            val_loss = run.validate() if evaluates(cfg, step + 1) else None
+            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss)
             signum = stop.agreed()  # the same on every rank: all stop after this step
             if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 run.save(step + 1)
@@ -125,6 +127,9 @@ class Run:
         self.dp = dp
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the layout use ``net``
+        self.validation = None if cfg.val_data is None else ValidationWindows(
+            token_ids(load_text(cfg.val_data, "--val-data")[0], recipe.tokenizer()),
+            cfg.seq_len, cfg.batch_size, cfg.eval_batches)
         self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
@@ -206,6 +211,27 @@ class Run:
         total = loss.clone()
         dist.all_reduce(total, group=dp_group(self.mesh))
         return total.item()
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """The validation loss with the weights as they are: the mean cross-entropy over every
+        predicted token of the validation windows, in eval mode (no dropout; the training's
+        random streams untouched). Each dp rank sums its part of each batch; one all-reduce of
+        (sum, count) over dp makes the mean, the same at every TP and DP size."""
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        one = torch.ones((), device=self.device)
+        try:
+            for x, y in self.validation.batches(self.dp, dp_rank(self.mesh)):
+                x, y = x.to(self.device), y.to(self.device)
+                with self.autocast:
+                    total[0] += self.forward(x, y, loss_tokens=one).double()  # the sum
+                total[1] += (y != IGNORE_INDEX).sum()
+        finally:
+            self.model.train()
+        if self.mesh is not None:
+            dist.all_reduce(total, group=dp_group(self.mesh))
+        return (total[0] / total[1]).item()
 
     def save(self, step: int) -> None:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,

@@ -68,7 +68,8 @@ class Metrics:
         if self._board is not None:  # a skipped step's None (and its reason) has no scalar
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
-                    self._board.add_scalar(f"train/{key}", value, global_step=row["step"])
+                    tag = "val/loss" if key == "val_loss" else f"train/{key}"
+                    self._board.add_scalar(tag, value, global_step=row["step"])
             self._board.flush()  # a run killed later still has this step's scalars
 
     def close(self) -> None:
@@ -107,11 +108,15 @@ class ProgressLine:
             self.task = self.bar.add_task("train", total=total, completed=start, loss=0.0, tps=0)
             self.bar.start()
 
-    def update(self, step: int, loss: float, tps: float) -> None:
+    def update(self, step: int, loss: float, tps: float, val_loss: float | None = None) -> None:
+        val = "" if val_loss is None else f"  val {val_loss:.4f}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, loss=loss, tps=tps)
-        elif step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s", flush=True)
+            if val:  # the bar shows the training loss; a validation loss gets a line of its own
+                self.console.print(f"step {step}/{self.total}  loss {loss:.4f}{val}")
+        elif step % self.every == 0 or step == self.total or val:
+            print(f"step {step}/{self.total}  loss {loss:.4f}{val}  {tps:,.0f} tok/s",
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -127,7 +132,12 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows],  # a skipped step's loss (None) is a gap
-            [float("nan") if r["loss"] is None else r["loss"] for r in rows], lw=1.2)
+            [float("nan") if r["loss"] is None else r["loss"] for r in rows], lw=1.2,
+            label="training")
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", lw=1.2, ms=4, label="validation")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title)
@@ -155,17 +165,20 @@ class RunReport:
         return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
 
     def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
-             seconds: float) -> None:
+             seconds: float, val_loss: float | None = None) -> None:
+        """The row of ``step``; ``val_loss``: the validation loss after it, when computed."""
         if not self.lead:
             return
         tokens = self.cfg.batch_size * self.cfg.seq_len
         row = {"step": step, "loss": loss if finite else None, "lr": lr,
                "grad_norm": norm if finite else None, "tokens_per_s": tokens / seconds,
                "step_time_s": seconds}
+        if val_loss is not None:
+            row["val_loss"] = val_loss
         if not finite:  # JSON has no NaN: the values are named instead
             row["skipped"] = f"non-finite: loss {loss}, gradient norm {norm}"
         self.metrics.write(row)
-        self.progress.update(step, loss, tokens / seconds)
+        self.progress.update(step, loss, tokens / seconds, val_loss)
 
     def close(self) -> None:
         """Idempotent, on every way out: the terminal gets its cursor back, the TensorBoard
@@ -224,6 +237,11 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         table.add_row("loss (first -> final step)",
                       f"{done[0]['loss']:.4f} -> {done[-1]['loss']:.4f} "
                       f"(steps {done[0]['step']}-{done[-1]['step']})")
+    val = [r for r in rows if r.get("val_loss") is not None]
+    if val:
+        table.add_row("validation loss (first -> last)",
+                      f"{val[0]['val_loss']:.4f} -> {val[-1]['val_loss']:.4f} "
+                      f"(after steps {val[0]['step']}-{val[-1]['step']})")
     if len(done) < len(rows):
         table.add_row("skipped steps (non-finite)",
                       ", ".join(str(r["step"]) for r in rows if r.get("skipped")))

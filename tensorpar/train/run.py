@@ -123,6 +123,14 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
     text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
     if not has_tokens(recipe.tokenizer(), text, cfg.seq_len + 1):
         raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
+    if cfg.val_data is not None:
+        text, _ = load_text(cfg.val_data, "--val-data")
+        if not has_tokens(recipe.tokenizer(), text, cfg.seq_len + 1):
+            raise ValueError(f"--val-data {cfg.val_data} has fewer than --seq-len {cfg.seq_len} "
+                             "+ 1 tokens: not one validation window")
+    elif cfg.eval_every is not None or cfg.eval_batches is not None:
+        raise ValueError("--eval-every and --eval-batches go with --val-data (the validation "
+                         "text)")
     if resume_from is not None:
         CheckpointReader(resume_from).verify()  # a corrupted file too
     if cfg.compile:
