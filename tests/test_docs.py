@@ -1,14 +1,17 @@
-"""The README's examples run as written.
+"""The README's and the docs' examples run as written, the docs site builds strictly, and every
+flag the docs name exists.
 
-Every ```python block is a whole program whose first line says how to run it
-(``# NAME.py: run with `COMMAND` ``); it is saved as NAME.py in an empty directory and run with
-that command (``torchrun`` as ``python -m torch.distributed.run``). Every line of a ```bash block
-either runs here, in README order in one directory, so that resume, generate, export and plan
-find what train wrote, or is in ``NOT_RUN`` with the reason; a ``tensorpar`` line runs through
-``cli.main`` in this process (``_run``), others as processes. A line that runs keeps its words;
-only flags that make it small are added (``SMALL``), step counts are divided by ``STEP_SCALE``
-(``--steps 800`` and ``step-00000800`` alike) and placeholder paths (``PLACEHOLDERS``) are
-filled in. Examples write under ``runs/`` only, never into the repository.
+Every ```python block of README.md and docs/*.md is a whole program whose first line says how
+to run it (``# NAME.py: run with `COMMAND` ``); it is saved as NAME.py in an empty directory and
+run with that command (``torchrun`` as ``python -m torch.distributed.run``). Every line of a
+```bash block either runs here, in order, or is in ``NOT_RUN`` with the reason; a ``tensorpar``
+line runs through ``cli.main`` in this process (``_run``), others as processes. A line that runs
+keeps its words; only flags that make it small are added (``SMALL``), step counts are divided by
+``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and placeholder paths
+(``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
+repository. The README's lines run in a directory of their own; the docs pages' in one directory
+shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an earlier one
+trained (the planner's page plans the run the training page wrote).
 """
 
 import os
@@ -25,6 +28,15 @@ from tests_common import char_tokenizer, tensorpar_here
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+
+
+def _nav_pages() -> list[Path]:
+    """The docs pages in the site's order (mkdocs.yml's nav: one ``- Title: page.md`` a line)."""
+    names = re.findall(r"^\s+- [^:]+: (\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return [ROOT / "docs" / n for n in names]
+
+
+DOCS = [README, *_nav_pages()]
 
 # Lines of the README's bash blocks that do not run here, each with the reason. A line neither
 # run nor listed fails test_every_bash_line_runs_or_is_listed.
@@ -55,10 +67,10 @@ SMALL = {
 PLACEHOLDERS = {"path/to/model": "hf_model"}
 
 
-def _blocks() -> list[tuple[str, int, str]]:
-    """(language, line number of the opening fence, text) of every fenced block."""
+def _blocks(path: Path) -> list[tuple[str, int, str]]:
+    """(language, line number of the opening fence, text) of every fenced block of ``path``."""
     blocks, lang, start, body = [], None, 0, []
-    for no, line in enumerate(README.read_text().splitlines(), 1):
+    for no, line in enumerate(path.read_text().splitlines(), 1):
         if lang is None and line.startswith("```"):
             lang, start, body = line[3:].strip(), no, []
         elif lang is not None and line.startswith("```"):
@@ -66,8 +78,12 @@ def _blocks() -> list[tuple[str, int, str]]:
             lang = None
         elif lang is not None:
             body.append(line)
-    assert lang is None, f"README.md:{start}: unclosed ``` block"
+    assert lang is None, f"{_name(path)}:{start}: unclosed ``` block"
     return blocks
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
 def _strip_comment(line: str) -> str:
@@ -79,10 +95,10 @@ def _strip_comment(line: str) -> str:
     return line.strip()
 
 
-def _bash_lines() -> list[tuple[int, str]]:
-    """(README line number, command) of every command in the bash blocks, comments dropped."""
+def _bash_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, command) of every command in ``path``'s bash blocks, comments dropped."""
     found, pending = [], ""
-    for lang, start, text in _blocks():
+    for lang, start, text in _blocks(path):
         if lang == "bash":
             for i, line in enumerate(text.splitlines(), start + 1):
                 if line.endswith("\\"):  # continued on the next line
@@ -94,15 +110,18 @@ def _bash_lines() -> list[tuple[int, str]]:
     return found
 
 
-def _python_blocks() -> list[tuple[int, str, str, str]]:
-    """(README line number, file name, run command, program) of every python block."""
-    found = []
-    for lang, start, text in _blocks():
-        if lang == "python":
-            m = re.match(r"# (\w+\.py): run with `([^`]+)`", text)
-            assert m, (f"README.md:{start}: a python block starts with "
-                       "'# NAME.py: run with `COMMAND`'")
-            found.append((start, m[1], m[2], text))
+def _python_blocks() -> list[tuple[str, int, str, str, str]]:
+    """(page, line number, file name, run command, program) of every python block; a program
+    that a page before it shows word for word (the README's, again in the docs) runs once."""
+    found, seen = [], set()
+    for path in DOCS:
+        for lang, start, text in _blocks(path):
+            if lang == "python" and text not in seen:
+                seen.add(text)
+                m = re.match(r"# (\w+\.py): run with `([^`]+)`", text)
+                assert m, (f"{_name(path)}:{start}: a python block starts with "
+                           "'# NAME.py: run with `COMMAND`'")
+                found.append((_name(path), start, m[1], m[2], text))
     return found
 
 
@@ -178,8 +197,8 @@ def _writes_only_runs(cwd: Path, own: set[str]) -> None:
 
 def test_every_bash_line_runs_or_is_listed():
     """Each bash line is a tensorpar command (run by test_bash_line) or in NOT_RUN; NOT_RUN
-    names only lines the README still has; the make targets it lists exist (make -n)."""
-    lines = [cmd for _, cmd in _bash_lines()]
+    names only lines the docs still have; the make targets it lists exist (make -n)."""
+    lines = [cmd for path in DOCS for _, cmd in _bash_lines(path)]
     for cmd in lines:
         if cmd not in NOT_RUN:
             words = shlex.split(cmd)
@@ -194,16 +213,16 @@ def test_every_bash_line_runs_or_is_listed():
             assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("line,name,command,program", _python_blocks(),
-                         ids=[f"line{b[0]}-{b[1]}" for b in _python_blocks()])
-def test_python_block(tmp_path, line, name, command, program):
+@pytest.mark.parametrize("page,line,name,command,program", _python_blocks(),
+                         ids=[f"{b[0]}:{b[1]}-{b[2]}" for b in _python_blocks()])
+def test_python_block(tmp_path, page, line, name, command, program):
     """The block, saved as the file its first line names, runs with the command given there and
     writes nothing outside runs/."""
-    assert name in shlex.split(command), f"README.md:{line}: {command!r} does not run {name}"
+    assert name in shlex.split(command), f"{page}:{line}: {command!r} does not run {name}"
     if re.search(r"^(from|import) transformers", program, re.M):
         pytest.importorskip("transformers")
     (tmp_path / name).write_text(program)
-    _run(_program(shlex.split(command)), tmp_path, f"README.md:{line}")
+    _run(_program(shlex.split(command)), tmp_path, f"{page}:{line}")
     _writes_only_runs(tmp_path, {name})
 
 
@@ -222,43 +241,114 @@ def hf_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def readme_cwd(tmp_path_factory, request):
-    """One directory for all bash lines, and ``run_through(i)``: runs lines 0..i there in README
-    order, each once (a line's test runs the lines before it that did not run yet)."""
-    cwd = tmp_path_factory.mktemp("readme")
-    done: dict[int, str | None] = {}  # line index -> None (ran) or the failure
+def run_through(tmp_path_factory, request):
+    """``run_through(group, i)``: runs lines 0..i of ``group`` ("README.md", or "docs": every
+    page's lines in the site's order) in the group's directory, each once (a line's test runs
+    the lines before it that did not run yet)."""
+    cwds = {group: tmp_path_factory.mktemp(group.replace(".", "-")) for group in _RUN_LINES}
+    done: dict[tuple[str, int], str | None] = {}  # line -> None (ran) or the failure
 
-    def run_through(index: int) -> None:
+    def run(group: str, index: int) -> None:
         for i in range(index + 1):
-            if i in done:
+            if (group, i) in done:
                 continue
-            no, cmd = _RUN_LINES[i]
+            page, no, cmd = _RUN_LINES[group][i]
             paths = {word: request.getfixturevalue(fixture)
                      for word, fixture in PLACEHOLDERS.items() if word in cmd}
             try:
-                _run(_argv(cmd, paths), cwd, f"README.md:{no}: {cmd}")
-                _writes_only_runs(cwd, set())
-                done[i] = None
+                _run(_argv(cmd, paths), cwds[group], f"{page}:{no}: {cmd}")
+                _writes_only_runs(cwds[group], set())
+                done[group, i] = None
             except AssertionError as e:
-                done[i] = str(e)
-        assert done[index] is None, done[index]
+                done[group, i] = str(e)
+        assert done[group, index] is None, done[group, index]
 
-    return run_through
+    return run
 
 
-def _line_id(no: int, cmd: str) -> str:
+def _line_id(page: str, no: int, cmd: str) -> str:
     words = shlex.split(cmd)
     at = _tensorpar_at(words)
-    return f"line{no}-{words[at + 1] if at is not None else words[0]}"
+    return f"{page}:{no}-{words[at + 1] if at is not None else words[0]}"
 
 
-_RUN_LINES = [(no, cmd) for no, cmd in _bash_lines() if cmd not in NOT_RUN]
+_RUN_LINES = {
+    group: [(_name(path), no, cmd) for path in paths for no, cmd in _bash_lines(path)
+            if cmd not in NOT_RUN]
+    for group, paths in (("README.md", [README]), ("docs", DOCS[1:]))}
+_CASES = [(group, i) for group, lines in _RUN_LINES.items() for i in range(len(lines))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(_RUN_LINES)),
-                         ids=[_line_id(no, cmd) for no, cmd in _RUN_LINES])
-def test_bash_line(readme_cwd, index):
-    """The README line runs (small: see SMALL and STEP_SCALE) after the lines before it, exit
-    code 0, and writes nothing outside runs/."""
-    readme_cwd(index)
+@pytest.mark.parametrize("group,index", _CASES,
+                         ids=[_line_id(*_RUN_LINES[g][i]) for g, i in _CASES])
+def test_bash_line(run_through, group, index):
+    """The line runs (small: see SMALL and STEP_SCALE) after the lines of its group before it,
+    exit code 0, and writes nothing outside runs/."""
+    run_through(group, index)
+
+
+# flags of other programs the docs name (torchrun, pip, pytest, make, tensorboard, git)
+OTHER_FLAGS = {"--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
+               "--rdzv-id", "--no-deps", "--index-url", "--durations", "--logdir", "--strict",
+               "--site-dir"}
+
+
+def _tensorpar_flags() -> set[str]:
+    """Every option of ``tensorpar`` and of each of its commands."""
+    from tensorpar.cli.main import build_parser
+
+    parser, flags = build_parser(), set()
+    commands = parser._subparsers._group_actions[0].choices.values()
+    for p in (parser, *commands):
+        flags |= {s for a in p._actions for s in a.option_strings if s.startswith("--")}
+    return flags
+
+
+def test_every_flag_the_docs_name_exists():
+    """A ``--flag`` written anywhere in the README or the docs is an option of ``tensorpar`` or
+    of one of its commands (as ``--help`` lists them), or a flag of another program the docs
+    name (OTHER_FLAGS), with ``--no-X`` for a boolean ``--X``."""
+    known = _tensorpar_flags() | OTHER_FLAGS
+    unknown = set()
+    for path in DOCS:
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()):
+            if flag not in known:
+                unknown.add(f"{_name(path)}: {flag}")
+    assert not unknown, sorted(unknown)
+
+
+def test_docs_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict``: every page in the nav, every link resolving, the API reference
+    generated from the docstrings without a warning."""
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                          str(tmp_path / "site")], cwd=ROOT, env=_env() | {
+                              "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
+
+
+def test_docs_keep_dates_and_issue_numbers_out():
+    """Prose carries no dates and no internal issue numbers: measurements cite the dated reports
+    of benchmarks/ by file name; the README at most 250 lines."""
+    assert len(README.read_text().splitlines()) <= 250
+    for path in DOCS:
+        text = re.sub(r"benchmarks/(reports|results)/[\w./-]+", "", path.read_text())
+        assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), _name(path)
+        assert not re.search(r"\b[Ii]ssue \d+", text), _name(path)
+
+
+def test_figures_are_drawn_by_the_script(tmp_path):
+    """docs/figures/*.png are what ``python docs/figures/draw.py`` draws now, byte for byte:
+    regenerated, not pasted; and every figure the docs show is one of them."""
+    figures = ROOT / "docs" / "figures"
+    subprocess.run([sys.executable, str(figures / "draw.py"), str(tmp_path)], check=True,
+                   capture_output=True, timeout=120)
+    drawn = {p.name for p in tmp_path.glob("*.png")}
+    assert drawn == {p.name for p in figures.glob("*.png")}
+    for name in drawn:
+        assert (tmp_path / name).read_bytes() == (figures / name).read_bytes(), name
+    shown = {m for path in DOCS
+             for m in re.findall(r"\(figures/([\w.-]+\.png)\)", path.read_text())}
+    assert shown <= drawn, shown - drawn

@@ -1,0 +1,276 @@
+"""Draw the figures of docs/learn.md: `python docs/figures/draw.py [DIR]` writes docs/figures/*.png
+(or into DIR; tests/test_docs.py draws them again and compares).
+
+Deterministic: no dates, no random numbers, no software version in the files. Every figure is
+7 inches wide (700 px at 100 dpi, saved at 200 dpi) and drawn in inches: the axes span the figure.
+"""
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
+RANK = ["#4C72B0", "#DD8452"]        # rank 0 blue, rank 1 orange
+LIGHT = ["#C6D4EA", "#F5D2B8"]       # the same, lighter: partial results
+GREY, INK, COMM = "#D5D5D5", "#222222", "#7B4EA3"  # replicated data, text, collectives
+plt.rcParams.update({"font.family": "DejaVu Sans", "font.size": 11})
+
+
+def canvas(w, h):
+    """A figure w x h inches whose data coordinates are inches (origin bottom left)."""
+    fig = plt.figure(figsize=(w, h))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, w)
+    ax.set_ylim(0, h)
+    ax.axis("off")
+    return fig, ax
+
+
+def save(fig, name):
+    fig.savefig(OUT / name, dpi=200, metadata={"Software": None})
+    plt.close(fig)
+    print(f"wrote {OUT / name}")
+
+
+def grid(ax, x, top, rows, cols, cell, color):
+    """A matrix of rows x cols cells, top-left corner at (x, top); color(i, j) fills cell i, j."""
+    for i in range(rows):
+        for j in range(cols):
+            ax.add_patch(Rectangle((x + j * cell, top - (i + 1) * cell), cell, cell,
+                                   facecolor=color(i, j), edgecolor="white", lw=1.2))
+    ax.add_patch(Rectangle((x, top - rows * cell), cols * cell, rows * cell, fill=False,
+                           edgecolor=INK, lw=1))
+
+
+def box(ax, x, y, w, h, text, face, edge=INK, color=INK, size=10.5, weight="normal"):
+    """A rounded box with centred text; (x, y) is the bottom-left corner."""
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0,rounding_size=0.07",
+                                facecolor=face, edgecolor=edge, lw=1.2))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, color=color,
+            weight=weight)
+
+
+def arrow(ax, x0, y0, x1, y1, color=INK, lw=1.3, style="-|>"):
+    ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle=style, mutation_scale=12,
+                                 color=color, lw=lw, shrinkA=0, shrinkB=0))
+
+
+def text(ax, x, y, s, size=10.5, color=INK, ha="center", va="center", **kw):
+    ax.text(x, y, s, fontsize=size, color=color, ha=ha, va=va, **kw)
+
+
+def legend(ax, x, y):
+    for r in range(2):
+        ax.add_patch(Rectangle((x + r * 1.05, y - 0.07), 0.14, 0.14, facecolor=RANK[r]))
+        text(ax, x + r * 1.05 + 0.2, y, f"rank {r}", ha="left", size=10)
+
+
+def column_split():
+    """(a) Y = X W, W's output features (columns) split: each rank computes its columns of Y."""
+    fig, ax = canvas(7, 3.3)
+    c, mid = 0.3, 1.95
+    text(ax, 3.5, 3.1, "Column split: each rank holds some of W's columns (output features)",
+         size=12, weight="bold")
+    grid(ax, 0.35, mid + 1.5 * c, 3, 4, c, lambda i, j: GREY)                 # X: 3 x 4
+    grid(ax, 2.2, mid + 2 * c, 4, 6, c, lambda i, j: RANK[j // 3])            # W: 4 x 6
+    grid(ax, 4.75, mid + 1.5 * c, 3, 6, c, lambda i, j: RANK[j // 3])         # Y: 3 x 6
+    text(ax, 1.85, mid, "×", size=18)
+    text(ax, 4.38, mid, "=", size=18)
+    text(ax, 0.95, mid + 1.5 * c + 0.22, "X  (tokens × in)", size=10.5)
+    text(ax, 3.1, mid + 2 * c + 0.22, "W  (in × out)", size=10.5)
+    text(ax, 5.65, mid + 1.5 * c + 0.22, "Y = X W  (tokens × out)", size=10.5)
+    text(ax, 0.95, mid - 1.5 * c - 0.2, "the same on every rank", size=9.5)
+    for r in range(2):
+        text(ax, 2.2 + (1.5 + 3 * r) * c, mid - 2 * c - 0.2, f"W$_{r}$", color=RANK[r], size=11,
+             weight="bold")
+        text(ax, 4.75 + (1.5 + 3 * r) * c, mid - 1.5 * c - 0.2, f"Y$_{r}$", color=RANK[r],
+             size=11, weight="bold")
+    text(ax, 0.35, 0.72, "rank 0 computes Y$_0$ = X W$_0$,  rank 1 computes Y$_1$ = X W$_1$: "
+         "no communication.", ha="left")
+    text(ax, 0.35, 0.42, "Y = [Y$_0$  Y$_1$] needs an all-gather, if anything needs all of Y.",
+         ha="left")
+    text(ax, 0.35, 0.14, "(nn.Linear stores W transposed, weight (out, in): a column split "
+         "cuts its rows.)", ha="left", size=9.5, color="#555555")
+    legend(ax, 4.9, 0.42)
+    save(fig, "col_split.png")
+
+
+def row_split():
+    """(b) W's input features (rows) split: partial sums, then an all-reduce."""
+    fig, ax = canvas(7, 4.3)
+    c, top_mid, bot_mid = 0.22, 2.95, 1.2
+    text(ax, 3.5, 4.1, "Row split: each rank holds some of W's rows (input features)", size=12,
+         weight="bold")
+    grid(ax, 0.6, top_mid + 1.5 * c, 3, 6, c, lambda i, j: RANK[j // 3])      # X: 3 x 6
+    grid(ax, 2.6, top_mid + 3 * c, 6, 4, c, lambda i, j: RANK[i // 3])        # W: 6 x 4
+    text(ax, 2.27, top_mid, "×", size=16)
+    text(ax, 0.6 + 3 * c, top_mid + 1.5 * c + 0.2, "X  (tokens × in)", size=10.5)
+    text(ax, 2.6 + 2 * c, top_mid + 3 * c + 0.2, "W  (in × out)", size=10.5)
+    for r in range(2):
+        text(ax, 0.6 + (1.5 + 3 * r) * c, top_mid - 1.5 * c - 0.17, f"X$_{r}$",
+             color=RANK[r], weight="bold")
+        text(ax, 2.6 + 4 * c + 0.12, top_mid + (1.5 - 3 * r) * c, f"W$_{r}$", color=RANK[r],
+             weight="bold", ha="left")
+    text(ax, 3.95, top_mid + 0.12, "rank r multiplies X$_r$ by W$_r$:", ha="left", size=10)
+    text(ax, 3.95, top_mid - 0.15, "a partial sum of the whole Y", ha="left", size=10)
+    for r, x in enumerate((0.6, 2.05)):                                       # partial sums
+        grid(ax, x, bot_mid + 1.5 * c, 3, 4, c, lambda i, j, r=r: LIGHT[r])
+        text(ax, x + 2 * c, bot_mid + 1.5 * c + 0.18, f"P$_{r}$ = X$_{r}$ W$_{r}$",
+             color=RANK[r], weight="bold")
+    text(ax, 1.77, bot_mid, "+", size=16)
+    arrow(ax, 3.1, bot_mid, 4.05, bot_mid, color=COMM, lw=2)
+    text(ax, 3.57, bot_mid + 0.25, "all-reduce", color=COMM, size=10.5, weight="bold")
+    text(ax, 3.57, bot_mid - 0.22, "(sum)", color=COMM, size=10)
+    grid(ax, 4.2, bot_mid + 1.5 * c, 3, 4, c, lambda i, j: GREY)
+    text(ax, 5.2, bot_mid + 0.12, "Y = P$_0$ + P$_1$ + b", ha="left")
+    text(ax, 5.2, bot_mid - 0.17, "on every rank", ha="left", size=10)
+    text(ax, 0.3, 0.45, "One all-reduce adds the partial sums; the bias is added once, after it.",
+         ha="left")
+    text(ax, 0.3, 0.15, "(nn.Linear's weight is (out, in): a row split of W cuts its columns.)",
+         ha="left", size=9.5, color="#555555")
+    legend(ax, 4.9, 3.75)
+    save(fig, "row_split.png")
+
+
+def mlp():
+    """(c) Column -> activation -> row, with f and g where the collectives run."""
+    fig, ax = canvas(7, 3.9)
+    text(ax, 3.5, 3.7, "The MLP: column, activation, row; f and g are the only communication",
+         size=12, weight="bold")
+    lanes, h = (2.55, 1.45), 0.62
+    box(ax, 0.15, 1.45, 0.6, 1.72, "X", GREY, size=12)
+    box(ax, 6.35, 1.45, 0.5, 1.72, "Y", GREY, size=12)
+    for name, x in (("f", 1.0), ("g", 5.72)):
+        box(ax, x, 1.3, 0.4, 2.02, name, "#EADCF3", edge=COMM, color=COMM, size=15,
+            weight="bold")
+    for r, y in enumerate(lanes):
+        arrow(ax, 0.75, y + h / 2, 1.0, y + h / 2)
+        box(ax, 1.65, y, 1.25, h, f"X W$_{{\\mathrm{{up}},{r}}}$\ncolumn", RANK[r],
+            color="white", size=10)
+        arrow(ax, 1.4, y + h / 2, 1.65, y + h / 2)
+        arrow(ax, 2.9, y + h / 2, 3.1, y + h / 2)
+        box(ax, 3.1, y, 1.1, h, "GeLU\nor SwiGLU", LIGHT[r], size=10)
+        arrow(ax, 4.2, y + h / 2, 4.4, y + h / 2)
+        box(ax, 4.4, y, 1.1, h, f"h$_{r}$ W$_{{\\mathrm{{down}},{r}}}$\nrow", RANK[r],
+            color="white", size=10)
+        arrow(ax, 5.5, y + h / 2, 5.72, y + h / 2)
+        arrow(ax, 6.12, y + h / 2, 6.35, y + h / 2)
+        text(ax, 1.65, y + h + 0.12, f"rank {r}", size=9.5, color=RANK[r], ha="left",
+             weight="bold")
+    text(ax, 3.65, 1.2, "inside: no communication (hidden features split)", size=9.5,
+         color="#555555")
+    text(ax, 0.15, 0.72, "f: forward identity;  backward all-reduce (sums the ranks' parts of dX)",
+         ha="left", color=COMM)
+    text(ax, 0.15, 0.42, "g: forward all-reduce (sums the partial Ys);  backward identity",
+         ha="left", color=COMM)
+    text(ax, 0.15, 0.12, "One all-reduce in forward, one in backward (Shoeybi et al. 2019).",
+         ha="left")
+    save(fig, "mlp.png")
+
+
+def attention():
+    """(d) Heads split over ranks; GQA's shared KV heads."""
+    fig, ax = canvas(7, 3.6)
+    text(ax, 0.2, 3.42, "Attention split by heads", size=12, weight="bold", ha="left")
+    s = 0.28
+
+    def heads(x0, y, owners, gap=0.06, labels=None):
+        centres = []
+        for j, owner in enumerate(owners):
+            x = x0 + j * (s + gap)
+            ax.add_patch(Rectangle((x, y), s, s, facecolor=RANK[owner], edgecolor=INK, lw=0.8))
+            text(ax, x + s / 2, y + s / 2, labels[j] if labels else str(j), size=9,
+                 color="white", weight="bold")
+            centres.append(x + s / 2)
+        return centres
+
+    # left: GQA, 8 query heads, 2 KV heads, over 2 ranks
+    x0, step = 0.6, s + 0.05
+    text(ax, 1.9, 3.0, "8 query heads, 2 KV heads (GQA)", size=10.5)
+    q = heads(x0, 2.25, [0] * 4 + [1] * 4, gap=0.05)
+    kv = heads(x0 + 1.5 * step, 1.1, [0, 1], gap=4 * step - s)
+    for j, xq in enumerate(q):
+        ax.plot([xq, kv[j // 4]], [2.25, 1.1 + s], color=RANK[j // 4], lw=1)
+    text(ax, 0.45, 2.25 + s / 2, "q", ha="right", size=10.5)
+    text(ax, 0.45, 1.1 + s / 2, "k, v", ha="right", size=10.5)
+    text(ax, 1.9, 0.75, "each rank: 4 query heads and the", size=9.5)
+    text(ax, 1.9, 0.5, "KV head they read; nothing shared", size=9.5)
+    # right: 3 query heads, 1 KV head, over 2 ranks
+    ax.plot([3.55, 3.55], [0.35, 3.15], color="#BBBBBB", lw=1)
+    text(ax, 5.3, 3.05, "3 query heads, 1 KV head, 2 ranks", size=10.5)
+    q = heads(4.45, 2.25, [0, 0, 1])
+    kv = heads(4.25, 1.1, [0, 1], gap=0.85, labels=["0", "0"])
+    for j, xq in enumerate(q):
+        ax.plot([xq, kv[0 if j < 2 else 1]], [2.25, 1.1 + s], color=RANK[0 if j < 2 else 1],
+                lw=1)
+    arrow(ax, kv[0] + s / 2 + 0.05, 1.1 + s / 2, kv[1] - s / 2 - 0.05, 1.1 + s / 2,
+          color=COMM, style="<|-|>")
+    text(ax, 5.3, 0.75, "query heads dealt 2 + 1; both ranks hold KV", size=9.5)
+    text(ax, 5.3, 0.5, "head 0, whose gradients one all-reduce sums", size=9.5)
+    text(ax, 3.5, 0.14, "Per head no communication; the row-parallel output projection ends "
+         "in one all-reduce (g).", size=10)
+    legend(ax, 5.0, 3.42)
+    save(fig, "attention.png")
+
+
+def sequence_parallel():
+    """(e) Sequence shards between the blocks: all-gather in, reduce-scatter out."""
+    fig, ax = canvas(7, 4.2)
+    text(ax, 3.5, 4.0, "Sequence parallelism: sequence shards outside the TP region", size=12,
+         weight="bold")
+    regions = ((0.1, 1.95, "sequence shards", "T/2 tokens per rank"),
+               (2.55, 4.45, "tensor parallel", "all T tokens, features split"),
+               (5.05, 6.9, "sequence shards", "T/2 tokens per rank"))
+    for x0, x1, name, sub in regions:
+        ax.add_patch(Rectangle((x0, 1.0), x1 - x0, 2.75, facecolor="#F2F2F2", edgecolor="none"))
+        text(ax, (x0 + x1) / 2, 3.58, name, size=10.5, color="#444444", style="italic")
+        text(ax, (x0 + x1) / 2, 3.36, sub, size=9, color="#666666")
+    t, cell = 4, 0.2
+
+    def tokens(x, y, r, full):
+        """A bar of t tokens: the ones rank r holds filled in its colour."""
+        for k in range(t):
+            held = full or k // (t // 2) == r
+            ax.add_patch(Rectangle((x + k * cell, y), cell, cell,
+                                   facecolor=RANK[r] if held else "white",
+                                   edgecolor=INK if held else "#AAAAAA", lw=0.8,
+                                   ls="-" if held else "--"))
+
+    for r, y in enumerate((2.3, 1.2)):
+        box(ax, 0.25, y + 0.3, 1.6, 0.55, "RMSNorm, dropout", LIGHT[r], size=10)
+        text(ax, 0.22, y + 0.07, f"rank {r}", size=9.5, color=RANK[r], ha="left",
+             weight="bold")
+        tokens(0.95, y - 0.03, r, False)
+        arrow(ax, 1.85, y + 0.57, 2.0, y + 0.57)
+        box(ax, 2.65, y + 0.3, 1.7, 0.55, "column → act → row", RANK[r], color="white",
+            size=9.5)
+        tokens(3.1, y - 0.03, r, True)
+        arrow(ax, 2.5, y + 0.57, 2.65, y + 0.57)
+        arrow(ax, 4.35, y + 0.57, 4.5, y + 0.57)
+        box(ax, 5.2, y + 0.3, 1.55, 0.55, "dropout, + residual", LIGHT[r], size=10)
+        tokens(5.58, y - 0.03, r, False)
+        arrow(ax, 5.0, y + 0.57, 5.2, y + 0.57)
+    for x, what in ((2.0, "all-gather"), (4.5, "reduce-scatter")):
+        box(ax, x, 1.1, 0.5, 2.1, "", "#EADCF3", edge=COMM)
+        text(ax, x + 0.25, 2.15, what, size=11, color=COMM, rotation=90, weight="bold")
+    text(ax, 0.1, 0.72, "gather_from_sequence: all-gather forward, reduce-scatter backward "
+         "(where f was)", ha="left", color=COMM, size=10)
+    text(ax, 0.1, 0.44, "reduce_scatter_to_sequence: reduce-scatter forward, all-gather "
+         "backward (where g was)", ha="left", color=COMM, size=10)
+    text(ax, 0.1, 0.14, "Same bytes as the all-reduce; outside the TP region each rank keeps "
+         "1/TP of the tokens.", ha="left", size=10)
+    save(fig, "sequence_parallel.png")
+
+
+if __name__ == "__main__":
+    column_split()
+    row_split()
+    mlp()
+    attention()
+    sequence_parallel()
