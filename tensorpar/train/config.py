@@ -91,6 +91,15 @@ class TrainConfig:
                 "...) into --out's tensorboard/ directory, each step flushed, a resumed run "
                 "appended (view: tensorboard --logdir RUN/tensorboard); needs pip install "
                 "tensorboard"})
+    wandb: bool = dataclasses.field(default=False, metadata={
+        "help": "also log the metrics.jsonl rows to a Weights & Biases run (train/loss, ..., "
+                "val/loss), its files in --out's wandb/ and its id in wandb-id, so that --resume "
+                "continues it; WANDB_MODE=offline writes an offline run (wandb sync uploads it); "
+                "needs pip install wandb"})
+    wandb_project: str = dataclasses.field(default="tensorpar", metadata={
+        "help": "with --wandb: the W&B project"})
+    wandb_run_name: str | None = dataclasses.field(default=None, metadata={
+        "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
         for flag in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len",
@@ -122,6 +131,10 @@ class TrainConfig:
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
             summary_writer()
+        if self.wandb:
+            from tensorpar.train.report import wandb_module
+
+            wandb_module()
 
 
 def evaluates(cfg: TrainConfig, step: int) -> bool:

@@ -4,8 +4,10 @@ at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import secrets
 import statistics
 import sys
 from pathlib import Path
@@ -24,19 +26,14 @@ BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, 
 
 
 class Metrics:
-    """``metrics.jsonl``: one JSON object per optimizer step, flushed as it is written.
+    """``metrics.jsonl``: one JSON object per optimizer step, flushed as it is written, and the
+    same numbers to each of ``sinks`` (TensorBoard, W&B).
 
     On resume from step S the entries after S (from the interrupted run) are dropped first, so the
     file reads like one uninterrupted run.
-
-    tensorboard: a directory (``RUN/tensorboard``) that also gets each row's numbers as TensorBoard
-    scalars (``train/loss``, ``train/lr``, ...; float32, at ``global_step`` = the row's step),
-    flushed with the row. A resumed run appends a new event file to it that starts with a purge at
-    S + 1: TensorBoard hides the interrupted run's steps after S, so the curve, too, reads like
-    one run.
     """
 
-    def __init__(self, path: Path, resume_step: int, tensorboard: Path | None = None):
+    def __init__(self, path: Path, resume_step: int, sinks: list | None = None):
         self.path = path
         kept = [r for r in self.read(path) if r.get("step", 0) <= resume_step] \
             if resume_step else []
@@ -44,8 +41,7 @@ class Metrics:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
         self.rows = kept
-        self._board = None if tensorboard is None else \
-            summary_writer()(str(tensorboard), purge_step=resume_step + 1)
+        self._sinks = list(sinks or [])
         self._f = open(path, "a")
 
     @staticmethod
@@ -65,19 +61,84 @@ class Metrics:
         self.rows.append(row)
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
-        if self._board is not None:  # a skipped step's None (and its reason) has no scalar
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    tag = "val/loss" if key == "val_loss" else f"train/{key}"
-                    self._board.add_scalar(tag, value, global_step=row["step"])
-            self._board.flush()  # a run killed later still has this step's scalars
+        scalars = scalars_of(row)  # a skipped step's None (and its reason) has no scalar
+        for sink in self._sinks:
+            sink.write(row["step"], scalars)
 
     def close(self) -> None:
         """Idempotent: the trainer closes it on every way out."""
         self._f.close()
-        if self._board is not None:
-            self._board.close()
-            self._board = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+
+
+def scalars_of(row: dict) -> dict[str, float]:
+    """A metrics row's numbers by the name a dashboard shows them under: ``train/loss``,
+    ``train/lr``, ..., and ``val/loss``."""
+    return {"val/loss" if key == "val_loss" else f"train/{key}": value
+            for key, value in row.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
+class TensorBoardSink:
+    """``--tensorboard``: each row's numbers as TensorBoard scalars in ``RUN/tensorboard``
+    (float32, at ``global_step`` = the row's step), flushed with the row. A resumed run appends
+    a new event file that starts with a purge at S + 1: TensorBoard hides the interrupted run's
+    steps after S, so the curve reads like one run."""
+
+    def __init__(self, directory: Path, resume_step: int):
+        self._board = summary_writer()(str(directory), purge_step=resume_step + 1)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self._board.add_scalar(tag, value, global_step=step)
+        self._board.flush()  # a run killed later still has this step's scalars
+
+    def close(self) -> None:
+        self._board.close()
+
+
+class WandbSink:
+    """``--wandb``: each row's numbers logged to a W&B run at the row's step.
+
+    The run: project ``--wandb-project``, name ``--wandb-run-name`` (default the run
+    directory's name), its files under ``RUN/wandb``, the training config as its config. Its id
+    is kept in ``RUN/wandb-id``, so a resumed run continues the same W&B run (W&B keeps what the
+    interrupted run logged past the checkpoint; its steps must grow, so the resumed run's
+    repeated steps are logged again only past them). ``WANDB_MODE=offline`` writes an offline
+    run that ``wandb sync RUN/wandb/offline-run-*`` uploads later."""
+
+    def __init__(self, out: Path, cfg):
+        wandb = wandb_module()
+        id_file = out / "wandb-id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        write_atomically(id_file, lambda tmp: tmp.write_text(run_id + "\n"))
+        (out / "wandb").mkdir(exist_ok=True)
+        self._run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or out.name,
+                               id=run_id, resume="allow", dir=str(out),
+                               config=dataclasses.asdict(cfg),
+                               settings=wandb.Settings(silent=True, console="off",
+                                                       disable_git=True, save_code=False))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def wandb_module():
+    """The ``wandb`` package, imported only for ``--wandb``; a ValueError (one line, naming the
+    pip command) when it is not installed."""
+    try:
+        import wandb
+    except ImportError as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--wandb needs the wandb package ({reason}): pip install wandb (or "
+                         "pip install 'tensorpar[wandb]'), or leave out --wandb (--no-wandb on a "
+                         "run resumed with it)") from None
+    return wandb
 
 
 def summary_writer():
@@ -156,8 +217,10 @@ class RunReport:
         self.out, self.cfg, self.lead = out, cfg, lead
         self.metrics = self.progress = None
         if lead:
-            self.metrics = Metrics(out / "metrics.jsonl", start,
-                                   out / "tensorboard" if cfg.tensorboard else None)
+            sinks = [TensorBoardSink(out / "tensorboard", start)] if cfg.tensorboard else []
+            if getattr(cfg, "wandb", False):
+                sinks.append(WandbSink(out, cfg))
+            self.metrics = Metrics(out / "metrics.jsonl", start, sinks)
             self.progress = ProgressLine(start, cfg.steps)
 
     def skipped(self) -> int:

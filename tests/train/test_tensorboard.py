@@ -17,7 +17,7 @@ from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
-from tensorpar.train.report import Metrics
+from tensorpar.train.report import Metrics, TensorBoardSink
 
 from tests_common import TINY_GPT, read_metrics, tensorpar_here
 
@@ -80,7 +80,7 @@ def test_scalars_equal_metrics_and_resume_appends(tmp_path, capsys):
 def test_each_row_is_flushed_and_skipped_values_left_out(tmp_path):
     """A row's scalars are on disk once ``write`` returns (a run killed after it keeps them),
     before ``close``; a skipped step's None and its reason are not scalars."""
-    metrics = Metrics(tmp_path / "metrics.jsonl", 0, tmp_path / "tensorboard")
+    metrics = Metrics(tmp_path / "metrics.jsonl", 0, [TensorBoardSink(tmp_path / "tensorboard", 0)])
     metrics.write({"step": 1, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0})
     metrics.write({"step": 2, "loss": None, "lr": 2e-3, "grad_norm": None,
                    "skipped": "non-finite: loss nan, gradient norm nan"})
