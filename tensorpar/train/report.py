@@ -5,6 +5,7 @@ at the end."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import secrets
@@ -129,29 +130,25 @@ class WandbSink:
 
 
 def wandb_module():
-    """The ``wandb`` package, imported only for ``--wandb``; a ValueError (one line, naming the
-    pip command) when it is not installed."""
-    try:
-        import wandb
-    except ImportError as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"--wandb needs the wandb package ({reason}): pip install wandb (or "
-                         "pip install 'tensorpar[wandb]'), or leave out --wandb (--no-wandb on a "
-                         "run resumed with it)") from None
-    return wandb
+    """The ``wandb`` package, imported only for ``--wandb``."""
+    return _optional("--wandb", "wandb", "wandb")
 
 
 def summary_writer():
-    """``torch.utils.tensorboard.SummaryWriter``, imported only for ``--tensorboard``; a
-    ValueError (one line, naming the pip command) when tensorboard is not installed."""
+    """``torch.utils.tensorboard.SummaryWriter``, imported only for ``--tensorboard``."""
+    return _optional("--tensorboard", "tensorboard", "torch.utils.tensorboard").SummaryWriter
+
+
+def _optional(flag: str, package: str, module: str):
+    """``module`` imported, or, when the package a flag needs is not installed, a ValueError:
+    one line naming the pip command (the launcher's, before any rank starts)."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return importlib.import_module(module)
     except ImportError as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"--tensorboard needs the tensorboard package ({reason}): pip install "
-                         "tensorboard (or pip install 'tensorpar[tensorboard]'), or leave out "
-                         "--tensorboard (--no-tensorboard on a run resumed with it)") from None
-    return SummaryWriter
+        raise ValueError(f"{flag} needs the {package} package ({reason}): pip install {package} "
+                         f"(or pip install 'tensorpar[{package}]'), or leave out {flag} "
+                         f"(--no-{flag[2:]} on a run resumed with it)") from None
 
 
 class ProgressLine:
