@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from tensorpar.cli import plan as plan_cli
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
-from tensorpar.planner import cli as plan_cli
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
