@@ -54,7 +54,7 @@ def setup(run_id: str, name: str, work: Workload, warmup: int,
 
     A compiled contender counts its collectives one step earlier: the counter is a
     TorchDispatchMode, under which the step runs the model eagerly (dynamo compiles nothing
-    under one, ``gpt/speedups.loss_function``), so that its last warmup step runs compiled. A
+    under one, ``train/compute.loss_function``), so that its last warmup step runs compiled. A
     GPU's meter reads the allocator's statistics: the memory is the compiled step's. On the CPU
     the meter is a TorchDispatchMode too, so a compiled contender's is read off the profiler's
     allocator events instead (``MemoryMeter(profiled=True)``, which runs no such mode; at TP > 1

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tensorpar: --timeout {args.timeout} must be > 0 (seconds)", file=sys.stderr)
             return 2
         os.environ[TIMEOUT_ENV] = str(args.timeout)
-    # as --timeout: every rank reads it when it creates its process group (launch/checking.py)
+    # as --timeout: every rank reads it when it creates its process group (runtime/groups.py)
     if args.check_collectives is not None:
         os.environ[CHECK_ENV] = "1" if args.check_collectives else "0"
     elif getattr(args, "check_collectives_by_default", False):  # verify: a check of the layers

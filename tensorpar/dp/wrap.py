@@ -94,7 +94,7 @@ def _unchecked_dp_group(mesh: DeviceMesh) -> ProcessGroup:
     """This rank's dp group again, without the check mode's wrapper, for DDP.
 
     torch 2.13's DDP crashes (SIGSEGV in its logger, while it is built) on a process group that
-    checks its collectives (``launch/checking.py``). It needs no check: its collectives are its
+    checks its collectives (``ranks/checking.py``). It needs no check: its collectives are its
     gradient buckets, whose shapes come from the parameters, and it compares the parameters'
     shapes across ranks itself when it is built. Every rank creates every dp group (column j of
     the (dp, tp) mesh holds TP rank j of each replica), as ``new_group`` requires.

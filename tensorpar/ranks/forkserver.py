@@ -81,7 +81,7 @@ def start_early(argv: list[str]) -> None:
 def exit_with_launcher(launcher: int) -> None:
     """Make this rank exit when its launcher dies (``kill PID``), watched by a thread: on a
     pidfd of the launcher (Linux), else by polling. (Not the kernel's parent-death signal: the
-    parent is the fork server, which outlives the launcher while any rank lives, forking.py.)"""
+    parent is the fork server, which outlives the launcher while any rank lives: above.)"""
     try:
         fd = os.pidfd_open(launcher)
     except ProcessLookupError:  # gone already

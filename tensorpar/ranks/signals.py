@@ -27,7 +27,7 @@ some of them). :meth:`StopRequest.agreed` therefore takes the largest signal num
 group with one all-reduce of one int32 per step, after the optimizer step: every rank learns,
 after the same step, that some rank was asked to stop. At world size 1 it is a local read.
 
-Ctrl-C (SIGINT) is not a request: it stops at once (see ``launch/local.py``). On the
+Ctrl-C (SIGINT) is not a request: it stops at once (see ``local.py``). On the
 launcher's side, :func:`forwarding` passes a first SIGTERM on to the ranks it spawned and turns a
 second one into :class:`Interrupted`, which stops them at once like Ctrl-C.
 """

@@ -6,7 +6,7 @@ the benchmark model's 9.7M parameters per rank against 35 ms for the single-tens
 by default (``benchmarks/results/2026-11-26/profile.md``); on CUDA it is what torchtitan and
 Megatron use.
 DTensor parameters take it too. Elsewhere (other devices, non-float parameters) torch picks its
-default. The planner models all three implementations (``plan.memory.ADAMW``).
+default. The planner models all three implementations (``planner.memory.ADAMW``).
 """
 
 from __future__ import annotations

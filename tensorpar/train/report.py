@@ -371,7 +371,7 @@ def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict |
 
 def _by_source(predicted: dict, sp: bool) -> str:
     """'blocks 36.00 MiB (Megatron's minimum: ...) + embedding 1.50 MiB + ...' from a
-    prediction (``plan.comm.predicted_comm``)."""
+    prediction (``planner.comm.predicted_comm``)."""
     parts: dict[str, int] = {}
     for row in predicted["breakdown"]:
         source = row["source"]
