@@ -28,7 +28,9 @@ ONE_RANK = ("tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-Nt", "dense-c
 
 def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     """Every contender trains the same model from the same weights on the same batches: each
-    step's loss equals the dense fp32 model's to 1e-5 relative, over warmup and timed steps.
+    step's loss equals the dense fp32 model's to 1e-6 relative, over warmup and timed steps
+    (~10x the largest measured, 8.6e-8 for the TP=2 rows, 0 for the one-rank ones; 2026-11-27,
+    torch 2.13 CPU).
     The TP contenders communicate (bytes reported per kind); the dense one does not; the table,
     the JSON and the chart are written."""
     plan = RunPlan(repeats=2, steps_per_repeat=1, warmup=2, tp=2, compile_backend="aot_eager")
@@ -41,7 +43,7 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["status"])
         assert len(row["losses"]) == n_steps and len(row["seconds"]) == 2, name
-        assert row["loss_max_rel_diff"] <= 1e-5, (name, row["loss_max_rel_diff"])
+        assert row["loss_max_rel_diff"] <= 1e-6, (name, row["loss_max_rel_diff"])
         assert row["step_s"]["min"] <= row["step_s"]["median"] <= row["step_s"]["max"]
         # compiled: read off the profiler's allocator events (a TorchDispatchMode, the eager
         # rows' meter, would run them eagerly: ranks.setup)

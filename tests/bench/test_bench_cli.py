@@ -48,7 +48,8 @@ def test_contender_that_cannot_run_is_skipped(tmp_path):
                 "skipped: not installed (megatron-core)")
     assert rows["dtensor"][:2] == ["3x1", dtensor] and rows["megatron"][:2] == ["3x1", megatron]
     assert rows["tensorpar"][0] == "3x1" and float(rows["tensorpar"][1]) > 0, rows
-    assert float(rows["tensorpar"][-1]) <= 1e-5  # loss against the dense fp32 model
+    # the loss against the dense fp32 model: measured 2.1e-7 (2026-11-27, torch 2.13 CPU)
+    assert float(rows["tensorpar"][-1]) <= 2e-6
     assert f"dtensor {dtensor}\n" in out.stderr and f"megatron {megatron}\n" in out.stderr
     assert out.stdout.rstrip().splitlines()[-2:] == [
         "wrote bench/bench.md, bench/bench.json, bench/bench.png",

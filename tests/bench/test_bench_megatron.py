@@ -88,7 +88,7 @@ def _train_body(work, steps):
 
 def test_megatron_trains_like_dense_and_tensorpar(megatron_ranks):
     """Loaded with the dense weights, megatron-core's GPT at TP=2 gives the dense model's loss at
-    every one of 3 AdamW steps (1e-5 relative, fp32) and tensorpar's, and each of its first-step
+    every one of 3 AdamW steps (1e-6 relative, fp32) and tensorpar's, and each of its first-step
     gradient shards equals the dense gradient cut into megatron's layout (fused QKV per KV head,
     [gate; up], vocab rows): the weights were loaded where megatron reads them and every gradient
     is exact. (Weights after several AdamW steps are not compared: Adam's m/sqrt(v) turns fp32
@@ -100,13 +100,16 @@ def test_megatron_trains_like_dense_and_tensorpar(megatron_ranks):
     for rank, (losses, counts, grad_errors) in enumerate(results):
         for s in range(STEPS):
             ref = torch.tensor(losses["dense"][s])
+            # ~10x the largest relative error measured: 1.0e-7, megatron's and tensorpar's
+            # (2026-11-27, torch 2.13 CPU)
             assert_close(f"rank {rank} step {s} megatron loss",
-                         torch.tensor(losses["megatron"][s]), ref)
+                         torch.tensor(losses["megatron"][s]), ref, 1e-6)
             assert_close(f"rank {rank} step {s} tensorpar loss",
-                         torch.tensor(losses["tensorpar"][s]), ref)
+                         torch.tensor(losses["tensorpar"][s]), ref, 1e-6)
         assert losses["dense"][-1] < losses["dense"][0], losses  # it trains
         assert len(grad_errors) == 3 + 6 * TINY.n_layer, sorted(grad_errors)
         worst = max(grad_errors, key=grad_errors.get)
+        # measured 8.7e-7 (a layer's attention projection; 2026-11-27, torch 2.13 CPU)
         assert grad_errors[worst] <= 1e-5, f"rank {rank}: grad {worst} off by {grad_errors[worst]}"
         assert counts == {"all_reduce": (1 + 2 * L + 3) + (2 * L + 1)}, counts
     assert results[0][0]["megatron"] == results[1][0]["megatron"]  # one loss on every rank

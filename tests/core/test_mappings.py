@@ -14,6 +14,10 @@ from tp_check import assert_close, shard
 
 B, D = 2, 10  # D = 10 splits unevenly over 3 and 4 ranks
 T = 13  # tokens: uneven sequence shards over 2, 3 and 4 ranks (7 + 6; 5 + 4 + 4; 4 + 3 + 3 + 3)
+# a sum over the ranks (gloo's order) against torch's .sum(0): ~10x the largest relative error
+# measured over TP=1-4, 1.0e-7 (the sequence reduce-scatter at TP=4; 2026-11-27, torch 2.13
+# CPU). What only moves data (identity, split, gather) is compared bit for bit.
+SUM_TOL = 1e-6
 
 
 def _run(op, x, grad_out):
@@ -39,41 +43,41 @@ def _pairs_body(T):
 
     # f: identity forward, all-reduce backward
     y, gx, counts["copy"] = _run(tp.copy_to_tp, full, grads_all[r])
-    assert_close("copy fwd", y, full)
-    assert_close("copy bwd", gx, grads_all.sum(0))
+    assert torch.equal(y, full), "copy fwd"
+    assert_close("copy bwd", gx, grads_all.sum(0), SUM_TOL)
 
     # g: all-reduce forward, identity backward
     y, gx, counts["reduce"] = _run(tp.reduce_from_tp, per_rank, grad)
-    assert_close("reduce fwd", y, all_partials.sum(0))
-    assert_close("reduce bwd", gx, grad)
+    assert_close("reduce fwd", y, all_partials.sum(0), SUM_TOL)
+    assert torch.equal(gx, grad), "reduce bwd"
 
     # gather last dim (uneven shards): all-gather forward, split backward
     y, gx, counts["gather"] = _run(lambda x: tp.gather_from_tp(x, full_size=D), shard(full, -1),
                                    grad)
-    assert_close("gather fwd", y, full)
-    assert_close("gather bwd", gx, shard(grad, -1))
+    assert torch.equal(y, full), "gather fwd"
+    assert torch.equal(gx, shard(grad, -1)), "gather bwd"
 
     # scatter last dim: split forward, all-gather backward
     y, gx, counts["scatter"] = _run(tp.scatter_to_tp, full, shard(grad, -1))
-    assert_close("scatter fwd", y, shard(full, -1))
-    assert_close("scatter bwd", gx, grad)
+    assert torch.equal(y, shard(full, -1)), "scatter fwd"
+    assert torch.equal(gx, grad), "scatter bwd"
 
     # sequence gather: all-gather forward, reduce-scatter backward; told T, or exchanging sizes
     for name, seq_len in (("seq_gather", T), ("seq_gather_exchanged", None)):
         y, gx, counts[name] = _run(lambda x, s=seq_len: tp.gather_from_sequence(x, seq_len=s),
                                    shard(full, 1), grads_all[r])
-        assert_close("seq gather fwd", y, full)
-        assert_close("seq gather bwd", gx, shard(grads_all.sum(0), 1))
+        assert torch.equal(y, full), "seq gather fwd"
+        assert_close("seq gather bwd", gx, shard(grads_all.sum(0), 1), SUM_TOL)
 
     # sequence reduce-scatter: reduce-scatter forward, all-gather backward
     y, gx, counts["seq_rs"] = _run(tp.reduce_scatter_to_sequence, per_rank, shard(grad, 1))
-    assert_close("seq reduce-scatter fwd", y, shard(all_partials.sum(0), 1))
-    assert_close("seq reduce-scatter bwd", gx, grad)
+    assert_close("seq reduce-scatter fwd", y, shard(all_partials.sum(0), 1), SUM_TOL)
+    assert torch.equal(gx, grad), "seq reduce-scatter bwd"
 
     # sequence scatter: split forward, all-gather backward
     y, gx, counts["seq_scatter"] = _run(tp.scatter_to_sequence, full, shard(grad, 1))
-    assert_close("seq scatter fwd", y, shard(full, 1))
-    assert_close("seq scatter bwd", gx, grad)
+    assert torch.equal(y, shard(full, 1)), "seq scatter fwd"
+    assert torch.equal(gx, grad), "seq scatter bwd"
     return counts
 
 
@@ -129,8 +133,8 @@ def _gather_any_sizes_body():
     start = sum(sizes[:r])
     piece = full[:, start : start + sizes[r]]
     y, gx, counts = _run(tp.gather_from_tp, piece, grad)  # no full_size: sizes exchanged
-    assert_close("gather fwd", y, full)
-    assert_close("gather bwd", gx, grad[:, start : start + sizes[r]])
+    assert torch.equal(y, full), "gather fwd"
+    assert torch.equal(gx, grad[:, start : start + sizes[r]]), "gather bwd"
     return counts
 
 

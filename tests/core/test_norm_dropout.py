@@ -34,7 +34,11 @@ def _norm_body(kind, sp):
     cls = LayerNorm if kind == "layer" else RMSNorm
     norm = cls.from_dense(dense, sequence_parallel=sp)
     seq = (lambda t: shard(t, 1)) if sp else (lambda t: t)
-    return compare_module(dense, norm, torch.randn(B, T, D), seq, seq)
+    # the output bit for bit (torch's kernel, token by token); the gradients to ~10x the largest
+    # relative error measured over TP=1-4 (2026-11-27, torch 2.13 CPU): 1.5e-7, LayerNorm's
+    # bias gradient summed over sequence shards at TP=3
+    return compare_module(dense, norm, torch.randn(B, T, D), seq, seq, tol=1.5e-6,
+                          output_tol=0.0)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -78,6 +82,8 @@ def test_rms_norm_cpu_path_equals_torch(shape, eps, grads):
         runs[name] = (y, xi.grad, wi.grad, saved)
     (y0, gx0, gw0, saved0), (y1, gx1, gw1, saved1) = runs["torch"], runs["ours"]
     assert torch.equal(y0, y1)
+    # the gradients' bound below is ~12x what was measured over the cases (2026-11-27, torch
+    # 2.13 CPU): at most 8% of it on any element (|diff| 2.4e-7, 1.3e-7 of the largest gradient)
     for ref, got in ((gx0, gx1), (gw0, gw1)):
         assert (ref is None) == (got is None)
         if ref is not None:
@@ -113,7 +119,7 @@ def _dropout_body():
     for region in ("replicated", "sharded"):
         y = rng.dropout(x, 0.5, region)
         kept = y != 0
-        assert torch.allclose(y[kept], torch.full_like(y[kept], 2.0))  # inverted scaling
+        assert torch.equal(y[kept], torch.full_like(y[kept], 2.0))  # inverted scaling, exact
         masks[region] = kept
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, masks)
@@ -152,6 +158,7 @@ def test_a_mask_depends_on_its_key_and_site_alone():
     assert not torch.equal(rng.mask((64, 64), 0.5, "replicated"), masks[0, 0])
     rng.set_step(0)
     assert torch.equal(rng.mask((64, 64), 0.5, "replicated"), masks[0, 0])
+    # a seeded draw of 4096: 0.0071 off (2026-11-27); 0.03 is ~4 standard deviations (0.0078)
     assert masks[0, 0].float().mean().item() == pytest.approx(0.5, abs=0.03)
 
 

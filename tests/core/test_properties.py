@@ -6,9 +6,10 @@ Hypothesis draws the TP size (1-4, the session's rank pools), batch (1-3), seque
 layers' options. Every rank builds the dense layer from a drawn seed, shards it with
 ``from_dense``, runs forward and backward through both (and an fp64 copy of the dense layer),
 and returns, for the output, the input gradient and each weight-gradient shard, its error
-against the dense fp32 layer relative to the dense tensor's scale; each must be at most 1e-5,
-or 4x the dense layer's own fp32 error where a tensor is ill-conditioned (``score``). Sizes
-that are refused: a ValueError, the same on every rank (``test_properties_refused.py``).
+against the dense fp32 layer relative to the dense tensor's scale; each must be at most its
+test's floor (``FLOOR``: ~10x the largest error measured over the test's examples), or 4x the
+dense layer's own fp32 error where a tensor is ill-conditioned (``assert_within``). Sizes that
+are refused: a ValueError, the same on every rank (``test_properties_refused.py``).
 
 Examples run (``derandomize=True``: the same ones every run; no example database): here
 column 60, row 45, embedding 50, cross-entropy 45, norms 50 (250); MLP 45, attention 70,
@@ -41,11 +42,18 @@ from tensorpar import (
 )
 from tensorpar.cli.verify import dense_shard
 
-from tp_check import TOL, leaf, shard
+from tp_check import leaf, shard
 
 TP_SIZES = [1, 2, 3, 4]
 PROPERTY = {"deadline": None, "derandomize": True, "database": None}
-WIDEST = 1e-3  # the most an ill-conditioned tensor may be off (see score)
+WIDEST = 1e-3  # the most an ill-conditioned tensor may be off (see assert_within)
+# each test's floor: ~10x the largest error measured over its examples where the dense fp32 layer
+# is well-conditioned (2026-11-27, torch 2.13 CPU); 0: bit for bit
+FLOOR = {"column": 2.5e-6,  # measured 2.4e-7 (the input gradient, TP=4)
+         "row": 1.5e-6,  # measured 1.6e-7 (the output, TP=3)
+         "embedding": 0.0,  # measured 0: a lookup on one rank, zeros from the others
+         "cross entropy": 1e-5,  # measured 9.4e-7 (the logits gradient, TP=3)
+         "norms": 1.5e-6}  # measured 1.4e-7 (the input gradient, TP=1)
 
 
 def err(actual: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor) -> float:
@@ -65,13 +73,10 @@ def err(actual: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor) -> fl
 
 
 def score(actual, ref, exact, piece=lambda t: t) -> tuple[float, float]:
-    """(error, allowed): the error of ``actual`` against its piece of the dense fp32 ``ref``;
-    allowed is TOL, or where the dense fp32 layer is itself off the fp64 ``exact`` by more than
-    TOL / 4, four times that (never above WIDEST). Hypothesis found such gradients: near-uniform
-    attention in heads of width 1-2 (scores that nearly tie) leaves q_proj's gradient 3e-5 off in
-    the dense fp32 layer, and the parallel one rounds as much. A sharding bug is off by O(1)."""
-    own = err(ref, exact.to(ref.dtype), exact)
-    return err(actual, piece(ref), ref), min(max(TOL, 4 * own), WIDEST)
+    """(error, own): the error of ``actual`` against its piece of the dense fp32 ``ref``, and the
+    dense fp32 layer's own error against the fp64 ``exact`` (``assert_within`` allows four times
+    that where it exceeds the test's floor)."""
+    return err(actual, piece(ref), ref), err(ref, exact.to(ref.dtype), exact)
 
 
 def dense_pass(dense: nn.Module, x: torch.Tensor, grad_y=None):
@@ -108,15 +113,23 @@ def grad_scores(dense: nn.Module, exact: nn.Module, parallel: nn.Module) -> dict
     ref, ref64 = dict(dense.named_parameters()), dict(exact.named_parameters())
     scores = {}
     for name, p in parallel.named_parameters():
-        scores[f"grad {name}"] = (float("inf"), TOL) if p.grad is None else score(
+        scores[f"grad {name}"] = (float("inf"), 0.0) if p.grad is None else score(
             p.grad, ref[name].grad, ref64[name].grad, partial(dense_shard, spec=p.tp_shard))
     return scores
 
 
-def assert_within(results: list[dict[str, tuple[float, float]]], case: dict) -> None:
-    """Every rank's every tensor within its allowed error."""
+def assert_within(results: list[dict[str, tuple[float, float]]], case: dict,
+                  floor: float) -> None:
+    """Every rank's every tensor (its ``score``) within its allowed error: ``floor``, or where
+    the dense fp32 layer is itself off the fp64 one by more than floor / 4, four times that
+    (never above WIDEST); a floor of 0 allows none (bit for bit). Hypothesis found such
+    gradients: near-uniform attention in heads of width 1-2 (scores that nearly tie) leaves
+    q_proj's gradient 3e-5 off in the dense fp32 layer, and the parallel one rounds as much (the
+    largest measured: 5.0e-7 where the dense layer was 3.8e-6 off, a norm weight's gradient in
+    test_parallel_block). A sharding bug is off by O(1)."""
     for r, scores in enumerate(results):
-        for name, (e, allowed) in scores.items():
+        for name, (e, own) in scores.items():
+            allowed = min(max(floor, 4 * own), WIDEST) if floor else 0.0
             assert e <= allowed, f"{name} on rank {r}: {e:.3e} > {allowed:.1e}; {case}"
 
 
@@ -165,7 +178,7 @@ def _column_body(c):
 @given(c=column_cases())
 def test_column_parallel_linear(ranks, c):
     """Output gathered or left sharded by features, SP input shards or not: the dense linear."""
-    assert_within(ranks(c["n"]).run(_column_body, c), c)
+    assert_within(ranks(c["n"]).run(_column_body, c), c, FLOOR["column"])
 
 
 @st.composite
@@ -188,7 +201,7 @@ def _row_body(c):
 def test_row_parallel_linear(ranks, c):
     """Input split by features (or split here), output all-reduced or reduce-scattered by
     sequence, the bias added once: the dense linear."""
-    assert_within(ranks(c["n"]).run(_row_body, c), c)
+    assert_within(ranks(c["n"]).run(_row_body, c), c, FLOOR["row"])
 
 
 # -- vocabulary: embedding and loss ---------------------------------------------------------------
@@ -217,7 +230,7 @@ def _embedding_body(c):
 @given(c=vocab_cases())
 def test_vocab_parallel_embedding(ranks, c):
     """Rows split by vocabulary, a padding row or not, SP output or not: nn.Embedding."""
-    assert_within(ranks(c["n"]).run(_embedding_body, c), c)
+    assert_within(ranks(c["n"]).run(_embedding_body, c), c, FLOOR["embedding"])
 
 
 def _cross_entropy_body(c):
@@ -249,7 +262,7 @@ def test_vocab_parallel_cross_entropy(ranks, c):
     """Logits split by vocabulary, ignored tokens, label smoothing, every reduction, the
     vocabulary size given (the logits' buffer reused) or not: the loss and the logits gradient of
     F.cross_entropy on the whole vocabulary."""
-    assert_within(ranks(c["n"]).run(_cross_entropy_body, c), c)
+    assert_within(ranks(c["n"]).run(_cross_entropy_body, c), c, FLOOR["cross entropy"])
 
 
 # -- norms -----------------------------------------------------------------------------------------
@@ -281,14 +294,14 @@ def _norm_body(c):
 @given(c=norm_cases())
 def test_norms(ranks, c):
     """RMSNorm and LayerNorm on sequence shards (weight gradients summed) or whole sequences."""
-    assert_within(ranks(c["n"]).run(_norm_body, c), c)
+    assert_within(ranks(c["n"]).run(_norm_body, c), c, FLOOR["norms"])
 
 
 def test_error_metric_sees_a_wrong_shard(ranks):
     """The properties can fail: a shard with a wrong weight is caught."""
     results = ranks(2).run(_wrong_shard_body)
     with pytest.raises(AssertionError, match="on rank"):
-        assert_within(results, {})
+        assert_within(results, {}, FLOOR["column"])
 
 
 def _wrong_shard_body():

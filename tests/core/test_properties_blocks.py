@@ -32,6 +32,13 @@ from test_properties import (
 )
 from tp_check import shard, solo_group
 
+# each test's floor (see test_properties.py): ~10x the largest error measured over its
+# well-conditioned examples (2026-11-27, torch 2.13 CPU)
+FLOOR = {"mlp": 8e-6,  # measured 7.7e-7 (the input gradient, TP=2)
+         "attention": 1e-5,  # measured 1.1e-6 (k_proj's gradient, TP=3)
+         "block": 1e-5,  # measured 9.6e-7 (a norm weight's gradient, TP=1)
+         "gpt": 8e-6}  # measured 8.0e-7 (v_proj's gradient, TP=3)
+
 
 @st.composite
 def heads(draw, n: int) -> tuple[int, int]:
@@ -65,7 +72,7 @@ def _mlp_body(c):
 def test_parallel_mlp(ranks, c):
     """Hidden units split (unevenly), gated or not, any activation, fused or plain, SP or not:
     the dense MLP."""
-    assert_within(ranks(c["n"]).run(_mlp_body, c), c)
+    assert_within(ranks(c["n"]).run(_mlp_body, c), c, FLOOR["mlp"])
 
 
 @st.composite
@@ -106,7 +113,7 @@ def _attention_body(c):
 def test_parallel_attention(ranks, c):
     """Query heads split (unevenly), KV heads split or shared between ranks (GQA, MQA), biases,
     rotary positions, causal or not, fused or plain, SP or not: the dense attention."""
-    assert_within(ranks(c["n"]).run(_attention_body, c), c)
+    assert_within(ranks(c["n"]).run(_attention_body, c), c, FLOOR["attention"])
 
 
 # -- the verification block and the GPT ------------------------------------------------------------
@@ -155,7 +162,7 @@ def test_parallel_block(ranks, c):
     loss (``tensorpar verify``'s model): logits, loss and every gradient equal the dense block's,
     with exactly the collectives the Megatron scheme prescribes."""
     results = ranks(c["n"]).run(_block_body, c)
-    assert_within([errors for errors, _ in results], c)
+    assert_within([errors for errors, _ in results], c, FLOOR["block"])
     expected = expected_collectives(c["cfg"], c["n"], c["sp"])
     assert all(counts == expected for _, counts in results), (results[0][1], expected)
 
@@ -197,4 +204,4 @@ def _gpt_body(c):
 def test_gpt(ranks, c):
     """The whole GPT (rotary, GQA, SwiGLU, tied or untied head, fused or plain, recomputed or
     not, SP or not) at TP=n: loss, logits and every gradient equal the one-device GPT's."""
-    assert_within(ranks(c["n"]).run(_gpt_body, c), c)
+    assert_within(ranks(c["n"]).run(_gpt_body, c), c, FLOOR["gpt"])

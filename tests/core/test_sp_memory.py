@@ -57,14 +57,15 @@ def _saved_body(fused, autocast):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_sequence_parallel_keeps_one_nth(ranks, n, fused, autocast):
-    """Under TP=n + SP each rank keeps at most 1.1/n of the bytes the TP=1 model keeps for
+    """Under TP=n + SP each rank keeps at most 1.025/n of the bytes the TP=1 model keeps for
     backward (fp32 and bf16 autocast, fused and plain). With ``keep_gathered_input`` on the
     blocks, each block keeps its gathered (B, T, D) input (plain under autocast: one bf16 copy
     per projection, q, k, v, gate and up) in place of the 2 (B, T/n, D) shards, in the matmuls'
     dtype. (Keeping the gathered inputs, as before, gave 0.56 and 0.33 of TP=1 in fp32.)"""
     for r in ranks(n).run(_saved_body, fused, autocast):
         ratio = r["sp"] / r["tp1"]
-        assert ratio <= 1.1 / n, f"TP={n} + SP keeps {ratio:.3f} of TP=1 ({r})"
+        # measured at most 1.011/n (TP=2, fused, bf16 autocast; 2026-11-27, torch 2.13 CPU)
+        assert ratio <= 1.025 / n, f"TP={n} + SP keeps {ratio:.3f} of TP=1 ({r})"
         elem, copies = (2, 2 if fused else 5) if autocast else (4, 2)
         extra = CFG["n_layer"] * (copies * B * T - 2 * B * T // n) * CFG["dim"] * elem
         assert r["keep"] - r["sp"] == extra, r

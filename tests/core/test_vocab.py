@@ -6,14 +6,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tensorpar.cli.verify import dense_shard
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size
 
 from tests_common import WORLD_SIZES
-from tp_check import assert_close, assert_grads, counts_ok, leaf, shard
+from tp_check import assert_close, counts_ok, leaf, shard
 
 B, T, V, D = 2, 12, 37, 8  # 37 splits unevenly over 2, 3 and 4 ranks
+# the largest relative error allowed, ~10x the largest measured over TP=1-4 and each test's
+# cases (2026-11-27, torch 2.13 CPU); the embedding is compared bit for bit (a lookup on one
+# rank, zeros from the others)
+TOL = {"loss": 1.5e-6,  # measured 1.1e-7 (label smoothing 0.2, ignore_index 3, TP=2)
+       "logits grad": 1e-5,  # measured 9.7e-7 (reduction "sum", TP=3)
+       "padded loss": 1e-6,  # measured 0 (-inf columns); the floor: a few fp32 ulps
+       "padded grad": 1.5e-6}  # measured 1.6e-7 (-inf columns, TP=2)
 
 
 def _embedding_body(sequence_parallel, padding_idx):
@@ -30,8 +38,8 @@ def _embedding_body(sequence_parallel, padding_idx):
         y_tp = layer(ids)
     with CollectiveCounter() as bwd:
         y_tp.backward(out_shard(grad_y))
-    assert_close("embedding output", y_tp, out_shard(y))
-    assert_grads(dense, layer)
+    assert torch.equal(y_tp, out_shard(y)), "embedding output"
+    assert torch.equal(layer.weight.grad, dense_shard(dense.weight.grad, layer.weight.tp_shard))
     return {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
 
 
@@ -83,8 +91,9 @@ def _cross_entropy_body(kwargs, shape):
             loss = vocab_parallel_cross_entropy(given, target, **kwargs, **how)
         with CollectiveCounter() as bwd:
             loss.backward(grad_out)
-        assert_close(f"loss ({mode})", loss, ref)
-        assert_close(f"logits grad ({mode})", local.grad, shard(dense_logits.grad, -1))
+        assert_close(f"loss ({mode})", loss, ref, TOL["loss"])
+        assert_close(f"logits grad ({mode})", local.grad, shard(dense_logits.grad, -1),
+                     TOL["logits grad"])
         counts[mode] = {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
     assert counts["vocab_size"] == counts["reuse_logits"], counts
     return counts
@@ -119,15 +128,16 @@ def _cross_entropy_edge_body():
     loss = vocab_parallel_cross_entropy(local, target)
     loss.backward()
     assert torch.isfinite(loss), loss
-    assert_close("loss with -inf columns", loss, ref)
-    assert_close("grad with -inf columns", local.grad, shard(dense.grad, -1))
+    assert_close("loss with -inf columns", loss, ref, TOL["padded loss"])
+    assert_close("grad with -inf columns", local.grad, shard(dense.grad, -1), TOL["padded grad"])
     # the same with the logits' buffer reused
     local = leaf(shard(logits, -1))
     given = local * 1
     loss = vocab_parallel_cross_entropy(given, target, vocab_size=V, reuse_logits=True)
     loss.backward(retain_graph=True)
-    assert_close("loss with -inf columns, reused", loss, ref)
-    assert_close("grad with -inf columns, reused", local.grad, shard(dense.grad, -1))
+    assert_close("loss with -inf columns, reused", loss, ref, TOL["padded loss"])
+    assert_close("grad with -inf columns, reused", local.grad, shard(dense.grad, -1),
+                 TOL["padded grad"])
     if tp_size() > 1:  # the buffer the gradient was built in is gone: a clear error, not garbage
         assert not torch.equal(given, shard(logits, -1))  # it held exp(z - max), then the grad
         with pytest.raises(RuntimeError, match="backward through the same loss a second time"):

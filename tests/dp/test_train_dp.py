@@ -15,6 +15,10 @@ from tests_common import tensorpar_here
 
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 STEPS = 20
+# the loss and gradient norm of a split against another's: ~10x the largest relative difference
+# measured over the cases, 2.1e-7 (the gradient norm, TP=2 x DP=2 FSDP2; resumed: 1.9e-7;
+# 2026-11-27, torch 2.13 CPU)
+CURVE_TOL = 2e-6
 
 
 def _train(out, tp, dp, mode="fsdp", resume_from=None, steps=STEPS, sp=False):
@@ -62,10 +66,10 @@ def reference(runs):
                                         (1, 2, "ddp"), (4, 1, "fsdp")])
 def test_loss_curve_equals_one_device(runs, reference, tp, dp, mode):
     """20 AdamW steps (fp32) on the same global batch of 4: loss and global gradient norm at
-    every step agree with TP=1 x DP=1 to a relative 1e-5, and the loss falls (TP=4 x DP=1, the
+    every step agree with TP=1 x DP=1 to a relative 2e-6, and the loss falls (TP=4 x DP=1, the
     TP-only path, to the same bound)."""
     rows, comm = runs(tp, dp, mode)[1]
-    worst = _assert_same_curve(rows, reference, 1e-5, f"TP={tp} x DP={dp} {mode}")
+    worst = _assert_same_curve(rows, reference, CURVE_TOL, f"TP={tp} x DP={dp} {mode}")
     print(f"TP={tp} x DP={dp} {mode}: worst relative difference {worst:.1e}")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
     if dp == 1:  # no data parallelism: nothing is wrapped, no dp collective
@@ -96,7 +100,7 @@ def test_resume_at_another_split(ranks, runs, tmp_path, saved, resumed):
     shutil.rmtree(out / "step-00000020")
     tp, dp, mode = resumed
     rows, _ = _run(ranks, tp, dp, str(out), tp, dp, mode, resume_from=str(out / "step-00000010"))
-    _assert_same_curve(rows, full[0], 1e-5, f"saved at {saved}, resumed at {resumed}")
+    _assert_same_curve(rows, full[0], CURVE_TOL, f"saved at {saved}, resumed at {resumed}")
 
 
 def test_bad_input_is_one_line_before_any_rank(runs, tmp_path):

@@ -72,8 +72,11 @@ def test_reshard(ranks, tmp_path, saved_at, loaded_at, n_kv_head):
     saved = ranks(saved_at).run(_save_body, str(tmp_path), n_kv_head)[0]
     for step, loaded, after_step in ranks(loaded_at).run(_load_body, str(tmp_path), n_kv_head):
         assert step == 1
-        assert_close("logits after load", loaded, saved[0])
-        assert_close("logits after the next step", after_step, saved[1])
+        # ~10x the largest relative error measured over the cases (2026-11-27, torch 2.13
+        # CPU): 2.1e-7 after load (saved at TP=4, loaded at 3), 3.2e-7 after the next step
+        # (saved at 1, loaded at 2)
+        assert_close("logits after load", loaded, saved[0], 2e-6)
+        assert_close("logits after the next step", after_step, saved[1], 3e-6)
     # the dense export holds exactly the weights a one-device model loads
     model = GPT(GPTConfig(**(TINY | {"n_kv_head": n_kv_head})), seed=7)
     load_checkpoint(tmp_path, model)

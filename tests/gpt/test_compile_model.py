@@ -16,6 +16,10 @@ from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tp_check import assert_close, assert_grads, solo_group
 
 TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
+# compiled against eager: ~10x the largest relative error measured over the tests' cases
+# (2026-11-27, torch 2.13 CPU)
+LOSS_TOL = 2e-6  # measured 1.8e-7 (aot_eager, TP=2, step 1)
+GRAD_TOL = 6e-6  # measured 5.3e-7 (q_proj's gradient, dropout, TP=2)
 
 
 def _batch(T=13, seed=0):
@@ -63,10 +67,10 @@ def _compiled_body(backend, sp, steps, n_layer=TINY["n_layer"]):
         for step in range(steps):  # a second step runs the compiled graphs again, grads summed
             ids, targets = _batch(seed=step)
             loss_ref, loss = dense(ids, targets), compiled(ids, targets)
-            assert_close(f"loss at step {step}", loss, loss_ref)
+            assert_close(f"loss at step {step}", loss, loss_ref, LOSS_TOL)
             loss_ref.backward()
             loss.backward()
-        assert_grads(dense, model)
+        assert_grads(dense, model, tol=GRAD_TOL)
     finally:  # the pool's rank runs other tests next: its compile caches hold the model
         dynamo.reset()
     return True
@@ -142,14 +146,14 @@ def _compiled_dropout_body(sp, recompute, steps=2):
             ref.rng.set_step(step)
             model.rng.set_step(step)
             loss_ref, loss = ref(ids, targets), compiled(ids, targets)
-            assert_close(f"loss at step {step}", loss, loss_ref)
+            assert_close(f"loss at step {step}", loss, loss_ref, LOSS_TOL)
             loss_ref.backward()
             loss.backward()
         if sp:  # both hold this rank's shards
             for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
-                assert_close(f"grad {name}", a.grad, b.grad)
+                assert_close(f"grad {name}", a.grad, b.grad, GRAD_TOL)
         else:
-            assert_grads(ref, model)
+            assert_grads(ref, model, tol=GRAD_TOL)
         off = GPT(cfg, None, sequence_parallel=sp, seed=3).eval()  # the same weights (the
         off.load_state_dict(model.state_dict())  # step's), no dropout: other losses
         assert abs(off(*_batch(seed=steps - 1)).item() - loss.item()) > 1e-4
@@ -189,7 +193,7 @@ def test_dropout_compiles_once(ranks):
     graphs, losses, again = ranks(1).run(_compiles_once_body)[0]
     assert graphs == 1
     assert len(set(losses)) == 4, losses
-    assert again == pytest.approx(losses[0], rel=1e-6)
+    assert again == losses[0]  # the same graph on the same masks: bit for bit
 
 
 @pytest.mark.parametrize("sp", [True, False])

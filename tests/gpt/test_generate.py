@@ -46,7 +46,8 @@ def _batch_body():
         padded = gather_from_tp(model(ids, attention_mask_BS=mask), full_size=50)
         for b, p in enumerate(PROMPTS):
             alone = gather_from_tp(model(torch.tensor([p])), full_size=50)
-            assert_close(f"logits of prompt {b}", padded[b, T - len(p):], alone[0])
+            # ~10x the largest relative error measured: 2.4e-7 (TP=1; 2026-11-27)
+            assert_close(f"logits of prompt {b}", padded[b, T - len(p):], alone[0], 2.5e-6)
     out = generate(model, ids, 12, attention_mask_BT=mask)
     for b, p in enumerate(PROMPTS):
         alone = generate(model, torch.tensor([p]), 12)
@@ -130,6 +131,7 @@ def _kept_body():
     drawn = pick_token(logits[:, v0:v1], v0, 50, 1.0, torch.Generator().manual_seed(7),
                        top_k=3)
     freq = torch.bincount(drawn, minlength=50)[[3, 20, 37, 49]] / 4000
+    # seeded draws: 0.009 off (2026-11-27); 0.03 is ~4 standard deviations (0.008 at 4/9)
     assert torch.allclose(freq, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0]), atol=0.03), freq
     # top-k 1 and a tiny top-p are greedy; top-k of the whole vocabulary and top-p 1 are plain
     def draw(**kw):  # the same noise each time

@@ -56,6 +56,8 @@ def test_profiled_meter_agrees_with_the_dispatch_meter_on_eager_steps(ranks, n):
             assert peaks[False] == peaks[True] and len(peaks[True]) == 1, peaks
             continue
         low = min(p for _, p in peaks[False])
+        # measured 0 to 13 KB higher (2 runs, 2026-11-27): up to one (B, T, D) buffer (12.8 KB),
+        # as gloo's thread happens to free them; the bound is the mechanism's, not a margin
         assert all(0 <= p - low <= overlapped + 4096 for _, p in peaks[True]), peaks
 
 

@@ -1,7 +1,7 @@
 """``tensorpar train --compile`` and ``--tf32`` (train/compute.py): compiled training follows
-eager's losses to fp32 rounding at TP=1 and 2, with data parallelism too, its checkpoints keep
-plain parameter names, and a run resumes across --compile and --no-compile; --tf32 on the CPU
-changes nothing and says so.
+eager's losses bit for bit at TP=1 and 2, to fp32 rounding with data parallelism, its
+checkpoints keep plain parameter names, and a run resumes across --compile and --no-compile;
+--tf32 on the CPU changes nothing and says so.
 
 Compiled with ``aot_eager`` (dynamo and AOT autograd, no code generated): the tracing is what
 can go wrong, and inductor's C++ compile would take a minute per run on 2 cores.
@@ -60,7 +60,7 @@ def _train(out, tp, compile=False, resume_from=None, **flags):
     return rows and [r["loss"] for r in rows], graphs, COMPILED_CALLS[0]
 
 
-def _close(a, b, tol=1e-5):
+def _close(a, b, tol):
     assert all(abs(x - y) <= tol * abs(y) for x, y in zip(a, b, strict=True)), (a, b)
 
 
@@ -76,14 +76,14 @@ def eager(ranks, tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiled_training_follows_eager(ranks, tmp_path, eager, tp):
-    """4 AdamW steps (fp32) under torch.compile: the same losses as eager to fp32 rounding;
+    """4 AdamW steps (fp32) under torch.compile: the same losses as eager, bit for bit;
     every step but the measured one (the second, under the collective counter and the memory
     meter) runs the compiled graph, the steps after it too; the checkpoint names the parameters
     as the eager run's does (no ``_orig_mod.``); resumed eagerly from its step 2, it repeats
     its steps 3-4."""
     losses, graphs, calls = ranks(tp).run(_train, str(tmp_path / "c"), tp, True)[0]
     assert graphs >= 1 and calls == STEPS - 1, (graphs, calls)
-    _close(losses, eager[tp][1])
+    assert losses == eager[tp][1], (losses, eager[tp][1])
     names = [json.loads((d / "step-00000004" / "manifest.json").read_text())["tensors"]
              for d in (tmp_path / "c", eager[tp][0])]
     assert list(names[0]) == list(names[1]) and not any("_orig_mod" in n for n in names[0])
@@ -91,7 +91,7 @@ def test_compiled_training_follows_eager(ranks, tmp_path, eager, tp):
     shutil.rmtree(tmp_path / "r" / "step-00000004")
     resumed, _, _ = ranks(tp).run(_train, str(tmp_path / "r"), tp, False,
                                   str(tmp_path / "r" / "step-00000002"))[0]
-    _close(resumed, losses)
+    assert resumed == losses, (resumed, losses)
 
 
 @pytest.mark.parametrize("tp,dp,mode", [(1, 2, "ddp"), (2, 2, "fsdp")])
@@ -99,11 +99,12 @@ def test_compiled_training_with_data_parallelism(ranks, tmp_path, eager, tp, dp,
     """--compile with --dp: torch.compile around the model that DDP wraps (dynamo splits the
     graph at DDP's gradient buckets) or that FSDP2 shards (its hooks run between the graphs).
     TP=1 x DP=2 under DDP and TP=2 x DP=2 under FSDP2: the losses of the eager TP=1 run to fp32
-    rounding, and every step but the measured one runs compiled graphs."""
+    rounding (~10x the largest relative difference measured, 1.7e-7 at TP=2 x DP=2; 2026-11-27,
+    torch 2.13 CPU), and every step but the measured one runs compiled graphs."""
     losses, graphs, calls = ranks(tp * dp).run(_train, str(tmp_path / "c"), tp, True, None,
                                                dp=dp, dp_mode=mode)[0]
     assert graphs >= 1 and calls >= STEPS - 1 and calls % (STEPS - 1) == 0, (graphs, calls)
-    _close(losses, eager[1][1])
+    _close(losses, eager[1][1], 2e-6)
 
 
 def test_eager_checkpoint_resumes_compiled(ranks, tmp_path, eager):
@@ -113,7 +114,8 @@ def test_eager_checkpoint_resumes_compiled(ranks, tmp_path, eager):
     resumed, graphs, calls = ranks(2).run(_train, str(tmp_path / "r"), 2, True,
                                           str(tmp_path / "r" / "step-00000002"))[0]
     assert graphs >= 1 and calls == 1  # step 3 compiled; step 4, the run's second, measured
-    _close(resumed, eager[2][1], 1e-4)  # saved at TP=1: TP=2's rounding
+    # saved at TP=1: TP=2's rounding (measured 0 here; the floor: a few fp32 ulps)
+    _close(resumed, eager[2][1], 1e-6)
 
 
 def test_tf32_on_the_cpu_changes_nothing_and_says_so(ranks, tmp_path, eager, capsys,

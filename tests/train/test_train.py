@@ -45,10 +45,11 @@ def reference(ranks, tmp_path_factory):
 @pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (3, True)])
 def test_loss_curve_equal_across_tp(ranks, tmp_path, reference, n, sp):
     """24 AdamW steps (fp32): loss and global gradient norm at every step agree with TP=1 to a
-    relative 1e-4, and the loss falls. At TP=3 with SP the 32 tokens split unevenly (11, 11,
-    10)."""
+    relative 5e-6 (~10x the largest measured, 4.9e-7: the gradient norm at TP=3 with SP;
+    2026-11-27, torch 2.13 CPU), and the loss falls. At TP=3 with SP the 32 tokens split
+    unevenly (11, 11, 10)."""
     rows = _curve(ranks, n, str(tmp_path), n, sp)
-    _assert_same_curve(rows, reference[1], 1e-4, f"TP={n} sp={sp}")
+    _assert_same_curve(rows, reference[1], 5e-6, f"TP={n} sp={sp}")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.4
 
 
@@ -73,7 +74,9 @@ def test_resume_repeats_uninterrupted_run(ranks, tmp_path, saved_at, resumed_at,
     assert ckpt.name == "step-00000016"
     resumed = _curve(ranks, resumed_at, str(tmp_path / "resumed"), resumed_at, sp, str(ckpt),
                      dropout=dropout)
-    tol = 1e-6 if saved_at == resumed_at else 1e-4
+    # at the same TP size bit for bit; at another ~10x the largest relative difference measured,
+    # 2.0e-7 (the gradient norm, saved at TP=2, resumed at 1; 2026-11-27, torch 2.13 CPU)
+    tol = 0.0 if saved_at == resumed_at else 2e-6
     _assert_same_curve(resumed, full, tol, f"resumed at TP={resumed_at}")
 
 
