@@ -30,8 +30,8 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q --durations=25
 
-# The fast tier for development: every package's core behaviour, under 3 minutes on 2 cores;
-# the end-to-end runs (marked slow: whole commands, torchrun, the README's lines) left out.
+# The fast tier for development: every package's core behaviour, under 3 minutes on 2 cores
+# (2 min 40 s here); the end-to-end runs and the larger sizes (tests/conftest.py's SLOW) left out.
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
 
