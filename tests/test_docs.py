@@ -272,10 +272,19 @@ def _line_id(page: str, no: int, cmd: str) -> str:
     return f"{page}:{no}-{words[at + 1] if at is not None else words[0]}"
 
 
-_RUN_LINES = {
-    group: [(_name(path), no, cmd) for path in paths for no, cmd in _bash_lines(path)
-            if cmd not in NOT_RUN]
-    for group, paths in (("README.md", [README]), ("docs", DOCS[1:]))}
+def _words(cmd: str) -> tuple[str, ...]:
+    return tuple(sorted(shlex.split(cmd)))
+
+
+_DOCS_LINES = [(_name(path), no, cmd) for path in DOCS[1:] for no, cmd in _bash_lines(path)
+               if cmd not in NOT_RUN]
+# a README line that a docs page runs with the same words runs there, in the page's order (the
+# README's train, resume, generate and plan lines are the training and learner's pages' own)
+_RUN_LINES = {"README.md": [("README.md", no, cmd) for no, cmd in _bash_lines(README)
+                            if cmd not in NOT_RUN
+                            and _words(cmd) not in {_words(c) for *_, c in _DOCS_LINES}],
+              "docs": _DOCS_LINES}
+_RUN_LINES = {group: lines for group, lines in _RUN_LINES.items() if lines}
 _CASES = [(group, i) for group, lines in _RUN_LINES.items() for i in range(len(lines))]
 
 
