@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -55,7 +56,8 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
-                  units: Iterable[nn.Module] | None = None) -> nn.Module:
+                  units: Iterable[nn.Module] | None = None,
+                  param_dtype: torch.dtype | None = None) -> nn.Module:
     """Make ``model`` (built on ``mesh["tp"]``) data-parallel over ``mesh["dp"]``.
 
     mode: "fsdp" (FSDP2: ``fully_shard`` each of ``units``, then the root; default) or "ddp"

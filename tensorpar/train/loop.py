@@ -136,7 +136,8 @@ class Run:
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
         self.layout = Layout.gather(self.net, self.group)  # ranks go on to other jobs
         self.model = self.net if self.mesh is None else \
-            data_parallel(self.net, self.mesh, cfg.dp_mode)
+            data_parallel(self.net, self.mesh, cfg.dp_mode,
+                          param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None)
         self.forward = recipe.loss_fn(self.model, cfg, self.group)
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
