@@ -164,3 +164,24 @@ def char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def bpe_tokenizer(folder, vocab_size: int = 512):
+    """A byte-level BPE tokenizer (GPT-2's kind) trained on Python's help text, with an
+    end-of-text token, saved in ``folder``: nothing downloaded. Returns the folder."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tensorpar.train.data import default_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = default_corpus()
+    tok.train_from_iterator([text[i:i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+    return folder

@@ -2,6 +2,7 @@
 
     tensorpar train --tp 2 --steps 300 --out runs/gpt      train the GPT (see train/loop.py)
     tensorpar train --hf PATH --tp 2 --out runs/ft          fine-tune a HF model (hf_recipe)
+    tensorpar prepare docs/*.txt --tokenizer DIR --out data   token shards for train --data data
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "..."
     tensorpar export --ckpt runs/gpt --out gpt.safetensors  one dense file
     tensorpar export --ckpt runs/gpt --hf-out gpt-hf        a Hugging Face (Llama) folder
@@ -38,7 +39,7 @@ from tensorpar.runtime.torchrun import speaks as speaks_for_all
 SILENT_RANK_DELAY_S = 5.0  # a torchrun rank that leaves its error to rank 0 waits this long
 
 
-COMMANDS = ("train", "generate", "export", "verify", "plan", "bench")
+COMMANDS = ("train", "prepare", "generate", "export", "verify", "plan", "bench")
 
 
 def _add_global_flags(p: argparse.ArgumentParser, default) -> None:

@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
                    "(config.json, safetensors, tokenizer) instead of the GPT, without model "
                    "flags; --resume needs no --hf (the run copies the files to --out's hf/) "
                    "(default: none, the GPT)")
+    p.add_argument("--tokenizer", metavar="DIR", help="the GPT's tokenizer: a local Hugging "
+                   "Face tokenizer folder (tokenizer.json, ...); the vocabulary size follows it, "
+                   "and the run keeps a copy that generate and export use (default: that of "
+                   "the shard folder --data names, else UTF-8 bytes)")
     add_dataclass_flags(p, TrainConfig, "training")
     add_dataclass_flags(p, GPTConfig, "model (taken from the checkpoint on --resume)")
     p.set_defaults(func=run)
@@ -63,5 +67,6 @@ def run(args) -> int:
     from tensorpar.train.run import resolve, run_train
 
     pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
-    cfg, recipe, resume_from = resolve(pick(TrainConfig), pick(GPTConfig), args.hf)
+    cfg, recipe, resume_from = resolve(pick(TrainConfig), pick(GPTConfig), args.hf,
+                                        args.tokenizer)
     return run_train(cfg, recipe, resume_from)

@@ -26,8 +26,10 @@ from 1)::
     --- 2
     text 2
 
-The byte tokenizer has no end-of-text token, so a checkpoint's text always runs to
-``--max-new-tokens``; ``generate(..., eos_id=)`` stops a sequence at a token of your choosing.
+A run trained with ``--tokenizer DIR`` reads prompts and prints text with its copy of that
+tokenizer, and a sequence ends at the tokenizer's end-of-text token. The byte tokenizer has none,
+so a byte GPT's text always runs to ``--max-new-tokens``; ``generate(..., eos_id=)`` stops a
+sequence at a token of your choosing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from tensorpar.checkpoint.format import model_kind
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, pick_token
-from tensorpar.gpt.tokenizer import ByteTokenizer
+from tensorpar.gpt.tokenizer import run_tokenizer
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.seeds import derive_seed
@@ -132,19 +134,25 @@ def generate_rank(ckpt: str, prompts: list[str], max_new_tokens: int, temperatur
     returns the texts (prompt and continuation), in prompt order."""
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     device = device_for(group)
-    cfg = GPTConfig(**CheckpointReader(ckpt).manifest["config"])
+    reader = CheckpointReader(ckpt)
+    cfg = GPTConfig(**reader.manifest["config"])
     model = GPT(cfg, group, device=device)
     load_checkpoint(ckpt, model, check_hashes=False)  # hashed once by check_request()
-    tok = ByteTokenizer()
+    tok = run_tokenizer(reader.manifest, reader.dir)  # bytes, or the run's --tokenizer
     seqs = [tok.encode(p) for p in prompts]
     ids, mask = left_pad(seqs, device=device)
     # prompts of one length need no mask: the fused causal attention, as for a single prompt
     out = generate(model, ids, max_new_tokens, temperature, seed, top_k=top_k, top_p=top_p,
-                   attention_mask_BT=None if bool(mask.all()) else mask)
+                   attention_mask_BT=None if bool(mask.all()) else mask, eos_id=tok.eos_id)
     if tp_rank(group) != 0:
         return None
-    T = ids.shape[1]
-    return [tok.decode(row[T - len(s):]) for row, s in zip(out.tolist(), seqs, strict=True)]
+    T, texts = ids.shape[1], []
+    for row, s in zip(out.tolist(), seqs, strict=True):
+        new = row[T:]
+        if tok.eos_id in new:  # the text ends before its end-of-text token
+            new = new[:new.index(tok.eos_id)]
+        texts.append(tok.decode(s + new))
+    return texts
 
 
 def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperature: float,
@@ -169,8 +177,7 @@ def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperatur
                          f"export it (tensorpar export --ckpt {ckpt} --hf-out DIR), then "
                          "generate --hf DIR")
     GPTConfig(**manifest["config"]).check(tp)
-    if manifest.get("tokenizer", "bytes") != ByteTokenizer.name:
-        raise ValueError(f"checkpoint tokenizer {manifest.get('tokenizer')!r} is not supported")
+    run_tokenizer(manifest, reader.dir)  # bytes, or the run's copy of its tokenizer folder
 
 
 def run_generate(ckpt: str, tp: int, prompts: list[str], max_new_tokens: int,

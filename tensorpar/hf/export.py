@@ -31,9 +31,11 @@ head h // (n_head / n_kv_head), as ``repeat_kv``; RMSNorm has a weight and no bi
 residual branch (it has attention dropout only): the export has none, as inference has none.
 Rotary positions have no limit: ``max_position_embeddings`` is Llama's 2048 (or the training
 ``--seq-len`` if longer), though the model has seen only ``--seq-len`` positions in training.
-The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``train/data.py``'s
+The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``gpt/tokenizer.py``'s
 ``ByteTokenizer``, and decodes invalid UTF-8 to U+FFFD as it does. It has no special tokens,
-so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does.
+so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does. A GPT trained with
+``--tokenizer DIR`` is exported with the run's copy of that tokenizer instead, its end-of-text
+and start ids in the config.
 
 The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
 writer: ``"gpt"`` above; ``"hf"``, a run fine-tuned from a Hugging Face model (``train --hf``),
@@ -131,10 +133,9 @@ def _llama_config(reader: CheckpointReader, note: Note) -> dict:
     if cfg["dim"] % cfg["n_head"] or cfg["dim"] // cfg["n_head"] % 2:
         raise ValueError(f"{where}: model field n_head={cfg['n_head']} does not split "
                          f"dim={cfg['dim']} into even heads (rotary rotates channel pairs)")
-    tokenizer = m.get("tokenizer", "bytes")
-    if tokenizer != "bytes" or cfg["vocab_size"] != BYTE_VOCAB:
+    if run_tokenizer_folder(reader) is None and cfg["vocab_size"] != BYTE_VOCAB:
         raise ValueError(f"{where}: model field vocab_size={cfg['vocab_size']} (tokenizer "
-                         f"{tokenizer!r}): export --hf-out writes the byte tokenizer, "
+                         f"'bytes'): export --hf-out writes the byte tokenizer, "
                          f"{BYTE_VOCAB} tokens")
     if cfg["dropout"]:
         note(f"the GPT's residual dropout {cfg['dropout']} has no Llama field; the export has "
@@ -185,6 +186,19 @@ def byte_tokenizer():
     return tok
 
 
+def run_tokenizer_folder(reader: CheckpointReader) -> Path | None:
+    """The tokenizer folder a GPT run trained with ``--tokenizer`` keeps beside its checkpoints
+    (``RUN/tokenizer``); None for bytes."""
+    kind = reader.manifest.get("tokenizer", "bytes")
+    if kind == "bytes":
+        return None
+    folder = reader.dir.parent / reader.manifest.get("tokenizer_files", "tokenizer")
+    if kind != "hf" or not folder.is_dir():
+        raise ValueError(f"checkpoint {reader.dir}: its tokenizer ({kind!r}, {folder}) is "
+                         "missing or not one export --hf-out writes")
+    return folder
+
+
 def _write_tokenizer(folder: Path) -> None:
     byte_tokenizer().save(str(folder / "tokenizer.json"))
     # a class transformers 4 and 5 both load; no cleanup of spaces (" ." stays " .")
@@ -199,6 +213,11 @@ def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> 
     kwargs = _llama_config(reader, note)
     names = llama_names(kwargs)
     check_tensors(reader, names, "a Llama")
+    source = run_tokenizer_folder(reader)
+    tokenizer = None if source is None else \
+        transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    if tokenizer is not None:  # the run's own tokenizer: its end-of-text ends generation
+        kwargs |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
 
     def write(folder: Path) -> None:
         config = transformers.LlamaConfig(**kwargs)
@@ -209,7 +228,10 @@ def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> 
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         save_model(model, folder, max_shard_size)
-        _write_tokenizer(folder)
+        if tokenizer is None:
+            _write_tokenizer(folder)
+        else:
+            tokenizer.save_pretrained(str(folder))
 
     return write
 

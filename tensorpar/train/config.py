@@ -49,10 +49,11 @@ class TrainConfig:
     dtype: str = dataclasses.field(default="fp32", metadata={
         "help": "fp32, or bf16 (autocast; weights and optimizer stay fp32)"})
     data: str | None = dataclasses.field(default=None, metadata={
-        "help": "a UTF-8 text file", "default": "Python's help topics, pydoc_data"})
+        "help": "a UTF-8 text file, or a folder of token shards written by tensorpar prepare "
+                "(memory-mapped)", "default": "Python's help topics, pydoc_data"})
     val_data: str | None = dataclasses.field(default=None, metadata={
-        "help": "a UTF-8 text file held out for validation: cut into consecutive windows of "
-                "--seq-len + 1 tokens in order, its loss (the mean over every predicted token) "
+        "help": "a UTF-8 text file or a shard folder held out for validation: cut into "
+                "consecutive windows of --seq-len + 1 tokens in order, its loss (the mean over every predicted token) "
                 "written as val_loss", "default": "none, no validation"})
     eval_every: int | None = dataclasses.field(default=None, metadata={
         "help": "with --val-data: the validation loss every N steps (with the weights after "

@@ -1,9 +1,11 @@
-"""Training text, tokenizer and a deterministic batch order; nothing to download.
+"""The training data and a deterministic batch order; nothing to download.
 
-The default corpus is Python's own help text (``pydoc_data.topics``, about 465 KB of English that
-ships with every CPython). The GPT's tokenizer is byte-level UTF-8 (vocabulary 256), so any text
-file works with ``--data`` and generation can print any string; a fine-tuned Hugging Face model
-brings its own (``train/hf_recipe.py``).
+``--data`` (and ``--val-data``) is a UTF-8 text file, tokenized at the start of the run and kept
+in memory in the smallest integer type of the vocabulary, or a folder of token shards written by
+``tensorpar prepare`` (``shards.py``), memory-mapped. The default corpus is Python's own help text
+(``pydoc_data.topics``, about 465 KB of English that ships with every CPython). The GPT's
+tokenizer is byte-level UTF-8 (vocabulary 256) unless ``--tokenizer DIR`` names another; a
+fine-tuned Hugging Face model brings its own (``train/hf_recipe.py``).
 
 Batches depend only on (seed, step): the corpus is cut into windows of ``seq_len + 1`` tokens, each
 epoch visits them in a permutation seeded by (seed, epoch), and step s takes windows
@@ -13,13 +15,16 @@ resumed run continues exactly where it stopped, and the data position is just th
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from tensorpar.gpt.tokenizer import ByteTokenizer
+from tensorpar.gpt.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
 from tensorpar.runtime.seeds import derive_seed
+from tensorpar.train.shards import TokenShards, ids_hash, update_ids
+
+EXPECTED = "expected a UTF-8 text file or a folder of token shards written by tensorpar prepare"
 
 
 def default_corpus() -> str:
@@ -35,9 +40,68 @@ def load_text(path: str | None, flag: str = "--data") -> tuple[str, str]:
     if path is None:
         return default_corpus(), "pydoc_data"
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: {EXPECTED}")
     if not p.is_file():
-        raise ValueError(f"{flag} {path}: no such file")
-    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+        raise ValueError(f"{flag} {path}: no such file or folder")
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8"), str(p)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                         f"{e.start:,}): {EXPECTED}") from None
+
+
+class Corpus(NamedTuple):
+    """Token ids (a tensor, or memory-mapped ``TokenShards``: either sliced ``tokens[a:b]``), a
+    label for them (the path, or ``pydoc_data``) and a hash of the ids."""
+
+    tokens: torch.Tensor | TokenShards
+    label: str
+    digest: str
+
+
+def read_corpus(path: str | None, tokenizer, flag: str = "--data") -> Corpus:
+    """``--data`` (or ``--val-data``, by ``flag``): a text file tokenized by ``tokenizer``, or a
+    shard folder, memory-mapped, whose tokenizer must be ``tokenizer``."""
+    if path is not None and Path(path).is_dir():
+        shards = open_shards(path, tokenizer, flag)
+        return Corpus(shards, str(path), shards.digest)
+    text, label = load_text(path, flag)
+    ids = token_ids(text, tokenizer)
+    return Corpus(ids, label, digest_of(ids))
+
+
+def open_shards(path: str, tokenizer, flag: str = "--data") -> TokenShards:
+    """The shard folder ``path``, checked against the run's tokenizer: the same ids for every
+    text (the folder keeps a copy of the tokenizer it was written with)."""
+    shards = TokenShards(path, flag)
+    theirs = HFTokenizer(shards.tokenizer_dir, flag=flag)
+    if not same_tokenizer(tokenizer, theirs):
+        raise ValueError(f"{flag} {path} was tokenized by {describe(theirs)}, not by the run's "
+                         f"tokenizer, {describe(tokenizer)}: prepare it with the run's tokenizer")
+    return shards
+
+
+def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data") -> None:
+    """What the launcher refuses before any rank: a path that is neither a text file nor a shard
+    folder of the run's tokenizer, or data shorter than one window of ``seq_len + 1`` tokens."""
+    if path is not None and Path(path).is_dir():
+        n = len(open_shards(path, tokenizer, flag))
+        enough = n >= seq_len + 1
+    else:
+        enough = has_tokens(tokenizer, load_text(path, flag)[0], seq_len + 1)
+    if not enough:
+        raise ValueError(f"{flag} {path} has fewer than --seq-len {seq_len} + 1 tokens"
+                         + (": not one validation window" if flag == "--val-data" else ""))
+
+
+def digest_of(ids: torch.Tensor) -> str:
+    """The hash of the ids as int64, read a chunk at a time (bounded memory); a shard folder's
+    index holds the same hash of its ids."""
+    h = ids_hash()
+    update_ids(h, ids.numpy())
+    return h.hexdigest()[:16]
 
 
 def has_tokens(tokenizer, text: str, n: int) -> bool:
@@ -80,17 +144,15 @@ def token_ids(text: str, tokenizer=None) -> torch.Tensor:
 class TokenBatches:
     """Batches of (input, target) windows, (B, T) each, in an order fixed by (seed, step)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+    def __init__(self, tokens: torch.Tensor | TokenShards, seq_len: int, batch_size: int,
+                 seed: int, digest: str | None = None):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
             raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than --seq-len "
                              f"{seq_len} + 1")
         self._perm: tuple[int, torch.Tensor] | None = None
-        h = hashlib.sha256()  # of the ids as int64, read a chunk at a time (bounded memory)
-        for chunk in tokens.split(1 << 20):
-            h.update(chunk.long().numpy().tobytes())
-        self.digest = h.hexdigest()[:16]
+        self.digest = digest_of(tokens) if digest is None else digest
 
     @classmethod
     def from_text(cls, text: str, seq_len: int, batch_size: int, seed: int,
@@ -101,7 +163,9 @@ class TokenBatches:
     def _window_order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
             gen = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            self._perm = (epoch, torch.randperm(self.windows, generator=gen))
+            # int32 (4 bytes a window; the same permutation as int64's)
+            small = torch.int32 if self.windows < 2**31 else torch.int64
+            self._perm = (epoch, torch.randperm(self.windows, generator=gen, dtype=small))
         return self._perm[1]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +189,7 @@ class ValidationWindows:
 
     batches: how many batches of ``batch_size`` windows to use (None: all of them)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int,
+    def __init__(self, tokens: torch.Tensor | TokenShards, seq_len: int, batch_size: int,
                  batches: int | None = None):
         n = len(tokens) // (seq_len + 1)
         if n < 1:
@@ -133,17 +197,21 @@ class ValidationWindows:
                              f"--seq-len {seq_len} + 1")
         if batches is not None:
             n = min(n, batches * batch_size)
-        self.windows = tokens[:n * (seq_len + 1)].view(n, seq_len + 1)
+        self.tokens, self.count, self.width = tokens, n, seq_len + 1
         self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return self.count
 
     def batches(self, dp: int, dp_rank: int):
         """This dp rank's part of each batch, (inputs, targets), every rank the same number of
         rows: the batch's windows dealt out by ``tensor_split``, a rank with fewer topped up with
         rows whose targets are all ignored (-100), which count for nothing."""
-        for start in range(0, len(self.windows), self.batch_size):
-            chunk = self.windows[start:start + self.batch_size].long()
+        for start in range(0, self.count, self.batch_size):
+            end = min(start + self.batch_size, self.count)
+            chunk = self.tokens[start * self.width: end * self.width].long().view(-1, self.width)
             mine = chunk.tensor_split(dp)[dp_rank]
             rows = -(-len(chunk) // dp)  # the largest share
-            pad = torch.full((rows - len(mine), chunk.shape[1]), -100, dtype=torch.long)
+            pad = torch.full((rows - len(mine), self.width), -100, dtype=torch.long)
             mine = torch.cat([mine, pad])
             yield mine[:, :-1].clamp(min=0), mine[:, 1:]

@@ -27,6 +27,8 @@ A recipe travels to every rank (pickled), so it holds plain values only::
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,26 +39,42 @@ from torch import nn
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.gpt.tokenizer import ByteTokenizer
+from tensorpar.gpt.tokenizer import (
+    RUN_TOKENIZER,
+    ByteTokenizer,
+    HFTokenizer,
+    describe,
+    run_tokenizer_dir,
+    same_tokenizer,
+)
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.compute import loss_function
+from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
 
 @dataclass
 class GPTRecipe:
-    """tensorpar's GPT (``model.py``) with the byte tokenizer."""
+    """tensorpar's GPT (``model.py``) with the byte tokenizer, or with the Hugging Face tokenizer
+    folder ``tokenizer_dir`` (``--tokenizer DIR``; a run keeps a copy in ``RUN/tokenizer``)."""
 
     model_cfg: GPTConfig
+    tokenizer_dir: str | None = None
     kind = "gpt"
 
     @classmethod
-    def from_flags(cls, model_args: dict, manifest: dict | None = None,
-                   ckpt: Path | None = None) -> GPTRecipe:
-        """The GPT of the model flags (None: not given), or of the checkpoint being resumed,
-        whose model a given flag must not contradict."""
+    def from_flags(cls, model_args: dict, tokenizer: str | None = None, data: str | None = None,
+                   manifest: dict | None = None, ckpt: Path | None = None) -> GPTRecipe:
+        """The GPT of the model flags (None: not given) and ``--tokenizer`` (default: that of the
+        shard folder ``--data`` names, else bytes), or of the checkpoint being resumed, whose
+        model and tokenizer a given flag must not contradict."""
         if manifest is None:
-            return cls(GPTConfig(**{k: v for k, v in model_args.items() if v is not None}))
+            if tokenizer is None and data is not None and is_shard_folder(data):
+                tokenizer = str(Path(data) / TOKENIZER_DIR)  # the vocabulary follows the data
+            args = {k: v for k, v in model_args.items() if v is not None}
+            if tokenizer is not None:
+                args.setdefault("vocab_size", HFTokenizer(tokenizer).vocab_size)
+            return cls(GPTConfig(**args), tokenizer)
         if model_kind(manifest) != cls.kind:
             raise ValueError(f"{ckpt} holds a model of kind {model_kind(manifest)!r}, not "
                              "tensorpar's GPT: resume it with tensorpar train --hf")
@@ -67,16 +85,26 @@ class GPTRecipe:
             if v is not None and saved.get(k) != v:
                 raise ValueError(f"--{k.replace('_', '-')} {v} disagrees with the checkpoint "
                                  f"{ckpt} ({k}={saved.get(k)})")
-        return cls(GPTConfig(**saved))
+        recipe = cls(GPTConfig(**saved), run_tokenizer_dir(manifest, ckpt))
+        if tokenizer is not None and not same_tokenizer(HFTokenizer(tokenizer),
+                                                        recipe.tokenizer()):
+            raise ValueError(f"--tokenizer {tokenizer} is not the tokenizer of the run being "
+                             f"resumed ({describe(recipe.tokenizer())}): leave it out")
+        return recipe
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
-        if self.model_cfg.vocab_size != ByteTokenizer.vocab_size:
-            raise ValueError(f"--vocab-size {self.model_cfg.vocab_size}: the byte tokenizer "
-                             f"needs {ByteTokenizer.vocab_size}")
+        tok = ByteTokenizer() if self.tokenizer_dir is None else HFTokenizer(self.tokenizer_dir)
+        if self.model_cfg.vocab_size < tok.vocab_size or (
+                tok.name == ByteTokenizer.name and self.model_cfg.vocab_size != tok.vocab_size):
+            raise ValueError(f"--vocab-size {self.model_cfg.vocab_size}: the tokenizer, "
+                             f"{describe(tok)}, needs {tok.vocab_size}"
+                             + ("" if tok.name == ByteTokenizer.name else " or more"))
 
-    def tokenizer(self) -> ByteTokenizer:
-        return ByteTokenizer()
+    def tokenizer(self) -> ByteTokenizer | HFTokenizer:
+        if self.tokenizer_dir is None:
+            return ByteTokenizer()
+        return HFTokenizer(self.tokenizer_dir, self.model_cfg.vocab_size)
 
     def build(self, cfg, group, dp_rank: int,
               device: torch.device) -> tuple[nn.Module, Callable[[int], None]]:
@@ -89,7 +117,9 @@ class GPTRecipe:
         return loss_function(model, cfg.compile, cfg.compile_backend)  # GPT(ids, targets)
 
     def manifest(self) -> dict:
-        return {"config": dataclasses.asdict(self.model_cfg), "tokenizer": ByteTokenizer.name}
+        tokenizer = {"tokenizer": ByteTokenizer.name} if self.tokenizer_dir is None else \
+            {"tokenizer": HFTokenizer.name, "tokenizer_files": RUN_TOKENIZER}
+        return {"config": dataclasses.asdict(self.model_cfg)} | tokenizer
 
     def shape(self) -> ModelShape:
         return gpt_shape(self.model_cfg)
@@ -99,4 +129,14 @@ class GPTRecipe:
         return self.model_cfg.dropout > 0
 
     def prepare(self, out: Path) -> None:
-        """Nothing: the manifest holds all the GPT needs."""
+        """A copy of the tokenizer folder in ``out/tokenizer`` (atomically; a resumed run has it
+        there already); nothing for bytes."""
+        if self.tokenizer_dir is None:
+            return
+        target, tmp = out / RUN_TOKENIZER, out / f".{RUN_TOKENIZER}.tmp"
+        if Path(self.tokenizer_dir).resolve() == target.resolve():
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        HFTokenizer(self.tokenizer_dir).save(tmp)
+        shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
+        os.rename(tmp, target)

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
+from tensorpar.gpt.tokenizer import TOKENIZER_FILES, HFTokenizer
 from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.parallelize import check_layout, has_dropout
 from tensorpar.hf.plans import plan_for
@@ -65,7 +66,6 @@ from tensorpar.train.config import TrainConfig
 from tensorpar.train.run import resolve_run
 
 HF_FILES = "hf"  # the run's copy of the source model's files, in --out
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
                 ".index.json")  # not copied into the run
 
@@ -77,28 +77,6 @@ def _transformers():
         raise ValueError("--hf needs transformers: pip install tensorpar[hf]") from None
     transformers.logging.set_verbosity_error()
     return transformers
-
-
-class HFTokenizer:
-    """The model's own tokenizer as the trainer reads text: ids without special tokens, each
-    checked against the model's vocabulary."""
-
-    name = "hf"
-
-    def __init__(self, path: str, vocab_size: int):
-        try:
-            self.tok = _transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{path}: cannot load its tokenizer ({str(e).splitlines()[0]})") \
-                from None
-        self.path, self.vocab_size = path, vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if ids and max(ids) >= self.vocab_size:
-            raise ValueError(f"the tokenizer of {self.path} gives id {max(ids)}, outside the "
-                             f"model's vocabulary of {self.vocab_size} (config.json vocab_size)")
-        return ids
 
 
 @dataclass
@@ -135,7 +113,7 @@ class HFRecipe:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
 
     def tokenizer(self) -> HFTokenizer:
-        return HFTokenizer(self.source, self.config["vocab_size"])
+        return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
 
     def build(self, cfg: TrainConfig, group, dp_rank: int,
               device: torch.device) -> tuple[nn.Module, Callable[[int], None]]:

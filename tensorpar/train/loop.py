@@ -47,7 +47,7 @@ from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
 from tensorpar.train.compute import tf32_matmuls
 from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
-from tensorpar.train.data import TokenBatches, ValidationWindows, load_text, token_ids
+from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure
@@ -115,9 +115,11 @@ class Run:
         self.device = device_for(self.group)
         self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
-        text, self.source = load_text(cfg.data)
-        self.batches = TokenBatches.from_text(text, cfg.seq_len, cfg.batch_size, cfg.seed,
-                                              recipe.tokenizer())
+        tokenizer = recipe.tokenizer()
+        data = read_corpus(cfg.data, tokenizer)  # a text file's ids, or shards memory-mapped
+        self.source = data.label
+        self.batches = TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
+                                    data.digest)
         r = dp_rank(self.mesh)
         # this dp rank's rows of every batch, cut into the step's passes
         per_rank, n = cfg.batch_size // dp, passes(cfg)
@@ -128,7 +130,7 @@ class Run:
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the layout use ``net``
         self.validation = None if cfg.val_data is None else ValidationWindows(
-            token_ids(load_text(cfg.val_data, "--val-data")[0], recipe.tokenizer()),
+            read_corpus(cfg.val_data, tokenizer, "--val-data").tokens,
             cfg.seq_len, cfg.batch_size, cfg.eval_batches)
         self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
         if collectives_checked(self.group):  # a mismatch then names the layer
@@ -251,10 +253,11 @@ class Run:
     def result(self, measure: StepMeasure, report: RunReport, stopped) -> dict:
         """Every rank's sizes and peak memory (gathered), the measured step's collectives, how
         the run ended; on the lead rank the metrics rows, after the plot and the summary."""
-        on_cpu = self.device.type == "cpu"  # the token data is then memory the meter counts
+        # a text file's ids on the CPU are memory the meter counts (memory-mapped shards not)
+        on_cpu = self.device.type == "cpu" and isinstance(self.batches.tokens, torch.Tensor)
         mine = rank_sizes(self.net, self.layout) | {
             "peak_memory": measure.peak_memory, "device": self.device.type,
-            "data_bytes": self.batches.tokens.nbytes * on_cpu, "tp_rank": tp_rank(self.group),
+            "data_bytes": self.batches.tokens.nbytes if on_cpu else 0, "tp_rank": tp_rank(self.group),
             "dp_rank": dp_rank(self.mesh)}
         sizes = [mine]
         if tp_size(self.run_group) > 1:

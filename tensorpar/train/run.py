@@ -29,7 +29,7 @@ from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import has_tokens, load_text
+from tensorpar.train.data import check_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import resume_notes, saved_settings
 from tensorpar.train.loop import train_model_rank
@@ -40,15 +40,20 @@ _SAME_RUN = ("seed", "batch_size", "seq_len", "data", "lr", "dtype", "warmup_ste
              "lr_decay_steps", "tf32")
 
 
-def resolve(train_args: dict, model_args: dict, hf: str | None = None):
+def resolve(train_args: dict, model_args: dict, hf: str | None = None,
+            tokenizer: str | None = None):
     """The run ``tensorpar train`` asked for: (config, recipe, checkpoint to resume or None).
-    The GPT from its model flags, or a Hugging Face model with ``--hf PATH``; on ``--resume``
-    whichever the run in ``--out`` holds (a fine-tune needs no ``--hf`` then)."""
+    The GPT from its model flags and ``--tokenizer``, or a Hugging Face model with ``--hf PATH``;
+    on ``--resume`` whichever the run in ``--out`` holds (a fine-tune needs no ``--hf`` then)."""
     if hf is not None or (train_args.get("resume") and _resumes_hf(train_args.get("out"))):
         from tensorpar.train.hf_recipe import resolve_hf
 
+        if tokenizer is not None:
+            raise ValueError("--tokenizer is the GPT's: a fine-tune reads text with its own "
+                             "model's tokenizer")
         return resolve_hf(train_args, model_args, hf)
-    return resolve_run(train_args, partial(GPTRecipe.from_flags, model_args))
+    return resolve_run(train_args, partial(GPTRecipe.from_flags, model_args, tokenizer,
+                                           train_args.get("data")))
 
 
 def _resumes_hf(out: str | None) -> bool:
@@ -120,14 +125,10 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
     recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
-    text, _ = load_text(cfg.data)  # a missing or short --data file fails here, before any rank
-    if not has_tokens(recipe.tokenizer(), text, cfg.seq_len + 1):
-        raise ValueError(f"--data {cfg.data} has fewer than --seq-len {cfg.seq_len} + 1 tokens")
+    tokenizer = recipe.tokenizer()  # missing, short or unreadable data fails here, once
+    check_corpus(cfg.data, tokenizer, cfg.seq_len)
     if cfg.val_data is not None:
-        text, _ = load_text(cfg.val_data, "--val-data")
-        if not has_tokens(recipe.tokenizer(), text, cfg.seq_len + 1):
-            raise ValueError(f"--val-data {cfg.val_data} has fewer than --seq-len {cfg.seq_len} "
-                             "+ 1 tokens: not one validation window")
+        check_corpus(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
     elif cfg.eval_every is not None or cfg.eval_batches is not None:
         raise ValueError("--eval-every and --eval-batches go with --val-data (the validation "
                          "text)")

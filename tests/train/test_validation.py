@@ -87,8 +87,9 @@ def test_windows_and_their_batches():
     and together they hold each window once."""
     tokens = token_ids(VAL_TEXT)
     windows = ValidationWindows(tokens, SEQ, BATCH)
-    assert len(windows.windows) == 60 and torch.equal(windows.windows[1], tokens[33:66].long())
-    assert len(ValidationWindows(tokens, SEQ, BATCH, batches=2).windows) == 8
+    every = tokens[:60 * (SEQ + 1)].long().view(60, SEQ + 1)
+    assert len(windows) == 60 and torch.equal(every[1], tokens[33:66].long())
+    assert len(ValidationWindows(tokens, SEQ, BATCH, batches=2)) == 8
     seen = []
     parts = [list(windows.batches(3, r)) for r in range(3)]
     for batch in zip(*parts, strict=True):
@@ -98,7 +99,7 @@ def test_windows_and_their_batches():
             assert ((y == -100).all(1) | real).all()
             seen += [torch.cat([x[i], y[i, -1:]]) for i in range(len(x)) if real[i]]
     assert torch.equal(torch.stack(sorted(seen, key=lambda w: w.tolist())),
-                       torch.stack(sorted(windows.windows.long(), key=lambda w: w.tolist())))
+                       torch.stack(sorted(every, key=lambda w: w.tolist())))
 
 
 def test_validation_flags_are_checked_before_any_rank(tmp_path):
