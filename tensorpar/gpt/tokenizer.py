@@ -9,7 +9,6 @@ batch encoding) and has an end-of-text id, which ``tensorpar prepare`` puts afte
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 # the files a tokenizer folder is recognised by (transformers' save_pretrained writes the first
@@ -92,7 +91,7 @@ class HFTokenizer:
                 and self.tok.get_vocab() == other.tok.get_vocab())
 
     def describe(self) -> str:
-        return f"{os.path.basename(os.path.normpath(self.path))} ({len(self.tok):,} tokens)"
+        return f"{self.path} ({len(self.tok):,} tokens)"
 
     def _checked(self, ids: list[int]) -> list[int]:
         if ids and max(ids) >= self.vocab_size:

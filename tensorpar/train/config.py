@@ -53,8 +53,8 @@ class TrainConfig:
                 "(memory-mapped)", "default": "Python's help topics, pydoc_data"})
     val_data: str | None = dataclasses.field(default=None, metadata={
         "help": "a UTF-8 text file or a shard folder held out for validation: cut into "
-                "consecutive windows of --seq-len + 1 tokens in order, its loss (the mean over every predicted token) "
-                "written as val_loss", "default": "none, no validation"})
+                "consecutive windows of --seq-len + 1 tokens in order, its loss (the mean over "
+                "every predicted token) written as val_loss", "default": "none, no validation"})
     eval_every: int | None = dataclasses.field(default=None, metadata={
         "help": "with --val-data: the validation loss every N steps (with the weights after "
                 "that step's update) and after the last", "default": "--save-every"})

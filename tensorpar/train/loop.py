@@ -50,7 +50,7 @@ from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
 from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
-from tensorpar.train.measure import StepMeasure
+from tensorpar.train.measure import StepMeasure, resident_peak
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.report import RunReport
 
@@ -91,7 +91,7 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
             skipped += not finite
             seconds = time.perf_counter() - t0
             val_loss = run.validate() if evaluates(cfg, step + 1) else None
-            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss)
+            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss, run.data_seconds)
             signum = stop.agreed()  # the same on every rank: all stop after this step
             if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 run.save(step + 1)
@@ -175,7 +175,9 @@ class Run:
         step's count (counted from the batch every rank holds), not by its own (with ignored
         tokens, a mean of per-pass means is another number)."""
         cfg = self.cfg
+        t0 = time.perf_counter()
         x, y = self.batches.batch(step)  # the whole step's batch, on every rank
+        self.data_seconds = time.perf_counter() - t0  # the step's wait for its data
         if len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
             with self.autocast:
                 loss = self.forward(x.to(self.device), y.to(self.device))
@@ -257,7 +259,8 @@ class Run:
         on_cpu = self.device.type == "cpu" and isinstance(self.batches.tokens, torch.Tensor)
         mine = rank_sizes(self.net, self.layout) | {
             "peak_memory": measure.peak_memory, "device": self.device.type,
-            "data_bytes": self.batches.tokens.nbytes if on_cpu else 0, "tp_rank": tp_rank(self.group),
+            "data_bytes": self.batches.tokens.nbytes if on_cpu else 0,
+            "resident_peak": resident_peak(), "tp_rank": tp_rank(self.group),
             "dp_rank": dp_rank(self.mesh)}
         sizes = [mine]
         if tp_size(self.run_group) > 1:

@@ -10,6 +10,7 @@ compiled step run under one would run eagerly (``compute.loss_function``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,3 +50,14 @@ class StepMeasure:
         if "dp" in self.groups:
             self.comm["dp"] = {k: dict(v) for k, v in counter.by_group.get("dp", {}).items()}
         self.peak_memory = meter.peak_bytes
+
+
+def resident_peak() -> int | None:
+    """This process's peak resident memory in bytes (None where the OS does not say): what a
+    rank held at most, memory-mapped token shards' pages read included."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux: KiB

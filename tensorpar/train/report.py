@@ -225,14 +225,15 @@ class RunReport:
         return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
 
     def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
-             seconds: float, val_loss: float | None = None) -> None:
-        """The row of ``step``; ``val_loss``: the validation loss after it, when computed."""
+             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0) -> None:
+        """The row of ``step``; ``val_loss``: the validation loss after it, when computed;
+        data_seconds: how long the step waited for its batch."""
         if not self.lead:
             return
         tokens = self.cfg.batch_size * self.cfg.seq_len
         row = {"step": step, "loss": loss if finite else None, "lr": lr,
                "grad_norm": norm if finite else None, "tokens_per_s": tokens / seconds,
-               "step_time_s": seconds}
+               "step_time_s": seconds, "data_s": data_seconds}
         if val_loss is not None:
             row["val_loss"] = val_loss
         if not finite:  # JSON has no NaN: the values are named instead
@@ -308,6 +309,11 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     if rows:
         steady = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
         table.add_row("tokens/s (median of steps)", f"{statistics.median(steady):,.0f}")
+        waits = [r["data_s"] for r in rows if "data_s" in r]
+        if waits:
+            share = sum(waits) / sum(r["step_time_s"] for r in rows if "data_s" in r)
+            table.add_row("data wait (share of step time)",
+                          f"{share:.2%} (reading each step's batch)")
     dense = sizes[0]["dense"]
     per_param = sum(BYTES_PER_PARAM.values())
     table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
@@ -332,6 +338,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
                      f"(planned {human_bytes(planned)}"
                      + (f" with {human_bytes(data)} of token data" if data else "")
                      + f", {planned / s['peak_memory'] - 1:+.1%})")
+        if s.get("resident_peak"):
+            line += f"; resident peak {human_bytes(s['resident_peak'])}"
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     if comm["counts"]:
