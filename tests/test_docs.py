@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests_common import char_tokenizer, tensorpar_here
+from tensorpar.train.data import default_corpus
+
+from tests_common import bpe_tokenizer, char_tokenizer, tensorpar_here
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -64,7 +66,8 @@ SMALL = {
               "--contenders", "tensorpar,dtensor"],  # the others: tests/bench
 }
 # words of the README that stand for a user's own file; filled in by the fixture of that name
-PLACEHOLDERS = {"path/to/model": "hf_model"}
+PLACEHOLDERS = {"path/to/model": "hf_model", "path/to/tokenizer": "tokenizer_dir",
+                "path/to/corpus/*.txt": "text_files"}
 
 
 def _blocks(path: Path) -> list[tuple[str, int, str]]:
@@ -238,6 +241,23 @@ def hf_model(tmp_path_factory) -> str:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """``path/to/tokenizer``: a byte-level BPE tokenizer with an end-of-text token."""
+    pytest.importorskip("transformers")
+    return str(bpe_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory) -> str:
+    """``path/to/corpus/*.txt``: three text files of Python's help text."""
+    folder = tmp_path_factory.mktemp("corpus")
+    text = default_corpus()
+    for i in range(3):
+        (folder / f"part{i}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
+    return str(folder / "*.txt")
 
 
 @pytest.fixture(scope="module")
