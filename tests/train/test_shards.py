@@ -220,3 +220,44 @@ def test_prepare_command_says_what_it_wrote(tok_dir, corpus, tmp_path):
         f"tensorpar prepare: --out {tmp_path / 's'} exists: choose another folder, or remove "
         "it"]
     assert np.fromfile(tmp_path / "s" / "tokens-00000.bin", dtype="<u2").size == index["tokens"]
+
+
+def _resolve(model=None, tokenizer=None, hf=None, **train):
+    import dataclasses
+
+    from tensorpar.train.run import resolve
+
+    return resolve({f.name: None for f in dataclasses.fields(TrainConfig)} | train,
+                   {f.name: None for f in dataclasses.fields(GPTConfig)} | (model or {}),
+                   hf, tokenizer)
+
+
+def test_the_gpts_tokenizer(shards, tok_dir, tmp_path, ranks):
+    """--tokenizer sets the vocabulary (a larger --vocab-size is allowed, a smaller one refused);
+    shards without --tokenizer give theirs; a resumed run keeps the run's copy and refuses
+    another; --hf takes none."""
+    small = {"n_layer": 1, "dim": 32, "n_head": 4, "n_kv_head": 2}
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[:5_000])
+    _, recipe, _ = _resolve(small, str(tok_dir), data=str(text), out=str(tmp_path / "a"))
+    assert recipe.model_cfg.vocab_size == 512 and recipe.tokenizer_dir == str(tok_dir)
+    _, recipe, _ = _resolve(small | {"vocab_size": 520}, str(tok_dir), data=str(text),
+                            out=str(tmp_path / "a"))
+    assert recipe.model_cfg.vocab_size == 520
+    with pytest.raises(ValueError, match="--vocab-size 500: the tokenizer, .* needs 512 or more"):
+        _resolve(small | {"vocab_size": 500}, str(tok_dir), data=str(text),
+                 out=str(tmp_path / "a"))
+    _, recipe, _ = _resolve(small, data=str(shards[0]), out=str(tmp_path / "a"))
+    assert recipe.tokenizer_dir == str(shards[0] / "tokenizer")
+    with pytest.raises(ValueError, match="--tokenizer is the GPT's"):
+        _resolve(None, str(tok_dir), hf=str(tmp_path), out=str(tmp_path / "a"))
+    out = tmp_path / "run"
+    cfg, recipe, _ = _resolve(small, data=str(shards[0]), out=str(out), tp=1, steps=1,
+                              seq_len=SEQ, batch_size=BATCH)
+    ranks(1).run(train_model_rank, cfg, recipe, None)
+    _, resumed, _ = _resolve(resume=True, steps=2, out=str(out))
+    assert resumed.tokenizer_dir == str(out / "tokenizer")
+    other = tmp_path / "other"
+    bpe_tokenizer(other, vocab_size=300)
+    with pytest.raises(ValueError, match="is not the tokenizer of the run being resumed"):
+        _resolve(None, str(other), resume=True, steps=2, out=str(out))
