@@ -215,10 +215,12 @@ def build(args) -> dict:
     out = {"model": shape.name, "params": shape.params(), "rows": rows, "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
            "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
-    if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16
-        out["dp_comm"] = {dtype: {str(tp): dp_comm(shape, tp, dp, dp_mode,
-                                                   2 if dtype == "bf16" else 4) for tp in tps}
-                          for dtype in dtypes}
+    if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16 (and FSDP2's
+        # bf16 gathers under bf16-autocast)
+        out["dp_comm"] = {dtype: {str(tp): dp_comm(
+            shape, tp, dp, dp_mode, 2 if dtype == "bf16" else 4,
+            bf16_params=dtype == "bf16-autocast" and dp_mode == "fsdp") for tp in tps}
+            for dtype in dtypes}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32, bf16 = (plan_memory(shape, tp0, args.batch, args.seq, dtype, args.sequence_parallel,
                               args.recompute, optimizer=args.optimizer, device=args.device,

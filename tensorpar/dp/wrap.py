@@ -8,6 +8,18 @@ gradients reduce-scattered (averaged) right after; torch's defaults for prefetch
 resharding are kept. ``"ddp"`` wraps the model in ``DistributedDataParallel`` over the dp group:
 replicated weights and states, gradients all-reduced (averaged) in buckets during backward.
 
+bf16 (``param_dtype=torch.bfloat16``, what ``tensorpar train --dtype bf16`` passes), as
+torchtitan does it: under FSDP2 each ``fully_shard`` takes a ``MixedPrecisionPolicy`` that
+all-gathers bf16 copies of the fp32 shards, so the layers compute with bf16 weights (autocast,
+which the trainer keeps around forward, casts nothing more, and still runs the ops it keeps in
+fp32 in fp32), and reduce-scatters the bf16 gradients in fp32: the parameters, their gradients
+and AdamW stay fp32 and sharded (the fp32 master weights; checkpoints as in fp32). The embedding's
+bf16 table and FSDP2's cast of each block's input make the residual stream, and the TP
+collectives that carry it, bf16 too. No autocast copy of a weight is kept for backward: a block's
+gathered bf16 weights are freed after its forward and gathered again for its backward.
+``"ddp"`` ignores ``param_dtype``: replicated fp32 weights under autocast, which keeps a bf16
+copy of each weight it casts until backward (``planner/data_parallel.py``).
+
 Either way the TP collectives stay tensorpar's, inside the model, on the "tp" group; the two
 never mix. Averaging over dp makes the gradient that of the mean loss over the global batch when
 each dp rank takes an equal slice of it (the trainer's rule), so TP x DP is exact against one
@@ -62,7 +74,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
 
     mode: "fsdp" (FSDP2: ``fully_shard`` each of ``units``, then the root; default) or "ddp"
         (``DistributedDataParallel``). units: the modules FSDP2 shards separately; default
-        :func:`shard_units`.
+        :func:`shard_units`. param_dtype: under FSDP2, the dtype the weights are gathered and
+        computed in (``torch.bfloat16``: mixed precision, gradients reduced in fp32; None: the
+        parameters' own); DDP ignores it (module docstring).
 
     Returns the model to call: the same object under FSDP2, the DDP wrapper under DDP. With a
     dp dimension of 1 nothing is wrapped (there is nothing to share). Parameters of the model
@@ -80,12 +94,16 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
         if collectives_checked(group):
             group = _unchecked_dp_group(mesh)
         return DistributedDataParallel(model, process_group=group, **{quiet: False})
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # bf16 compute on gathered bf16 copies; the fp32 shards stay the parameters (master weights)
+    # and the gradients are reduce-scattered, and so stored, in fp32
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
     for unit in shard_units(model) if units is None else units:
-        fully_shard(unit, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(unit, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     for name, p in model.named_parameters():
         if name in specs:
             p.tp_shard = specs[name]

@@ -35,7 +35,12 @@ Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
 master weights): the row layers' outputs (forward g) and the re-gathered input shards travel in
 bf16, input gradients in fp32 (the residual stream stays fp32), loss statistics and weight
-gradients in fp32.
+gradients in fp32. ``bf16_params`` is that under FSDP2's ``MixedPrecisionPolicy`` (``tensorpar train
+--dtype bf16 --dp-mode fsdp``): the forward sees bf16 weights, so the embedding's output, the
+residual stream, the normed activations and every gradient of backward are bf16, and so travel;
+so do the weight gradients reduced over TP inside backward (SP norms, shared KV: the unsharded
+gradients are bf16 until FSDP2 reduce-scatters them in fp32); the loss statistics and the
+gradient norm stay fp32.
 """
 
 from __future__ import annotations
@@ -48,13 +53,15 @@ from tensorpar.transformer.attention import head_layout
 def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
                    recompute: str = "none", keep_gathered_input: bool = False,
-                   passes: int = 1) -> dict:
+                   passes: int = 1, bf16_params: bool = False) -> dict:
     """Collectives of one step of tensorpar's GPT of ``shape`` (forward, backward, grad norm).
 
     keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
     (no re-gather there), as its ``keep_gathered_input`` option. passes: forward and backward
     passes of the step (gradient accumulation), ``batch`` sequences each: their collectives
-    are made once a pass, the gradient norm's once a step.
+    are made once a pass, the gradient norm's once a step. bf16_params: the model computes with
+    bf16 copies of its weights (FSDP2's mixed precision; with dtype "bf16"): see the module
+    docstring.
 
     Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
@@ -62,6 +69,8 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     """
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype {dtype!r}: expected fp32 or bf16")
+    if bf16_params and dtype != "bf16":
+        raise ValueError("bf16_params: bf16 weights go with dtype bf16")
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute {recompute!r}: tensorpar's GPT has none or full")
     if sequence_parallel and seq < tp:
@@ -79,6 +88,8 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                      "ring_bytes": calls * round(payload * ring_share(kind, t))})
 
     out_b = 2 if dtype == "bf16" else 4  # the row layers' output under autocast
+    # the residual stream, the normed activations, the gradients: fp32 but with bf16 weights
+    res_b = 2 if bf16_params else 4
     sp = sequence_parallel
     # under SP uneven shards travel padded to the largest, ceil(seq / t) tokens each
     act = batch * (t * -(-seq // t) if sp else seq) * D
@@ -91,21 +102,21 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
             add(source, "backward", "all_gather", calls, act * dtype_bytes)
 
     def enter_region(source: str, phase: str, calls: int) -> None:
-        if sp:  # all-gather of the (fp32) normed activations
-            add(source, phase, "all_gather", calls, act * 4)
+        if sp:  # all-gather of the normed activations
+            add(source, phase, "all_gather", calls, act * res_b)
 
     def enter_backward(source: str, calls: int) -> None:
-        add(source, "backward", "reduce_scatter" if sp else "all_reduce", calls, act * 4)
+        add(source, "backward", "reduce_scatter" if sp else "all_reduce", calls, act * res_b)
 
     def regather(source: str, calls: int) -> None:
         if sp and not keep_gathered_input:  # the kept shard, cast to the matmuls' dtype
             add(source, "backward", "all_gather", calls, act * out_b)
 
     if sp and shape.sp_embedding_all_reduce:  # the whole (B, T, D), then split: no padding
-        add("embedding", "forward", "all_reduce", 1, N * D * 4)
+        add("embedding", "forward", "all_reduce", 1, N * D * res_b)
     else:
-        exit_region("embedding", "forward", 1, 4)
-    exit_backward("embedding", 1, 4)  # the split's backward all-gathers as the scatter's does
+        exit_region("embedding", "forward", 1, res_b)
+    exit_backward("embedding", 1, res_b)  # the split's backward all-gathers as the scatter's does
     for part in ("attention", "mlp"):
         enter_region(f"{part} (x{L} blocks)", "forward", L)
         exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
@@ -125,16 +136,16 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     if sp:
         norm_elems = D * (2 if shape.norm == "layer" else 1)
         add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,
-            norm_elems * 4)
+            norm_elems * res_b)
         if shape.bias:
-            add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * 4)
+            add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * res_b)
     if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
         kv = 2 * shape.n_kv_head * shape.head_dim * (D + (shape.bias or shape.qkv_bias))
-        add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * 4)
+        add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * res_b)
     add("grad norm", "step", "all_reduce", 1, 4)
     total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
              for k in ("calls", "bytes", "ring_bytes")}
-    minimum = 4 * L * N * D * out_b if dtype == "fp32" else 2 * L * N * D * (out_b + 4)
+    minimum = 2 * L * N * D * (out_b + res_b)
     return {"counts": {k: v for k, v in total["calls"].items() if v},
             "bytes": {k: v for k, v in total["bytes"].items() if v},
             "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},

@@ -57,7 +57,8 @@ def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "
         peaks["optimizer step"] += 2 * p - mem["grads"]
         blocks = mem["blocks"] | {k: mem["blocks"][k] - mem["blocks"]["copies"][k]
                                   for k in ("between", "inside", "kept")}
-        mem = mem | {"weights": 2 * p, "grads": 2 * p, "optimizer": 12 * p + 4 * params["tensors"],
+        mem = mem | {"dtype": "bf16", "weights": 2 * p, "grads": 2 * p,
+                     "optimizer": 12 * p + 4 * params["tensors"],
                      "activations": mem["activations"] - mem["copies"]["activations"],
                      "peaks": peaks, "blocks": blocks}
         mem["peak_at"] = max(peaks, key=peaks.get)

@@ -10,6 +10,8 @@ Two precisions of weights and optimizer (bytes per parameter P_rank on one rank)
   moments (16 B) plus, during forward and backward, the bf16 copy of every matmul weight that
   autocast makes and the backward keeps (2 B per matmul parameter); activations in bf16 where
   autocast computes them (matmuls, attention), fp32 elsewhere (residual stream, norms, loss).
+  Under FSDP2 the layers compute with bf16 gathered weights instead, and no copy is kept
+  (``data_parallel.dp_memory`` takes them out); under DDP and without dp, as here.
 
 Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L layers, t = TP):
 
@@ -138,7 +140,8 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     "flash" (bf16 where cuDNN is not picked) keeps what cuDNN keeps; "efficient" under bf16 one
     copy less.
     "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
-    bf16 weight copies each moment includes (what Megatron-style bf16 weights replace).
+    bf16 weight copies each moment includes (what Megatron-style bf16 weights, and FSDP2's bf16
+    gathered ones, replace: ``data_parallel.dp_memory``); "dtype" is ``dtype``.
     """
     if optimizer not in ADAMW:
         raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
@@ -219,7 +222,7 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     optimizer_peak = grads + step_temporaries(optimizer, p["total"], p["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
-    return {"weights": weights, "grads": grads, "optimizer": states,
+    return {"dtype": dtype, "weights": weights, "grads": grads, "optimizer": states,
             "activations": activations, "peak_extra": peaks[where], "peak_at": where,
             "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies,
             "blocks": blocks}

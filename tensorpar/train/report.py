@@ -342,9 +342,12 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             line += f"; resident peak {human_bytes(s['resident_peak'])}"
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
+    # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
+    bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"
     if comm["counts"]:
         minimum = None if shape is None else predicted_comm(
-            shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n)
+            shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n,
+            bf16_params=bf16_params)
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
             table.add_row("analytic count (payload)", _by_source(minimum, sp))
@@ -353,7 +356,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
         expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0,
-                                                      passes=n)
+                                                      passes=n, bf16_params=bf16_params)
         _collective_rows(table, "dp ", comm["dp"], expected)
         if expected is not None:
             table.add_row("dp analytic count (payload)", " + ".join(
