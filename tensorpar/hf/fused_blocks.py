@@ -41,8 +41,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_column
-from tensorpar.parallel.grad_sync import sum_shared_shard_grads
+from tensorpar.parallel.grad_sync import sum_grads_in_backward, sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear
+from tensorpar.parallel.lora import column_update, has_lora
 from tensorpar.parallel.mappings import gather_from_tp
 from tensorpar.parallel.sharding import ShardSpec
 
@@ -102,29 +103,46 @@ class Region:
         self._input = self._handed = self._products = None
 
     def _weights(self, columns: list[InRegionColumn]):
-        """Each column's (weight, bias); the shared ones' gradients summed in one all-reduce."""
+        """Each column's (weight, bias), and the LoRA factors A of the adapted ones as more
+        weights of the op (``parallel/lora.py``); the shared rows' gradients and A's summed in
+        one all-reduce each. Returns the weights, the biases, the adapted columns and their B."""
         ws, bs = [c.weight for c in columns], [c.bias for c in columns]
         shared = [i for i, c in enumerate(columns) if c.shared]
+        adapted = [c for c in columns if has_lora(c)]
+        b_lora = [c.lora_B.weight for c in adapted]
+        shared_b = [j for j, c in enumerate(adapted) if c.shared]
         if shared:
-            summed = sum_shared_shard_grads([ws[i] for i in shared] + [bs[i] for i in shared],
+            summed = sum_shared_shard_grads([ws[i] for i in shared] + [bs[i] for i in shared]
+                                            + [b_lora[j] for j in shared_b],
                                             self.group, columns[shared[0]].shard_spec)
             for j, i in enumerate(shared):
                 ws[i], bs[i] = summed[j], summed[len(shared) + j]
-        return ws, bs
+            for k, j in enumerate(shared_b):
+                b_lora[j] = summed[2 * len(shared) + k]
+        a_lora = sum_grads_in_backward([c.lora_A.weight for c in adapted], self.group)
+        return ws + a_lora, bs + [None] * len(adapted), adapted, b_lora
+
+    def _products_of(self, columns: list[InRegionColumn], x: torch.Tensor,
+                  length: int | None) -> list[torch.Tensor]:
+        ws, bs, adapted, b_lora = self._weights(columns)
+        outs = column_op(x, ws, bs, self.group, length)
+        ys = list(outs[:len(columns)])
+        for j, c in enumerate(adapted):
+            i = columns.index(c)
+            ys[i] = column_update(ys[i], outs[len(columns) + j], c, b_lora[j])
+        return ys
 
     def product(self, column: InRegionColumn, x: torch.Tensor) -> torch.Tensor:
         """``column``'s output for input ``x`` (computed with its siblings' on the first call)."""
         length = self.seq.length if self.seq is not None else None
         if x is self._handed and x is not None:
             if self._products is None:
-                self._products = column_op(self._input, *self._weights(self.columns),
-                                           self.group, length)
+                self._products = self._products_of(self.columns, self._input, length)
             return self._products[self.columns.index(column)]
         if self.seq is not None:
             raise RuntimeError(f"{type(column).__name__}: under sequence parallelism a column "
                                "projection must be called on its block's input, as is")
-        (y,) = column_op(x, *self._weights([column]), self.group)
-        return y
+        return self._products_of([column], x, None)[0]
 
 
 def column_op(x: torch.Tensor, weights, biases, group: ProcessGroup | None,
@@ -148,7 +166,12 @@ class FusedColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         seq_len = (seq_len or self.seq.length) if self.seq is not None else None
-        (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
+        if has_lora(self):
+            (a,) = sum_grads_in_backward([self.lora_A.weight], self.group)
+            y, z = column_op(x, [self.weight, a], [self.bias, None], self.group, seq_len)
+            y = column_update(y, z, self)
+        else:
+            (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
         if self.gather_output:
             y = gather_from_tp(y, self.group, full_size=self.out_features)
         return y

@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_row, regathering_column
 from tensorpar.parallel.grad_sync import sum_grads_in_backward
+from tensorpar.parallel.lora import has_lora, row_addend
 from tensorpar.parallel.mappings import (
     enter_tp_region,
     exit_tp_region,
@@ -268,7 +269,11 @@ class RowParallelLinear(_ParallelLinear):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear")
             x = scatter_to_tp(x, self.group)
-        if self.fused and not self.sequence_parallel:
+        if has_lora(self):  # the update joins the partial product before its reduction
+            (b,) = sum_grads_in_backward([self.lora_B.weight], self.group)
+            y = exit_tp_region(F.linear(x, self.weight) + row_addend(x, self, b),
+                               self.sequence_parallel, self.group)
+        elif self.fused and not self.sequence_parallel:
             y = fused_row(x, self.weight, self.group)
         else:
             y = exit_tp_region(F.linear(x, self.weight), self.sequence_parallel, self.group)

@@ -1,0 +1,127 @@
+"""LoRA on a converted Hugging Face model: adapters on its block projections, split with them
+(``parallel/lora.py``), and PEFT's adapter folder in and out.
+
+``add_lora(model, rank, alpha)`` gives every targeted projection the factors ``lora_A`` and
+``lora_B`` (named as PEFT names them, so ``model.layers.0.self_attn.q_proj.lora_A.weight`` is
+PEFT's ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``) and freezes every
+other parameter. Targets are the last part of a module's name, as PEFT's ``target_modules``: by
+default every projection a plan splits inside the decoder blocks (Llama's q_proj, k_proj, v_proj,
+o_proj, gate_proj, up_proj, down_proj; GPT-2's c_attn, c_proj, c_fc), never the head.
+
+A PEFT folder is ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``,
+``target_modules``, ...) and ``adapter_model.safetensors`` with the dense factors; GPT-2's Conv1D
+layers are marked ``fan_in_fan_out``, their factors shaped as a Linear's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.parallel.lora import attach_lora, dense_lora_a, has_lora, lora_parameters
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList | None:
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            return module
+    return None
+
+
+def projection_names(model: nn.Module) -> dict[str, nn.Module]:
+    """The split projections inside the decoder blocks, by full module name."""
+    blocks = _blocks(model)
+    inside = {id(m) for m in blocks.modules()} if blocks is not None else set()
+    return {name: m for name, m in model.named_modules()
+            if id(m) in inside and isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def lora_targets(model: nn.Module, targets: list[str] | None = None) -> dict[str, nn.Module]:
+    """The projections ``targets`` names (the last part of their names; default all of them),
+    or ValueError naming the ones that match nothing and what there is."""
+    found = projection_names(model)
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in found})
+    if targets is None:
+        return found
+    unknown = [t for t in targets if t not in kinds]
+    if unknown:
+        raise ValueError(f"--lora-targets {','.join(unknown)}: no such projection in the "
+                         f"model's blocks (it has {', '.join(kinds)})")
+    return {n: m for n, m in found.items() if n.rsplit(".", 1)[-1] in targets}
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None,
+             seed: int = 0, init: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Adapters of rank ``rank`` (scale alpha / rank) on the target projections, every other
+    parameter frozen; returns the adapted modules' names. init: dense factors by name
+    (``<module>.lora_A.weight``, from a PEFT folder), else A drawn from (seed, name), B zeros."""
+    if rank < 1:
+        raise ValueError(f"--lora-rank {rank} must be >= 1")
+    chosen = lora_targets(model, targets)
+    for name, m in chosen.items():
+        device = m.weight.device
+        if init is not None:
+            a = init[f"{name}.lora_A.weight"].float()
+            b = init[f"{name}.lora_B.weight"].float()
+        else:
+            a = dense_lora_a(name, rank, m.in_features, seed)
+            b = torch.zeros(m.out_features, rank)
+        a, b = a.to(device), b.to(device)
+        if isinstance(m, RowParallelLinear):
+            attach_lora(m, "row", a, b, alpha, in_range=(m.shard_start, m.shard_stop))
+        else:
+            attach_lora(m, "column", a, b, alpha, out_spec=m.shard_spec)
+    adapters = {id(p) for _, p in lora_parameters(model)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in adapters)
+    return sorted(chosen)
+
+
+def adapted_modules(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if has_lora(m)]
+
+
+def peft_config(rank: int, alpha: float, targets: list[str], base: str, conv1d: bool) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": conv1d, "base_model_name_or_path": base,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "inference_mode": True}
+
+
+def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT LoRA folder: its config and its dense factors by tensorpar's names (PEFT's without
+    ``base_model.model.``); ValueError for anything else."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--lora-init {folder}: not a PEFT adapter folder ({ADAPTER_CONFIG}, "
+                         f"{ADAPTER_WEIGHTS}): {e}") from None
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"--lora-init {folder}: peft_type {config.get('peft_type')!r}, not LORA")
+    for key in ("use_dora", "use_rslora"):
+        if config.get(key):
+            raise ValueError(f"--lora-init {folder}: {key} is not supported")
+    if config.get("modules_to_save"):
+        raise ValueError(f"--lora-init {folder}: modules_to_save {config['modules_to_save']} "
+                         "(trained whole modules) is not supported")
+    factors = {}
+    for key, t in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for factor in ("lora_A", "lora_B"):  # PEFT's saved names carry no adapter name
+            name = name.replace(f".{factor}.default.weight", f".{factor}.weight")
+        factors[name] = t
+    return config, factors

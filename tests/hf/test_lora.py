@@ -1,0 +1,105 @@
+"""LoRA on converted Hugging Face models (``parallel/lora.py``, ``hf/lora.py``): at every TP size
+the loss and every adapter's gradient equal PEFT's on the dense model with the same factors, the
+base gets no gradient, and the only collectives beyond the base model's are the replicated
+factors' gradient sums."""
+
+import pytest
+import torch
+
+from tensorpar.hf.lora import add_lora
+from tensorpar.hf.pretrained import from_pretrained
+from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.lora import lora_parameters
+from tensorpar.runtime.groups import tp_rank
+
+RANK, ALPHA = 4, 8.0
+TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+           "gpt2": ["c_attn", "c_proj", "c_fc"], "llama-mqa": None}
+
+
+def _factors(model_dir, family):
+    """Dense random factors (B too, so that every gradient is non-zero) for each target, by the
+    names the converted model gives them."""
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    targets = TARGETS[family] or TARGETS["llama"]
+    for name, m in dense.named_modules():
+        in_block = ".layers." in name or ".h." in name
+        if in_block and name.rsplit(".", 1)[-1] in targets:
+            w = m.weight
+            in_f, out_f = (w.shape[0], w.shape[1]) if family == "gpt2" else (w.shape[1], w.shape[0])
+            out[f"{name}.lora_A.weight"] = torch.randn(RANK, in_f, generator=gen) * 0.1
+            out[f"{name}.lora_B.weight"] = torch.randn(out_f, RANK, generator=gen) * 0.1
+    return out
+
+
+def _tp_loss_and_grads(model_dir, factors, ids, targets_, group=None):
+    model = from_pretrained(model_dir, group).train()
+    add_lora(model, RANK, ALPHA, targets_, init=factors)
+    logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+    vocab = model.config.vocab_size
+    if logits.shape[-1] == vocab:  # the head gathered them
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    else:
+        loss = vocab_parallel_cross_entropy(logits, ids[:, 1:], group=group, vocab_size=vocab)
+    loss.backward()
+    frozen_grads = [n for n, p in model.named_parameters() if p.grad is not None
+                    and not n.endswith(("lora_A.weight", "lora_B.weight"))]
+    grads = {n: (p.grad.clone(), p.tp_shard) for n, p in lora_parameters(model)}
+    return loss.item(), grads, frozen_grads, tp_rank(group)
+
+
+def _dense(grads_by_rank, name):
+    """A factor's dense gradient from the ranks' pieces (each at its place)."""
+    pieces = [g[name] for g in grads_by_rank]
+    g0, spec = pieces[0]
+    if spec.dim is None:
+        return g0
+    shape = list(g0.shape)
+    shape[spec.dim] = spec.full_size
+    out = torch.zeros(shape)
+    for g, s in pieces:
+        for (a, b), part in zip(s.ranges(), g.split(s.stop - s.start, dim=s.dim), strict=True):
+            out.narrow(s.dim, a, b - a).copy_(part)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "llama-mqa"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
+    """Loss and every factor's gradient equal PEFT's dense model's (relative 1e-5); no base
+    parameter has a gradient."""
+    import peft
+    import transformers
+
+    if family == "llama-mqa" and n == 3:
+        pytest.skip("4 heads over 3 ranks: the plain Llama covers uneven heads")
+    path = hf_dirs / family
+    factors = _factors(path, family)
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    targets = TARGETS[family]
+    results = ranks(n).run(_tp_loss_and_grads, path, factors, ids, targets)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets or TARGETS["llama"],
+                             lora_dropout=0.0, fan_in_fan_out=family == "gpt2")
+    model = peft.get_peft_model(dense, config)
+    state = {f"base_model.model.{k}": v for k, v in factors.items()}
+    missing = peft.set_peft_model_state_dict(model, state).unexpected_keys
+    assert not missing, missing
+    model.train()
+    logits = model(input_ids=ids[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    want.backward()
+    ref = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+           for n, p in model.named_parameters() if "lora_" in n}
+    by_rank = [r[1] for r in results]
+    assert all(not r[2] for r in results), results[0][2]
+    assert {r[0] for r in results} == {results[0][0]}
+    assert abs(results[0][0] - want.item()) <= 1e-5 * want.item()
+    assert sorted(by_rank[0]) == sorted(ref)
+    for name, g in ref.items():
+        err = (_dense(by_rank, name) - g).abs().max().item()
+        assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())
