@@ -110,6 +110,19 @@ def remove_unfinished(run_dir: str | Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def _whole(t) -> torch.Tensor:
+    """FSDP2's piece (a DTensor split on dim 0 over dp) -> the whole TP shard. Over gloo with
+    CUDA tensors (``--device cuda``, every rank on one GPU) the pieces are gathered on the CPU:
+    DTensor's own gather of CUDA tensors over gloo ended the ranks with SIGSEGV (torch 2.11,
+    H200)."""
+    group = t.device_mesh.get_group()
+    if t.device.type != "cuda" or dist.get_backend(group) != "gloo":
+        return t.full_tensor()
+    pieces = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, t.to_local().cpu(), group=group)
+    return torch.cat(pieces, dim=0)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
                     optimizer: torch.optim.Optimizer | None = None,
                     group: ProcessGroup | None = None, meta: dict | None = None,
@@ -129,7 +142,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
                                               for s in ADAM_STATES if s in state]:
             if is_dtensor(t):
-                t = t.full_tensor()
+                t = _whole(t)
             mine = owned_local(layout, name, t, rank)
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
