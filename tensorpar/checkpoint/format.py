@@ -54,6 +54,15 @@ def make_readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def checkpointed(model) -> list:
+    """The (name, parameter) pairs a checkpoint of ``model`` holds: the trainable ones. Frozen
+    parameters (a LoRA run's base model, which its manifest names) are not saved; a model with
+    no trainable parameter at all (one prepared for inference) is saved whole."""
+    params = list(model.named_parameters())
+    trainable = [(n, p) for n, p in params if p.requires_grad]
+    return trainable or params
+
+
 def model_kind(manifest: dict) -> str:
     """What model a checkpoint holds. ``tensorpar train``'s GPT runs record no ``model_kind``
     (they came first): "gpt". A run fine-tuned from a Hugging Face model (``train --hf``)

@@ -19,6 +19,7 @@ from tensorpar.checkpoint.format import (
     FORMAT,
     VERSIONS,
     CheckpointError,
+    checkpointed,
     find_checkpoint,
     sha256_of,
 )
@@ -127,7 +128,7 @@ def read_shard(reader: CheckpointReader, key: str, spec: ShardSpec) -> torch.Ten
 def check_fits(reader: CheckpointReader, model: nn.Module) -> None:
     """Raise CheckpointError unless the checkpoint has exactly the model's parameters and shapes."""
     have = {k for k in reader.tensors if not k.startswith("optimizer.")}
-    want = dict(model.named_parameters())
+    want = dict(checkpointed(model))
     missing, extra = sorted(want.keys() - have), sorted(have - want.keys())
     if missing or extra:
         raise CheckpointError(f"{reader.dir} does not match the model: missing {missing[:4]}"
@@ -169,7 +170,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     check_fits(reader, model)
     groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(q): g for g in groups for q in g["params"]}
-    for name, p in model.named_parameters():
+    for name, p in checkpointed(model):
         spec = p.tp_shard
         local_part(p).copy_(local_part(_place(read_shard(reader, name, spec), p)))
         if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:

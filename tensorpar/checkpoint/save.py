@@ -35,6 +35,7 @@ from tensorpar.checkpoint.format import (
     FORMAT,
     VERSION,
     VERSIONS,
+    checkpointed,
     list_checkpoints,
     make_readable,
     sha256_of,
@@ -137,7 +138,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     raise what they raised, so every rank ends alike."""
     tensors = {}
     rank = tp_rank(group)
-    for name, p in model.named_parameters():  # every dp rank: FSDP2's gathers are collectives
+    for name, p in checkpointed(model):  # every dp rank: FSDP2's gathers are collectives
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
                                               for s in ADAM_STATES if s in state]:
@@ -240,7 +241,7 @@ def _pieces(layout: Layout, name: str, n: int) -> list[dict]:
 
 def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
     tensors = {}
-    for name, p in model.named_parameters():
+    for name, p in checkpointed(model):
         pieces = _pieces(layout, name, n)
         entry = {"shape": list(layout.shapes[name]), "dtype": str(p.dtype).removeprefix("torch."),
                  "split_dim": layout.shards[name][0].dim, "pieces": pieces}

@@ -24,6 +24,11 @@ def add_parser(sub) -> None:
                    "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer; "
                    "a run of train --hf as its source model); "
                    "written next to it and renamed into place (required: this or --out)")
+    p.add_argument("--peft-out", metavar="DIR", help="instead, for a LoRA run (train --hf PATH "
+                   "--lora-rank R): a new or empty folder to write its adapters as PEFT's "
+                   "(adapter_config.json, adapter_model.safetensors), which "
+                   "peft.PeftModel.from_pretrained(base, DIR) loads; --hf-out writes the merged "
+                   "model (required: this, --out or --hf-out)")
     p.add_argument("--max-shard-size", metavar="SIZE", help="with --hf-out: the largest "
                    "safetensors file, with its unit (5GB, 500MB, 2GiB); above it the weights are "
                    "split into files named in model.safetensors.index.json (default 5GB)")
@@ -31,10 +36,16 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if (args.out is None) == (args.hf_out is None):
-        raise ValueError("give one of --out FILE.safetensors (one dense file) and --hf-out "
-                         "DIR (a Hugging Face model folder)")
-    if args.hf_out is not None:
+    if sum(x is not None for x in (args.out, args.hf_out, args.peft_out)) != 1:
+        raise ValueError("give one of --out FILE.safetensors (one dense file), --hf-out DIR (a "
+                         "Hugging Face model folder) and --peft-out DIR (a LoRA run's adapters)")
+    if args.peft_out is not None:
+        from tensorpar.hf.export import export_peft
+
+        if args.max_shard_size is not None:
+            raise ValueError("--max-shard-size goes with --hf-out")
+        path = export_peft(args.ckpt, args.peft_out)
+    elif args.hf_out is not None:
         from tensorpar.hf.export import DEFAULT_SHARD_SIZE, export_hf
 
         note = lambda line: print(f"tensorpar export: note: {line}", file=sys.stderr)  # noqa: E731

@@ -87,20 +87,20 @@ def parse_shard_size(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2)])
 
 
-def check_hf_target(out_dir: str | Path) -> Path:
-    """``out_dir`` as a Path, or ValueError (one line naming ``--hf-out``): it must be a new or
+def check_hf_target(out_dir: str | Path, flag: str = "--hf-out") -> Path:
+    """``out_dir`` as a Path, or ValueError (one line naming ``flag``): it must be a new or
     empty folder in an existing, writable directory."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--hf-out {out} is a file; name a new or empty folder")
+        raise ValueError(f"{flag} {out} is a file; name a new or empty folder")
     if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"--hf-out {out} is not empty; name a new or empty folder (an export "
+        raise ValueError(f"{flag} {out} is not empty; name a new or empty folder (an export "
                          "never writes over files)")
     parent = out.resolve().parent
     if not parent.is_dir():
-        raise ValueError(f"--hf-out {out}: directory {parent} does not exist")
+        raise ValueError(f"{flag} {out}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--hf-out {out}: directory {parent} is not writable")
+        raise ValueError(f"{flag} {out}: directory {parent} is not writable")
     return out
 
 
@@ -287,4 +287,23 @@ def export_hf(ckpt: str | Path, out_dir: str | Path,
         _write_folder(out, write)
     except WRITE_ERRORS as e:  # the checks passed, the write did not (disk full)
         raise cannot_write("--hf-out", out, e) from None
+    return out
+
+
+def export_peft(ckpt: str | Path, out_dir: str | Path) -> Path:
+    """Write a LoRA run's checkpoint (``train --hf PATH --lora-rank R``) as a PEFT adapter folder
+    ``out_dir`` (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads; checked, written and renamed into
+    place as ``export_hf``."""
+    from tensorpar.hf.export_finetuned import run_files
+    from tensorpar.hf.lora import peft_writer
+
+    out = check_hf_target(out_dir, "--peft-out")
+    reader = CheckpointReader(ckpt)
+    reader.verify()
+    write = peft_writer(reader, run_files(reader))
+    try:
+        _write_folder(out, write)
+    except WRITE_ERRORS as e:
+        raise cannot_write("--peft-out", out, e) from None
     return out

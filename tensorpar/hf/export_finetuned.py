@@ -11,8 +11,11 @@ checkpoint first, and renames the finished folder into place)::
 
 The weights are written by transformers' own ``save_pretrained`` (split, with an index, above
 ``--max-shard-size``), in float32: the trainer's master weights, whatever dtype the source was
-stored in (a note says so when it was another). Also the writer of every export
-(``save_model``) and the check that a checkpoint holds a model's tensors (``check_tensors``).
+stored in (a note says so when it was another). A LoRA run's checkpoint holds its adapters: it is
+written as its base model (the folder the run names) with each adapter merged in,
+``W + (alpha / r) · B A``; ``export --peft-out`` writes the adapters alone, as PEFT's folder.
+Also the writer of every export (``save_model``) and the check that a checkpoint holds a model's
+tensors (``check_tensors``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from tensorpar.checkpoint.load import CheckpointReader
+from tensorpar.hf.lora import checkpoint_factors, lora_settings, merge_factors
 from tensorpar.hf.plans import is_conv1d
 
 Note = Callable[[str], None]
@@ -78,6 +84,8 @@ def original_model(reader: CheckpointReader, max_shard_size: int, note: Note) ->
 
     transformers.logging.set_verbosity_error()
     files = run_files(reader)
+    if lora_settings(reader.manifest) is not None:
+        return merged_lora_model(reader, files, max_shard_size)
     config = transformers.AutoConfig.from_pretrained(files, local_files_only=True)
     with init_empty_weights(include_buffers=False):  # no weight drawn: each is assigned below
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -105,8 +113,38 @@ def original_model(reader: CheckpointReader, max_shard_size: int, note: Note) ->
         if (files / "generation_config.json").is_file():
             model.generation_config = transformers.GenerationConfig.from_pretrained(files)
         save_model(model, folder, max_shard_size)
-        for f in sorted(files.iterdir()):
-            if f.is_file() and f.name not in WRITTEN:  # the tokenizer's files
-                shutil.copy2(f, folder / f.name)
+        copy_tokenizer(files, folder)
+
+    return write
+
+
+def copy_tokenizer(files: Path, folder: Path) -> None:
+    """The run's copies of the source's files but those save_pretrained writes (the
+    tokenizer's) into ``folder``."""
+    for f in sorted(files.iterdir()):
+        if f.is_file() and f.name not in WRITTEN:
+            shutil.copy2(f, folder / f.name)
+
+
+def merged_lora_model(reader: CheckpointReader, files: Path, max_shard_size: int) -> Writer:
+    """A LoRA run as its base model with each adapter merged in, ``W + (alpha / r) · B A``: the
+    base read from the folder the run names, in float32."""
+    import transformers
+
+    settings = lora_settings(reader.manifest)
+    base = settings["base"]
+    if base is None or not (Path(base) / "config.json").is_file():
+        raise ValueError(f"checkpoint {reader.dir}: its base model {base} is not there; the "
+                         "merged model needs it (export --peft-out needs only the checkpoint)")
+    factors = checkpoint_factors(reader)
+
+    def write(folder: Path) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        conv = {n for n, m in model.named_modules() if is_conv1d(m)}
+        state = model.state_dict()
+        merge_factors(state, factors, settings["alpha"] / settings["rank"], conv)
+        model.load_state_dict(state)
+        save_model(model, folder, max_shard_size)
+        copy_tokenizer(files, folder)
 
     return write

@@ -44,18 +44,34 @@ def projection_names(model: nn.Module) -> dict[str, nn.Module]:
             if id(m) in inside and isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
+def block_linear_kinds(model: nn.Module) -> set[str]:
+    """The last parts of the names of the linear layers inside the blocks of a model as
+    transformers builds it (before conversion): what ``--lora-targets`` may name."""
+    from tensorpar.hf.plans import is_conv1d
+
+    blocks = _blocks(model)
+    if blocks is None:
+        return set()
+    return {n.rsplit(".", 1)[-1] for n, m in blocks.named_modules()
+            if isinstance(m, nn.Linear) or is_conv1d(m)}
+
+
 def lora_targets(model: nn.Module, targets: list[str] | None = None) -> dict[str, nn.Module]:
     """The projections ``targets`` names (the last part of their names; default all of them),
     or ValueError naming the ones that match nothing and what there is."""
     found = projection_names(model)
-    kinds = sorted({n.rsplit(".", 1)[-1] for n in found})
     if targets is None:
         return found
-    unknown = [t for t in targets if t not in kinds]
-    if unknown:
-        raise ValueError(f"--lora-targets {','.join(unknown)}: no such projection in the "
-                         f"model's blocks (it has {', '.join(kinds)})")
+    check_targets(targets, {n.rsplit(".", 1)[-1] for n in found})
     return {n: m for n, m in found.items() if n.rsplit(".", 1)[-1] in targets}
+
+
+def check_targets(targets: list[str], kinds: set[str]) -> None:
+    """ValueError naming the targets that are none of the projections ``kinds``."""
+    unknown = [t for t in targets if t not in kinds]
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets {','.join(unknown) or '(none)'}: no such projection "
+                         f"in the model's blocks (it has {', '.join(sorted(kinds))})")
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None,
@@ -125,3 +141,66 @@ def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             name = name.replace(f".{factor}.default.weight", f".{factor}.weight")
         factors[name] = t
     return config, factors
+
+
+def lora_settings(manifest: dict) -> dict | None:
+    """A LoRA run's rank, alpha, targets and base model, from its checkpoint's manifest (None:
+    a run that trained every weight)."""
+    train = manifest.get("train") or {}
+    if train.get("lora_rank") is None:
+        return None
+    return {"rank": train["lora_rank"], "alpha": train["lora_alpha"],
+            "base": (manifest.get("hf") or {}).get("source")}
+
+
+def checkpoint_factors(reader) -> dict[str, torch.Tensor]:
+    """The dense factors a LoRA run's checkpoint holds, by tensorpar's (PEFT's) names."""
+    return {name: reader.read(name) for name in reader.tensors
+            if name.endswith((".lora_A.weight", ".lora_B.weight"))
+            and not name.startswith("optimizer.")}
+
+
+def _conv1d_modules(files: Path) -> set[str]:
+    """The modules of the run's model (its config in ``files``) that are GPT-2's Conv1D."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    from tensorpar.hf.plans import is_conv1d
+
+    config = transformers.AutoConfig.from_pretrained(files, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return {n for n, m in model.named_modules() if is_conv1d(m)}
+
+
+def peft_writer(reader, files: Path):
+    """What writes a LoRA run's checkpoint as a PEFT adapter folder (checked first)."""
+    from safetensors.torch import save_file
+
+    settings = lora_settings(reader.manifest)
+    if settings is None:
+        raise ValueError(f"checkpoint {reader.dir} is not a LoRA run's (train --hf ... "
+                         "--lora-rank R): export --hf-out writes its model")
+    factors = checkpoint_factors(reader)
+    modules = sorted({n.rsplit(".", 2)[0] for n in factors})
+    conv = _conv1d_modules(files)
+    config = peft_config(settings["rank"], settings["alpha"],
+                         sorted({m.rsplit(".", 1)[-1] for m in modules}), settings["base"],
+                         any(m in conv for m in modules))
+
+    def write(folder: Path) -> None:
+        save_file({PEFT_PREFIX + n: t.contiguous() for n, t in factors.items()},
+                  str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    return write
+
+
+def merge_factors(state: dict[str, torch.Tensor], factors: dict[str, torch.Tensor],
+                  scale: float, conv: set[str]) -> None:
+    """``W += scale · B A`` for each adapted module of the dense ``state`` (HF names; a Conv1D
+    weight is (in, out), so its update is transposed)."""
+    for name in sorted({n.rsplit(".", 2)[0] for n in factors}):
+        delta = scale * factors[f"{name}.lora_B.weight"] @ factors[f"{name}.lora_A.weight"]
+        key = f"{name}.weight"
+        state[key] = state[key] + (delta.t() if name in conv else delta).to(state[key].dtype)

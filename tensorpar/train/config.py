@@ -61,6 +61,21 @@ class TrainConfig:
     eval_batches: int | None = dataclasses.field(default=None, metadata={
         "help": "with --val-data: the first K batches of --batch-size windows",
         "default": "all of them"})
+    lora_rank: int | None = dataclasses.field(default=None, metadata={
+        "help": "with --hf: train LoRA adapters of this rank on the blocks' projections, split "
+                "with them over --tp, the model frozen; only the adapters are in the optimizer, "
+                "the gradient norm and the checkpoints (which point to the --hf model)",
+        "default": "none: every weight is trained"})
+    lora_alpha: float = dataclasses.field(default=8.0, metadata={
+        "help": "with --lora-rank: the adapters' scale is alpha / rank (PEFT's lora_alpha)"})
+    lora_targets: str | None = dataclasses.field(default=None, metadata={
+        "help": "with --lora-rank: the projections to adapt, by the last part of their names, "
+                "comma-separated (PEFT's target_modules: q_proj,v_proj)",
+        "default": "every projection in the blocks, not the head"})
+    lora_init: str | None = dataclasses.field(default=None, metadata={
+        "help": "with --hf: continue from this PEFT LoRA adapter folder (adapter_config.json, "
+                "adapter_model.safetensors); its rank, alpha and targets are the run's",
+        "default": "none: A drawn from the seed, B zeros"})
     out: str = dataclasses.field(default="runs/gpt", metadata={
         "help": "run directory: checkpoints, metrics.jsonl, loss.png (and tensorboard/ with "
                 "--tensorboard)"})
@@ -104,7 +119,7 @@ class TrainConfig:
 
     def check(self) -> None:
         for flag in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len",
-                     "save_every", "lr_decay_steps", "eval_every", "eval_batches"):
+                     "save_every", "lr_decay_steps", "eval_every", "eval_batches", "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -112,6 +127,8 @@ class TrainConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 0")
         if not self.lr > 0:
             raise ValueError(f"--lr {self.lr} must be > 0")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha {self.lora_alpha} must be > 0")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
         if self.sequence_parallel and self.seq_len < self.tp:
@@ -158,3 +175,10 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     horizon = cfg.lr_decay_steps or cfg.steps
     frac = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def lora_targets(cfg: TrainConfig) -> list[str] | None:
+    """``--lora-targets`` as a list (None: every projection)."""
+    if cfg.lora_targets is None:
+        return None
+    return [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]

@@ -94,6 +94,9 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        if getattr(cfg, "lora_rank", None) is not None or getattr(cfg, "lora_init", None):
+            raise ValueError("--lora-rank and --lora-init fine-tune a Hugging Face model (--hf "
+                             "PATH); the GPT trains every weight")
         tok = ByteTokenizer() if self.tokenizer_dir is None else HFTokenizer(self.tokenizer_dir)
         if self.model_cfg.vocab_size < tok.vocab_size or (
                 tok.name == ByteTokenizer.name and self.model_cfg.vocab_size != tok.vocab_size):

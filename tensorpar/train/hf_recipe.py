@@ -57,12 +57,13 @@ from torch import nn
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.gpt.tokenizer import TOKENIZER_FILES, HFTokenizer
 from tensorpar.hf.dropout import seed_dropout
+from tensorpar.hf.lora import add_lora, block_linear_kinds, check_targets, read_peft
 from tensorpar.hf.parallelize import check_layout, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
-from tensorpar.train.config import TrainConfig
+from tensorpar.train.config import TrainConfig, lora_targets
 from tensorpar.train.run import resolve_run
 
 HF_FILES = "hf"  # the run's copy of the source model's files, in --out
@@ -122,6 +123,9 @@ class HFRecipe:
         _transformers()
         model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
                                 sequence_parallel=cfg.sequence_parallel).to(device).train()
+        if cfg.lora_rank is not None:  # adapters on the projections, the model frozen
+            init = None if cfg.lora_init is None else read_peft(cfg.lora_init)[1]
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, lora_targets(cfg), cfg.seed, init)
         stream = model.tp_region_stream
         if cfg.recompute:  # transformers' own: each decoder layer keeps its input only
             enable = getattr(model, "activation_checkpointing_enable", None) or \
@@ -227,6 +231,15 @@ def hf_recipe(path: str | None, out: str, manifest: dict | None,
                          "PATH to start it over")
     if manifest is None:
         config, source, weights, origin = _read_config(path, True), path, True, path
+    elif (manifest.get("train") or {}).get("lora_rank") is not None:
+        # a LoRA run's checkpoints hold the adapters: the base comes from the model it names
+        origin = (manifest.get("hf") or {}).get("source")
+        if path is not None and Path(path).resolve() != Path(origin).resolve():
+            raise ValueError(f"--hf {path}: the run's adapters are on {origin}; leave out --hf")
+        try:
+            config, source, weights = _read_config(origin, True), origin, True
+        except ValueError as e:
+            raise ValueError(f"the LoRA run in {out} needs its base model: {e}") from None
     else:
         if model_kind(manifest) != HFRecipe.kind:
             raise ValueError(f"{ckpt} holds tensorpar's GPT, not a fine-tuned Hugging Face "
@@ -259,4 +272,26 @@ def resolve_hf(train_args: dict, model_args: dict,
         raise ValueError(f"--hf takes the model from {path or 'the run'}'s config.json: leave "
                          f"out the GPT's model flags {', '.join(given)}")
     out = train_args.get("out") or TrainConfig.out
-    return resolve_run(train_args, partial(hf_recipe, path, out))
+    cfg, recipe, resume_from = resolve_run(train_args, partial(hf_recipe, path, out))
+    if cfg.lora_init is not None and resume_from is None:
+        _adopt_peft_config(cfg)
+    if cfg.lora_rank is not None and cfg.lora_targets is not None:  # names in the blocks
+        check_targets(lora_targets(cfg), block_linear_kinds(_meta_model(recipe.source)))
+    return cfg, recipe, resume_from
+
+
+def _adopt_peft_config(cfg: TrainConfig) -> None:
+    """``--lora-init DIR``: the rank, alpha and targets of the adapter folder; a flag that says
+    otherwise is refused."""
+    config, _ = read_peft(cfg.lora_init)
+    theirs = {"lora_rank": config["r"], "lora_alpha": float(config["lora_alpha"]),
+              "lora_targets": ",".join(sorted(config["target_modules"]))}
+    for key, value in theirs.items():
+        mine = getattr(cfg, key)
+        if key == "lora_alpha" and mine == TrainConfig.lora_alpha:
+            mine = None  # the default, not asked for
+        if mine is not None and (sorted(mine.split(",")) != sorted(value.split(","))
+                                 if key == "lora_targets" else mine != value):
+            raise ValueError(f"--{key.replace('_', '-')} {mine} disagrees with --lora-init "
+                             f"{cfg.lora_init} ({value})")
+        setattr(cfg, key, value)

@@ -72,10 +72,11 @@ def implementation(opt: torch.optim.Optimizer) -> str:
 
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
-    """The trainer's AdamW (``cfg``: lr, weight_decay); no weight decay on the vectors: norms
-    (the GPT's only ones) and biases."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """The trainer's AdamW (``cfg``: lr, weight_decay) over the trainable parameters; no weight
+    decay on the vectors: norms (the GPT's only ones) and biases."""
+    trained = [p for p in model.parameters() if p.requires_grad]  # not a LoRA run's base
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}],
                  lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
