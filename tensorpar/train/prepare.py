@@ -8,9 +8,11 @@ A text file is one document; a JSON-lines file (``.jsonl``, ``.ndjson``) one doc
 its ``"text"`` field. Each document is encoded without special tokens and followed by one
 end-of-text id, so the token count is the tokenizer's own count of every document plus one each.
 Documents are encoded many at a time by the tokenizers library's batch encoding, which uses
-every core. A text file of more than ``PIECE_CHARS`` characters is encoded in pieces, each cut
-just before a line break that follows a non-space character; a byte-level BPE tokenizer (GPT-2's,
-Llama 3's) never joins tokens across such a break, so the ids are those of the whole file.
+every core. A text file is encoded in pieces of about ``PIECE_CHARS`` characters, each cut just
+before a line break that follows a non-space character, so that even one long file keeps every
+core busy: a byte-level BPE tokenizer (GPT-2's, Llama 3's) never joins tokens across such a
+break, so the ids are those of the whole file. A tokenizer for which a cut changes the ids on a
+few probes (one that adds a prefix space to every text it encodes) gets each document whole.
 
 The folder is written next to ``--out`` under a temporary name and renamed at the end: a stopped
 or failed prepare leaves nothing at ``--out``.
@@ -32,7 +34,7 @@ from tensorpar.gpt.tokenizer import HFTokenizer
 from tensorpar.train.shards import TOKENIZER_DIR, ShardWriter, id_dtype, write_index
 
 JSON_LINES = (".jsonl", ".ndjson")
-PIECE_CHARS = 1 << 22  # 4 Mi characters: a longer text file is encoded in pieces
+PIECE_CHARS = 1 << 18  # 256 Ki characters: a text file's pieces, encoded in parallel
 BATCH_CHARS = 1 << 23  # characters per call of the batch encoder
 BATCH_TEXTS = 1024
 SHARD_TOKENS = 1 << 28  # 268 million ids a file (512 MiB of uint16)
@@ -58,9 +60,9 @@ def input_files(patterns: list[str]) -> list[Path]:
     return files
 
 
-def documents(path: Path) -> Iterator[tuple[str, bool, int]]:
-    """The text of ``path`` as (text, ends_a_document, bytes_read) pieces; empty documents
-    are left out."""
+def documents(path: Path, piece_chars: int | None = None) -> Iterator[tuple[str, bool, int]]:
+    """The text of ``path`` as (text, ends_a_document, bytes_read) pieces of about
+    ``piece_chars`` (None: each document whole); empty documents are left out."""
     with open(path, "rb") as f:
         if path.suffix.lower() in JSON_LINES:
             for n, line in enumerate(f, 1):
@@ -69,10 +71,10 @@ def documents(path: Path) -> Iterator[tuple[str, bool, int]]:
             return
         carry, pending, started = "", 0, False
         while True:
-            raw = _utf8(path, f.read(PIECE_CHARS), f)
+            raw = _utf8(path, f.read(piece_chars or -1), f)
             pending += len(raw)
             text = carry + raw.decode("utf-8")
-            if not raw:
+            if not raw or piece_chars is None:
                 if text or started:
                     yield text, True, pending
                 return
@@ -111,6 +113,25 @@ def _safe_cut(text: str) -> int | None:
         if not text[at - 1].isspace():
             return at
     return None
+
+
+PROBES = ("The first line.\nThe second one, indented:\n    x = f(1)  # a comment\n\nEnd.\n",
+          "naïve café, 3.14 — ✓\nunder_scores and CamelCase\n\t\ttabs\n")
+
+
+def cuts_safely(tok) -> bool:
+    """Whether cutting a text just before a line break that follows a non-space character
+    leaves its ids as they are, on a few probes: true of byte-level BPE (GPT-2's, Llama 3's),
+    whose pre-tokenizer never joins across such a break; false of a tokenizer that adds a
+    prefix space to each text it encodes (sentencepiece's Llama 2), whose documents prepare
+    then encodes whole."""
+    for text in PROBES:
+        whole = tok.encode(text)
+        for cut in (i for i in range(1, len(text)) if text[i] == "\n" and
+                    not text[i - 1].isspace()):
+            if tok.encode(text[:cut]) + tok.encode(text[cut:]) != whole:
+                return False
+    return True
 
 
 def _json_text(path: Path, n: int, line: bytes) -> str:
@@ -158,11 +179,12 @@ def _write(files: list[Path], tok: HFTokenizer, folder: Path, shard_tokens: int,
     dtype = id_dtype(tok.vocab_size)
     writer = ShardWriter(folder, dtype, shard_tokens)
     eos = np.array([tok.eos_id], dtype=np.int64)
+    piece_chars = PIECE_CHARS if cuts_safely(tok) else None
     sources = []
     with _Progress(sum(f.stat().st_size for f in files), progress) as bar:
         for path in files:
             counts = {"file": str(path), "documents": 0, "tokens": 0}
-            for batch in _batches(documents(path)):
+            for batch in _batches(documents(path, piece_chars)):
                 for ids, ends in zip(tok.encode_batch([t for t, _, _ in batch]),
                                      [e for _, e, _ in batch], strict=True):
                     ids = np.asarray(ids, dtype=np.int64)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -91,6 +92,17 @@ def write_index(folder: Path, index: dict) -> None:
     os.replace(tmp, folder / INDEX)
 
 
+def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
+    """The file's ids, memory-mapped read-only and advised random access: a window's read
+    brings in its own pages, not the kernel's read-ahead around them (8 MiB a fault on a disk
+    measured here: a cold 1 GB corpus then waited 3-4% of each step, against 0.2% advised)."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):  # Linux, macOS
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)
+
+
 def is_shard_folder(path: str | Path) -> bool:
     return (Path(path) / INDEX).is_file()
 
@@ -127,7 +139,7 @@ class TokenShards:
                 found = "missing" if size is None else f"{size:,} bytes"
                 raise ValueError(f"{where}: {shard['file']} is {found}; the index says "
                                  f"{want:,} bytes ({shard['tokens']:,} ids): prepare it again")
-            self.maps.append(np.memmap(path, dtype=self.dtype, mode="r"))
+            self.maps.append(_mapped(path, self.dtype))
             starts.append(starts[-1] + shard["tokens"])
         self.starts = starts
         self.digest = index["sha256"][:16]

@@ -97,6 +97,7 @@ def test_a_long_text_file_is_encoded_in_pieces_with_the_same_ids(tok_dir, tmp_pa
     """A text file longer than a piece is cut before line breaks that follow a non-space: the
     byte-level BPE tokenizer gives the ids of the whole file."""
     monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2_000)
+    assert prepare_module.cuts_safely(HFTokenizer(tok_dir))
     text = TEXT[:60_000] + "  \n\n  trailing   spaces \n"
     (tmp_path / "long.txt").write_text(text)
     prepare([str(tmp_path / "long.txt")], str(tok_dir), str(tmp_path / "out"), progress=False)
@@ -261,3 +262,26 @@ def test_the_gpts_tokenizer(shards, tok_dir, tmp_path, ranks):
     bpe_tokenizer(other, vocab_size=300)
     with pytest.raises(ValueError, match="is not the tokenizer of the run being resumed"):
         _resolve(None, str(other), resume=True, steps=2, out=str(out))
+
+
+def test_a_tokenizer_that_cuts_unsafely_gets_whole_documents(tmp_path, monkeypatch):
+    """A sentencepiece-style tokenizer (a prefix space on every text it encodes) fails the cut
+    probes, so prepare encodes each document whole: its own ids, however small the pieces."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    tok.train_from_iterator([TEXT[:50_000]], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "</s>"], show_progress=False))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp_path / "sp")
+    assert not prepare_module.cuts_safely(HFTokenizer(tmp_path / "sp"))
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2_000)
+    text = TEXT[:20_000]
+    (tmp_path / "doc.txt").write_text(text)
+    prepare([str(tmp_path / "doc.txt")], str(tmp_path / "sp"), str(tmp_path / "out"),
+            progress=False)
+    read = TokenShards(tmp_path / "out")
+    assert torch.equal(read[0:len(read)], _expected(tmp_path / "sp", [text]))
