@@ -1,5 +1,6 @@
-"""``tensorpar generate``: text from a run's checkpoint (``--ckpt``, at any TP size) or from a
-local Hugging Face model (``--hf``, ``cli/hf.py``)::
+"""``tensorpar generate``: text from a run's checkpoint (``--ckpt``, at any TP size: the GPT, a
+fine-tuned Hugging Face model, a LoRA run's adapters on their base) or from a local Hugging Face
+model (``--hf``, ``cli/hf.py``)::
 
     tensorpar generate --ckpt runs/gpt --tp 2 --prompt "The with statement" --temperature 0.7
     tensorpar generate --hf ./my-llama --tp 2 --prompt "Once upon a time" --max-new-tokens 40
@@ -12,7 +13,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint or a HF model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="a run directory (its newest checkpoint) or a step-* "
-                     "checkpoint directory (this or --hf is required)")
+                     "checkpoint directory, of any run tensorpar train writes: the GPT, a "
+                     "fine-tune, a LoRA run (this or --hf is required)")
     src.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory (this or "
                      "--ckpt is required)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size, any (resharded) "
@@ -62,9 +64,17 @@ def run(args) -> int:
         return run_generate_hf(args.hf, args.tp, prompts_of(args), args.prompt_ids,
                                args.max_new_tokens, args.temperature, args.seed,
                                top_k=args.top_k, top_p=args.top_p)
+    from tensorpar.checkpoint.format import model_kind
+    from tensorpar.checkpoint.load import CheckpointReader
     from tensorpar.gpt.generate import run_generate
 
     prompts = prompts_of(args)
+    if model_kind(CheckpointReader(args.ckpt).manifest) == "hf":  # a run of train --hf
+        from tensorpar.cli.hf import run_generate_hf
+
+        return run_generate_hf(None, args.tp, prompts, args.prompt_ids, args.max_new_tokens,
+                               args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p,
+                               ckpt=args.ckpt)
     if prompts is None:
         raise ValueError("--prompt or --prompt-file is required with --ckpt")
     return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,

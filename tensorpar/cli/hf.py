@@ -173,17 +173,41 @@ def _eos_and_pad(model, tok) -> tuple[list[int], int]:
     return eos, pad
 
 
-def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int] | None,
-                     max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
-                     top_p: float = 1.0, group=None) -> list[str]:
-    """Load ``path`` tensor-parallel and continue the prompts (one left-padded batch) or the
-    single sequence ``prompt_ids`` with transformers' ``generate``; each sequence stops at its
-    end-of-text token. Returns the texts (or the ids, space-separated) on every rank."""
-    from tensorpar.gpt.generate import left_pad
+def _model(path: str, ckpt: str | None, group):
+    """The model to generate with: the folder ``path``, or the checkpoint ``ckpt`` of a run of
+    ``train --hf`` (``path`` then its copy of the model's files): a fine-tune's weights, or a
+    LoRA run's adapters on the base model it names."""
     from tensorpar.hf.pretrained import from_pretrained
 
+    if ckpt is None:
+        return from_pretrained(path, group)
+    from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
+    from tensorpar.hf.lora import add_lora, lora_settings
+
+    manifest = CheckpointReader(ckpt).manifest
+    lora = lora_settings(manifest)
+    if lora is None:
+        model = from_pretrained(path, group, weights=False)
+    else:
+        model = from_pretrained(lora["base"], group)
+        adapted = {n.rsplit(".", 3)[-3] for n in manifest["tensors"]
+                   if n.endswith(".lora_A.weight") and not n.startswith("optimizer.")}
+        add_lora(model, lora["rank"], lora["alpha"], sorted(adapted))
+    load_checkpoint(ckpt, model, check_hashes=False)  # hashed before the ranks started
+    return model.eval()
+
+
+def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int] | None,
+                     max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
+                     top_p: float = 1.0, ckpt: str | None = None, group=None) -> list[str]:
+    """Load ``path`` (or the run's checkpoint ``ckpt``, see ``_model``) tensor-parallel and
+    continue the prompts (one left-padded batch) or the single sequence ``prompt_ids`` with
+    transformers' ``generate``; each sequence stops at its end-of-text token. Returns the
+    texts (or the ids, space-separated) on every rank."""
+    from tensorpar.gpt.generate import left_pad
+
     transformers = _quiet_transformers()
-    model = from_pretrained(path, group)
+    model = _model(path, ckpt, group)
     tok = transformers.AutoTokenizer.from_pretrained(path) if prompts is not None else None
     seqs = [tok(p)["input_ids"] for p in prompts] if tok is not None else [prompt_ids]
     for i, seq in enumerate(seqs):
@@ -207,15 +231,23 @@ def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int]
     return texts
 
 
-def run_generate_hf(path: str, n: int, prompts: list[str] | None, prompt_ids: str | None,
-                    max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
-                    top_p: float = 1.0) -> int:
-    """``tensorpar generate --hf``: continue each prompt (or the ``--prompt-ids`` sequence) on
-    ``n`` ranks and print the texts: one prompt, its text; several, separated by ``--- i``
-    lines (see ``tensorpar.gpt.generate``)."""
+def run_generate_hf(path: str | None, n: int, prompts: list[str] | None,
+                    prompt_ids: str | None, max_new_tokens: int, temperature: float, seed: int,
+                    top_k: int = 0, top_p: float = 1.0, ckpt: str | None = None) -> int:
+    """``tensorpar generate --hf PATH`` (or ``--ckpt RUN`` of a run of ``train --hf``, full or
+    LoRA; ``path`` None): continue each prompt (or the ``--prompt-ids`` sequence) on ``n``
+    ranks and print the texts: one prompt, its text; several, separated by ``--- i`` lines
+    (see ``tensorpar.gpt.generate``)."""
     from tensorpar.gpt.generate import format_completions
     from tensorpar.gpt.sampling import check_sampling
 
+    if ckpt is not None:
+        from tensorpar.checkpoint.load import CheckpointReader
+        from tensorpar.hf.export_finetuned import run_files
+
+        reader = CheckpointReader(ckpt)
+        reader.verify()
+        path, ckpt = str(run_files(reader)), str(reader.dir)
     _check_dir(path)
     if n < 1:
         raise ValueError(f"--tp {n} must be >= 1")
@@ -236,7 +268,7 @@ def run_generate_hf(path: str, n: int, prompts: list[str] | None, prompt_ids: st
             raise ValueError(f"--prompt-ids {prompt_ids!r}: expected token ids like 1,2,3") \
                 from None
     results = _run(generate_hf_rank, n, path, prompts, ids, max_new_tokens, temperature, seed,
-                   top_k, top_p)
+                   top_k, top_p, ckpt)
     if speaks():  # rank 0's completions, once (under torchrun too)
         sys.stdout.write(format_completions(results[0]))
     return 0

@@ -173,9 +173,9 @@ def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperatur
     reader.verify()
     manifest = reader.manifest
     if model_kind(manifest) != "gpt":
-        raise ValueError(f"{reader.dir} holds a model fine-tuned by tensorpar train --hf: "
-                         f"export it (tensorpar export --ckpt {ckpt} --hf-out DIR), then "
-                         "generate --hf DIR")
+        raise ValueError(f"{reader.dir} holds a model fine-tuned by tensorpar train --hf, not "
+                         "the GPT: the command tensorpar generate --ckpt runs it "
+                         "(cli/hf.py's run_generate_hf)")
     GPTConfig(**manifest["config"]).check(tp)
     run_tokenizer(manifest, reader.dir)  # bytes, or the run's copy of its tokenizer folder
 

@@ -124,8 +124,9 @@ def _tensorpar_logits(run, base, ids, group=None):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     """export --peft-out: PEFT loads it on the base with no missing or unexpected adapter key,
-    and its logits equal tensorpar's at TP=2 (1e-5); export --hf-out: each adapted weight is
-    base + (alpha / r) B A, and transformers' logits equal PEFT's."""
+    and its logits equal tensorpar's at TP=2 (1e-5), its greedy text generate --ckpt's at TP=1
+    and 2; export --hf-out: each adapted weight is base + (alpha / r) B A, and transformers'
+    logits equal PEFT's."""
     run = runs(family, 2)[0]
     done = tensorpar_here("export", "--ckpt", str(run), "--peft-out", str(tmp_path / "peft"))
     assert done.returncode == 0, done.stderr
@@ -151,6 +152,16 @@ def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     with torch.no_grad():
         got = merged.eval()(input_ids=ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    tok = transformers.AutoTokenizer.from_pretrained(models[family])
+    prompt = tok("The with statement")["input_ids"]
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    for tp in ("1", "2"):  # generate --ckpt runs the adapters on their base, at any TP
+        said = tensorpar_here("generate", "--ckpt", str(run), "--tp", tp, "--prompt",
+                              "The with statement", "--max-new-tokens", "8")
+        assert said.returncode == 0, said.stderr
+        assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
     reader = CheckpointReader(find_checkpoint(run))
     name = "model.layers.1.mlp.down_proj" if family == "llama" else "transformer.h.1.mlp.c_fc"
     delta = 2.0 * reader.read(f"{name}.lora_B.weight") @ reader.read(f"{name}.lora_A.weight")
@@ -206,3 +217,22 @@ def test_lora_flags_are_checked_before_any_rank(models, tmp_path):
         with pytest.raises(ValueError) as e:
             call()
         assert message in str(e.value), str(e.value)
+
+
+def test_generate_from_a_full_fine_tune(ranks, models, tmp_path):
+    """generate --ckpt of a run that trained every weight prints, at TP=1 and 2, the greedy text
+    transformers gives on the run exported with export --hf-out."""
+    run = tmp_path / "full"
+    train(ranks, models["llama"], run, 2, **(TRAIN | {"steps": 2}), data=str(models["data"]))
+    assert tensorpar_here("export", "--ckpt", str(run), "--hf-out",
+                          str(tmp_path / "hf")).returncode == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([tok("A class")["input_ids"]]), max_new_tokens=8,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    for tp in ("1", "2"):
+        said = tensorpar_here("generate", "--ckpt", str(run), "--tp", tp, "--prompt", "A class",
+                              "--max-new-tokens", "8")
+        assert said.returncode == 0, said.stderr
+        assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
