@@ -22,6 +22,7 @@ import torch
 
 from tensorpar.gpt.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
 from tensorpar.runtime.seeds import derive_seed
+from tensorpar.train.chat import is_chat_file, read_examples
 from tensorpar.train.shards import TokenShards, ids_hash, update_ids
 
 EXPECTED = "expected a UTF-8 text file or a folder of token shards written by tensorpar prepare"
@@ -86,6 +87,9 @@ def open_shards(path: str, tokenizer, flag: str = "--data") -> TokenShards:
 def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data") -> None:
     """What the launcher refuses before any rank: a path that is neither a text file nor a shard
     folder of the run's tokenizer, or data shorter than one window of ``seq_len + 1`` tokens."""
+    if is_chat_file(path):  # examples: each one read, its errors named by line
+        read_examples(path, tokenizer, seq_len, flag)
+        return
     if path is not None and Path(path).is_dir():
         n = len(open_shards(path, tokenizer, flag))
         enough = n >= seq_len + 1

@@ -45,6 +45,14 @@ from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
+from tensorpar.train.chat import (
+    IGNORE_INDEX,
+    ExampleBatches,
+    describe_examples,
+    is_chat_file,
+    pad_id,
+    read_examples,
+)
 from tensorpar.train.compute import tf32_matmuls
 from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
 from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
@@ -53,8 +61,6 @@ from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.report import RunReport
-
-IGNORE_INDEX = -100  # a target that counts for no loss (the losses' ignore_index)
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
@@ -116,10 +122,17 @@ class Run:
         self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
         tokenizer = recipe.tokenizer()
-        data = read_corpus(cfg.data, tokenizer)  # a text file's ids, or shards memory-mapped
-        self.source = data.label
-        self.batches = TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
-                                    data.digest)
+        self.data_note = None  # what the summary says of chat or instruction examples
+        if is_chat_file(cfg.data):  # examples, trained on their answers (chat.py)
+            examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
+            self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
+            self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
+                                          pad_id(tokenizer))
+        else:  # a text file's ids, or shards memory-mapped
+            data = read_corpus(cfg.data, tokenizer)
+            self.source = data.label
+            self.batches = TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
+                                        data.digest)
         r = dp_rank(self.mesh)
         # this dp rank's rows of every batch, cut into the step's passes
         per_rank, n = cfg.batch_size // dp, passes(cfg)
@@ -274,7 +287,7 @@ class Run:
         if self.lead:
             result["rows"] = report.finish(self.start, sizes, measure.comm, self.recipe.shape(),
                                            implementation(self.opt), self.recipe.dropout,
-                                           self.source, stopped is not None)
+                                           self.source, stopped is not None, self.data_note)
         return result
 
 

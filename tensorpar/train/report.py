@@ -250,7 +250,8 @@ class RunReport:
             self.metrics.close()
 
     def finish(self, start: int, sizes: list[dict], comm: dict, shape: ModelShape | None,
-               optimizer: str, dropout: bool, source: str, stopped: bool) -> list[dict]:
+               optimizer: str, dropout: bool, source: str, stopped: bool,
+               data_note: str | None = None) -> list[dict]:
         """``loss.png``, and for a run that was not stopped the summary and the files' line;
         the rows of ``metrics.jsonl``."""
         cfg, out, rows = self.cfg, self.out, self.metrics.rows
@@ -264,7 +265,7 @@ class RunReport:
 
             ran = [r for r in rows if r["step"] > start]
             console = self.progress.console
-            console.print(summary(ran, sizes, comm, cfg, shape, optimizer, dropout))
+            console.print(summary(ran, sizes, comm, cfg, shape, optimizer, dropout, data_note))
             console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                           f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}"
                           + (f"   tensorboard: {out / 'tensorboard'}" if cfg.tensorboard
@@ -273,7 +274,8 @@ class RunReport:
 
 
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelShape,
-            optimizer: str = "fused", dropout: bool = False) -> Table:
+            optimizer: str = "fused", dropout: bool = False,
+            data_note: str | None = None) -> Table:
     """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
     prediction) and the collectives of one step (measured against the analytic minimum).
     shape: the model as the planner sees it (``recipe.shape()``; None: the planner cannot describe
@@ -293,6 +295,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
                   show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
+    if data_note:
+        table.add_row("data", data_note)
     done = [r for r in rows if not r.get("skipped")]
     if done:
         table.add_row("loss (first -> final step)",
