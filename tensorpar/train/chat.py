@@ -20,9 +20,11 @@ mean over the step's answer tokens (also under gradient accumulation: ``loop.Run
 
 Each example is at most ``--seq-len`` + 1 tokens: a longer one is cut to that length (its answer
 may lose its end), and counted; an example whose answer would lose every token is dropped, and
-counted. Batches are ``--batch-size`` examples, each padded on the right to ``--seq-len`` (the
-padding ignored; causal attention never lets a real token see it), in an order seeded by
-(seed, epoch) as the windows of text, so a resumed run continues exactly.
+counted. Batches are ``--batch-size`` rows, in an order seeded by (seed, epoch) as the windows
+of text, so a resumed run continues exactly: a row is one example padded on the right to
+``--seq-len`` (the padding ignored; causal attention never lets a real token see it), or with
+``--pack`` as many consecutive examples as fit, positions restarting at each and attention
+confined to it (``ExampleBatches``).
 """
 
 from __future__ import annotations
@@ -146,13 +148,17 @@ def _render(tok, messages: list, generation_prompt: bool) -> list[int]:
 
 
 class ExampleBatches:
-    """Batches of (input, target), (B, T) each: ``batch_size`` examples in an order fixed by
-    (seed, step), right-padded, the targets ``IGNORE_INDEX`` but at answer tokens."""
+    """Batches of (input, target, positions), (B, T) each: examples in an order fixed by
+    (seed, epoch), the targets ``IGNORE_INDEX`` but at answer tokens. Unpacked, a row is one
+    example padded on the right; packed (``pack``), a row holds the next examples of the order
+    that fit, each with positions from 0 (a model given those positions confines attention to
+    each example: transformers builds a block-diagonal causal mask from positions that restart),
+    the rest padding. Every example's predictions are those it has alone."""
 
     def __init__(self, examples: Examples, seq_len: int, batch_size: int, seed: int,
-                 pad_id: int = 0):
+                 pad_id: int = 0, pack: bool = False):
         self.examples, self.seq_len, self.batch_size = examples, seq_len, batch_size
-        self.seed, self.pad_id = seed, pad_id
+        self.seed, self.pad_id, self.pack = seed, pad_id, pack
         self.windows = len(examples.ids)  # as TokenBatches: the units an epoch visits
         h = hashlib.sha256()
         for ids, trained in zip(examples.ids, examples.trained, strict=True):
@@ -160,6 +166,7 @@ class ExampleBatches:
         self.digest = h.hexdigest()[:16]
         self.tokens = None  # nothing of the corpus the memory meter counts beyond the lists
         self._perm: tuple[int, torch.Tensor] | None = None
+        self._rows: list[list[list[int]]] = []  # packed: each epoch's rows of example indices
 
     def _order(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -167,21 +174,57 @@ class ExampleBatches:
             self._perm = (epoch, torch.randperm(self.windows, generator=gen))
         return self._perm[1]
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        T = self.seq_len
-        x = torch.full((self.batch_size, T), self.pad_id, dtype=torch.long)
-        y = torch.full((self.batch_size, T), IGNORE_INDEX, dtype=torch.long)
-        for row, i in enumerate(range(step * self.batch_size, (step + 1) * self.batch_size)):
-            e = int(self._order(i // self.windows)[i % self.windows])
-            ids = torch.tensor(self.examples.ids[e])
-            trained = torch.tensor(self.examples.trained[e])
-            n = len(ids) - 1
-            x[row, :n] = ids[:-1]
-            y[row, :n] = torch.where(trained[1:], ids[1:], IGNORE_INDEX)
-        return x, y
+    def _epoch_rows(self, epoch: int) -> list[list[int]]:
+        """Epoch ``epoch``'s rows: its order's examples, greedily, as many as fit a row."""
+        while len(self._rows) <= epoch:
+            rows, row, used = [], [], 0
+            for e in self._order(len(self._rows)).tolist():
+                n = len(self.examples.ids[e]) - 1  # the positions it fills
+                if row and used + n > self.seq_len:
+                    rows.append(row)
+                    row, used = [], 0
+                row.append(e)
+                used += n
+            rows.append(row)
+            self._rows.append(rows)
+        return self._rows[epoch]
+
+    def _row(self, i: int) -> list[int]:
+        """The examples of row ``i`` counted from the start of training."""
+        if not self.pack:
+            return [int(self._order(i // self.windows)[i % self.windows])]
+        epoch = 0
+        while i >= len(self._epoch_rows(epoch)):
+            i -= len(self._epoch_rows(epoch))
+            epoch += 1
+        return self._epoch_rows(epoch)[i]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T = self.batch_size, self.seq_len
+        x = torch.full((B, T), self.pad_id, dtype=torch.long)
+        y = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+        pos = torch.zeros((B, T), dtype=torch.long)
+        for r in range(B):
+            at = 0
+            for e in self._row(step * B + r):
+                ids = torch.tensor(self.examples.ids[e])
+                trained = torch.tensor(self.examples.trained[e])
+                n = len(ids) - 1
+                x[r, at:at + n] = ids[:-1]
+                y[r, at:at + n] = torch.where(trained[1:], ids[1:], IGNORE_INDEX)
+                pos[r, at:at + n] = torch.arange(n)
+                at += n
+            pos[r, at:] = torch.arange(T - at)  # the padding: a block of its own
+        return x, y, pos
 
     def epoch_of(self, step: int) -> float:
-        return step * self.batch_size / self.windows
+        if not self.pack:
+            return step * self.batch_size / self.windows
+        rows, epoch = step * self.batch_size, 0
+        while rows >= len(self._epoch_rows(epoch)):
+            rows -= len(self._epoch_rows(epoch))
+            epoch += 1
+        return epoch + rows / len(self._epoch_rows(epoch))
 
 
 def describe_examples(examples: Examples, seq_len: int) -> str:

@@ -61,6 +61,10 @@ class TrainConfig:
     eval_batches: int | None = dataclasses.field(default=None, metadata={
         "help": "with --val-data: the first K batches of --batch-size windows",
         "default": "all of them"})
+    pack: bool = dataclasses.field(default=False, metadata={
+        "help": "with chat or instruction examples (--data FILE.jsonl) and --hf: several "
+                "examples in each sequence, positions restarting at each and attention "
+                "confined to it, instead of one padded example a sequence"})
     lora_rank: int | None = dataclasses.field(default=None, metadata={
         "help": "with --hf: train LoRA adapters of this rank on the blocks' projections, split "
                 "with them over --tp, the model frozen; only the adapters are in the optimizer, "

@@ -94,6 +94,9 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        if getattr(cfg, "pack", False):
+            raise ValueError("--pack is for a Hugging Face model (--hf PATH) yet: the GPT's "
+                             "attention takes no restarting positions")
         if getattr(cfg, "lora_rank", None) is not None or getattr(cfg, "lora_init", None):
             raise ValueError("--lora-rank and --lora-init fine-tune a Hugging Face model (--hf "
                              "PATH); the GPT trains every weight")

@@ -149,8 +149,12 @@ class HFRecipe:
         forward = loss_function(model, cfg.compile, cfg.compile_backend, self.dropout)
 
         def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor,
-                 loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
-            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False).logits
+                 loss_tokens: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            # position_ids (--pack): restarting positions, from which transformers confines
+            # attention to each example (no cache: the block-diagonal causal mask)
+            extra = {} if position_ids is None else {"position_ids": position_ids}
+            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False, **extra).logits
             loss = vocab_parallel_cross_entropy(
                 logits_BTV_local, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
                 reduction="mean" if loss_tokens is None else "sum")

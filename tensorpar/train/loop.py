@@ -127,7 +127,7 @@ class Run:
             examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
-                                          pad_id(tokenizer))
+                                          pad_id(tokenizer), cfg.pack)
         else:  # a text file's ids, or shards memory-mapped
             data = read_corpus(cfg.data, tokenizer)
             self.source = data.label
@@ -189,11 +189,14 @@ class Run:
         tokens, a mean of per-pass means is another number)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        x, y = self.batches.batch(step)  # the whole step's batch, on every rank
+        x, y, *packed = self.batches.batch(step)  # the whole step's batch, on every rank
         self.data_seconds = time.perf_counter() - t0  # the step's wait for its data
+        # --pack: each row's positions restart at every example (chat.ExampleBatches)
+        pos = packed[0].to(self.device) if packed and cfg.pack else None
+        at = {} if pos is None else {"position_ids": pos}
         if len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
             with self.autocast:
-                loss = self.forward(x.to(self.device), y.to(self.device))
+                loss = self.forward(x.to(self.device), y.to(self.device), **at)
             loss.backward()
             loss_sum = loss.detach().float()
         else:
@@ -206,7 +209,8 @@ class Run:
                 with gradient_sync(self.model, i == len(self.passes) - 1):
                     with self.autocast:
                         loss = self.forward(x[rows].to(self.device), y[rows].to(self.device),
-                                            loss_tokens=tokens)
+                                            loss_tokens=tokens,
+                                            **({} if pos is None else {"position_ids": pos[rows]}))
                     loss.backward()
                 loss_sum = loss_sum + loss.detach().float() / self.dp
         norm = clip_grad_norm_(self.net, self.layout, cfg.grad_clip, self.group,

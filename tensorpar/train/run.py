@@ -27,6 +27,7 @@ from tensorpar.ranks.local import run_ranks
 from tensorpar.ranks.signals import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 from tensorpar.runtime.groups import rank_device_type, wanted_device
 from tensorpar.runtime.torchrun import speaks, under_torchrun
+from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import check_corpus
@@ -125,6 +126,9 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
     recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    if cfg.pack and not is_chat_file(cfg.data):
+        raise ValueError(f"--pack packs chat or instruction examples: --data {cfg.data} is not "
+                         "a JSON-lines file of {\"messages\"} or {\"prompt\", \"completion\"}")
     tokenizer = recipe.tokenizer()  # missing, short or unreadable data fails here, once
     check_corpus(cfg.data, tokenizer, cfg.seq_len)
     if cfg.val_data is not None:
