@@ -44,6 +44,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.dropout import install_region_streams
+from tensorpar.hf.fused_blocks import FusedColumnLinear
+from tensorpar.hf.labels_loss import vocab_parallel_labels_loss
 from tensorpar.hf.norms import fuse_rms_norms
 from tensorpar.hf.plans import check_split, plan_for, tied_heads
 from tensorpar.hf.sequence import SequenceLength, check_sequence_parallel, split_at_first_layer
@@ -145,6 +147,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     model.tp_region_stream = install_region_streams(
         model, regions if has_dropout(model) else [], tp_rank(group))
     fuse_rms_norms(model)  # the GPT's one-kernel RMSNorm (norms.py)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, FusedColumnLinear) and head.gather_output and conv.n > 1 and \
+            hasattr(model, "loss_function"):  # labels= losses on the split logits
+        vocab_parallel_labels_loss(model, head, group)
     return model
 
 
