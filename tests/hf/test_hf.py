@@ -57,6 +57,7 @@ def _parity_body(path, how, plan=None):
     dense = _dense(path)
     model = from_pretrained(path, plan=plan) if how == "load" else \
         parallelize(_dense(path), plan)
+    model.gather_logits = True  # whole logits with labels too (the split loss: test_labels_loss)
     held = assert_split(model, dense)
     errors = dict.fromkeys([*TOL, "zero grad"], 0.0)
 

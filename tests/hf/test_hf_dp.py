@@ -7,8 +7,8 @@ with ``full_tensor()``) is its TP slice of the dense gradient, and after one Ada
 loss is the dense model's next loss; all in fp32, to ``TOL``.
 
 The head is a plain ``column`` layer and the loss ``vocab_parallel_cross_entropy`` on the local
-logits, so no rank ever holds the (B, T, V) logits (the built-in plan's ``column_gather`` head
-would gather them for the model's own ``labels=`` loss; that path is ``test_hf.py``'s).
+logits, so no rank ever holds the (B, T, V) logits (the model's own ``labels=`` loss does the
+same with the built-in plan's head: ``test_labels_loss.py``).
 Families: Llama with GQA (4 heads, 2 KV heads: one KV head per rank), also under DDP;
 Llama-MQA (one KV head that both TP ranks hold: its gradients summed over them inside the
 forward); Qwen3 (per-head q/k norms, replicated, their partial gradients summed over TP);

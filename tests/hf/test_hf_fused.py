@@ -43,6 +43,7 @@ def _sp_body(path, how):
     model = from_pretrained(path, sequence_parallel=True).train() if how == "load" else \
         parallelize(transformers.AutoModelForCausalLM.from_pretrained(path),
                     sequence_parallel=True).train()
+    model.gather_logits = True  # whole logits with labels too (the split loss: test_labels_loss)
     assert_split(model, dense)
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, InRegionColumn) and attn.o_proj.sequence_parallel
