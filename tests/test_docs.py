@@ -67,7 +67,8 @@ SMALL = {
 }
 # words of the README that stand for a user's own file; filled in by the fixture of that name
 PLACEHOLDERS = {"path/to/model": "hf_model", "path/to/tokenizer": "tokenizer_dir",
-                "path/to/corpus/*.txt": "text_files"}
+                "path/to/corpus/*.txt": "text_files",
+                "path/to/instructions.jsonl": "instructions"}
 
 
 def _blocks(path: Path) -> list[tuple[str, int, str]]:
@@ -258,6 +259,20 @@ def text_files(tmp_path_factory) -> str:
     for i in range(3):
         (folder / f"part{i}.txt").write_text(text[i * 20_000:(i + 1) * 20_000])
     return str(folder / "*.txt")
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory) -> str:
+    """``path/to/instructions.jsonl``: prompt and completion pairs."""
+    import json
+
+    path = tmp_path_factory.mktemp("sft") / "instructions.jsonl"
+    words = default_corpus()[:4_000].split()
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": " ".join(words[i:i + 6]),
+                                "completion": " " + " ".join(words[i + 6:i + 9])}) + "\n")
+    return str(path)
 
 
 @pytest.fixture(scope="module")
