@@ -109,6 +109,31 @@ def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
     return {"fused": 0, "foreach": 4 * total, "for-loop": 2 * 4 * largest}[optimizer]
 
 
+LORA_COLUMNS = ("q", "k", "v", "gate", "up")  # the GPT's names; a Hugging Face model's q_proj ...
+LORA_ROWS = ("o", "down")
+
+
+def lora_params(shape: ModelShape, tp: int, rank: int, r: int,
+                targets: tuple[str, ...] | None = None) -> dict:
+    """Adapter elements this rank holds for LoRA of rank ``r`` on the block projections
+    ``targets`` (q, k, v, o, gate, up, down; default all): a column projection's A whole
+    (r x D) and its share of B's rows, a row projection's share of A's columns and B whole
+    (D x r) (``parallel/lora.py``). As ``rank_params``: total, largest, tensors, block; and
+    ``columns``, ``rows``: how many of each kind a block adapts."""
+    s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
+    out = {"q": s["heads"] * hd, "k": s["kv_heads"] * hd, "v": s["kv_heads"] * hd,
+           "gate": s["hidden"] if shape.gated_mlp else 0, "up": s["hidden"]}
+    ins = {"o": s["heads"] * hd, "down": s["hidden"]}
+    chosen = set(targets or LORA_COLUMNS + LORA_ROWS)
+    cols = [c for c in LORA_COLUMNS if c in chosen and out[c]]
+    rows = [c for c in LORA_ROWS if c in chosen]
+    block = sum(r * D + out[c] * r for c in cols) + sum(r * ins[c] + D * r for c in rows)
+    sizes = [r * D] + [out[c] * r for c in cols] + [r * ins[c] for c in rows]
+    return {"total": shape.n_layer * block, "block": block, "largest": max(sizes),
+            "tensors": 2 * shape.n_layer * (len(cols) + len(rows)), "columns": len(cols),
+            "rows": len(rows)}
+
+
 def step_temporaries(optimizer: str, total: int, largest: int) -> int:
     """Bytes allocated on top of the gradients after backward: the gradient norm squares one
     gradient at a time (an fp32 temporary of the largest), then AdamW steps
@@ -121,10 +146,13 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
                      recompute: str = "none", fused: bool = True, rank: int = 0,
                      optimizer: str = "fused", dropout: bool = False,
                      keep_gathered_input: bool = False, device: str = "cpu",
-                     attention: str | None = None) -> dict:
+                     attention: str | None = None, lora: dict | None = None) -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
+    lora: ``lora_params``' count and ``"r"``: LoRA fine-tuning, the model frozen; gradients and
+    AdamW states are the adapters', no weight gradient of the model is made (the head's
+    neither), and each adapted projection keeps its (b, s, r) product for B's gradient.
     dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
     ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
     (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
@@ -153,11 +181,14 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     D, L, B, T = shape.dim, shape.n_layer, batch, seq
     N = B * T
     Ns = B * shard_sizes(T, tp)[rank] if sequence_parallel and tp > 1 else N  # its SP shard
-    weights, grads = 4 * p["total"], 4 * p["total"]
-    states = 8 * p["total"] + 4 * p["tensors"]  # exp_avg, exp_avg_sq; a step scalar each
+    trained = p if lora is None else lora  # what has gradients and AdamW states
+    weights, grads = 4 * (p["total"] + (0 if lora is None else lora["total"])), 4 * trained["total"]
+    states = 8 * trained["total"] + 4 * trained["tensors"]  # exp_avg, exp_avg_sq; a step each
     regather = sequence_parallel and tp > 1 and not keep_gathered_input
     block = block_saved(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
                          attention)
+    if lora is not None:  # each adapter's A x, kept for B's gradient
+        block += (lora["columns"] + lora["rows"]) * N * lora["r"] * 4
     weight_copies = block_copies(shape, s) if autocast else 0
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
     if shape.norm == "layer":
@@ -192,7 +223,8 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
     if regather:  # the column op's input, gathered again for its weight gradients
         hidden_grads += N * D * act
-    top = activations - tail + 4 * s["vocab"] * D + hidden_grads
+    head_grad = 4 * s["vocab"] * D if lora is None else 0  # a frozen head has none
+    top = activations - tail + head_grad + hidden_grads
     in_copies["block backward"] = copies - head_copy
     if recompute == "full":
         # inside the recomputed block's MLP backward (measured: tests/planner/test_plan_modes.py):
@@ -209,17 +241,17 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     kept = Ns * D * 4 if recompute == "full" else block
     # between blocks in backward (the last block's activations, the head's gradient) and what
     # a block's backward adds: what data parallelism (plan.data_parallel) builds on
-    between = activations - tail + 4 * s["vocab"] * D
+    between = activations - tail + head_grad
     blocks = {"count": L, "between": between, "inside": top - between, "kept": kept,
               "copies": {"between": copies - head_copy, "kept": 0 if recompute == "full" else
                          weight_copies, "inside": in_copies["block backward"] - copies + head_copy}}
-    first = top + (L - 1) * (4 * p["block"] - kept)
+    first = top + (L - 1) * (4 * trained["block"] - kept)
     if first > top:
         top = first
         if recompute != "full":
             in_copies["block backward"] -= (L - 1) * weight_copies
     peaks["block backward"] = top
-    optimizer_peak = grads + step_temporaries(optimizer, p["total"], p["largest"])
+    optimizer_peak = grads + step_temporaries(optimizer, trained["total"], trained["largest"])
     peaks["optimizer step"] = optimizer_peak
     where = max(peaks, key=peaks.get)
     return {"dtype": dtype, "weights": weights, "grads": grads, "optimizer": states,

@@ -247,7 +247,7 @@ def _config(**fields):
 
 
 BAD = {  # case: (checkpoint given the run and tmp_path, extra flags, the line's start)
-    "neither": (None, [], "give one of --out FILE.safetensors (one dense file) and --hf-out"),
+    "neither": (None, [], "give one of --out FILE.safetensors (one dense file), --hf-out DIR"),
     "both": (None, ["--out", "x.safetensors", "--hf-out", "hf"], "give one of --out"),
     "shard size with --out": (None, ["--out", "x.safetensors", "--max-shard-size", "1GB"],
                               "--max-shard-size goes with --hf-out"),

@@ -161,13 +161,16 @@ def test_export_is_the_source_architecture(runs, models, tmp_path, family):
 
 
 def test_another_model_or_command_is_refused(runs, models, tmp_path):
-    """``--resume --hf`` with a directory whose config.json is not the run's, and ``generate
-    --ckpt`` (the GPT's) of the run: one line each."""
+    """``--resume --hf`` with a directory whose config.json is not the run's: one line; the
+    GPT's generation asked for the run in the library is refused in one line (the command
+    runs it: ``test_lora_train.py``)."""
+    from tensorpar.gpt.generate import check_request
+
     run = runs("llama", 2)[0]
     out = tensorpar_here("train", "--resume", "--hf", models["qwen2"], "--out", run)
     assert out.returncode == 2 and "config.json differs from the run's" in out.stderr, out.stderr
-    out = tensorpar_here("generate", "--ckpt", run, "--prompt", "x")
-    assert out.returncode == 2 and "fine-tuned by tensorpar train --hf: export it" in out.stderr
+    with pytest.raises(ValueError, match="fine-tuned by tensorpar train --hf, not the GPT"):
+        check_request(str(run), ["x"], 8, 0.0, 1)
 
 
 def test_recompute_equals_the_run_and_keeps_less(ranks, runs, models, tmp_path):

@@ -49,7 +49,8 @@ def _tp_loss_and_grads(model_dir, factors, ids, targets_, group=None):
     frozen_grads = [n for n, p in model.named_parameters() if p.grad is not None
                     and not n.endswith(("lora_A.weight", "lora_B.weight"))]
     grads = {n: (p.grad.clone(), p.tp_shard) for n, p in lora_parameters(model)}
-    return loss.item(), grads, frozen_grads, tp_rank(group)
+    held = sum(p.numel() for _, p in lora_parameters(model))
+    return loss.item(), grads, frozen_grads, tp_rank(group), held
 
 
 def _dense(grads_by_rank, name):
@@ -100,6 +101,13 @@ def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
     assert {r[0] for r in results} == {results[0][0]}
     assert abs(results[0][0] - want.item()) <= 1e-5 * want.item()
     assert sorted(by_rank[0]) == sorted(ref)
+    if family == "llama":  # what each rank holds is what the planner counts (lora_params)
+        from tensorpar.planner.memory import lora_params
+        from tensorpar.planner.shapes import shape_from_hf_config
+
+        shape = shape_from_hf_config(dense.config.to_dict(), "llama")
+        for r in results:
+            assert r[4] == lora_params(shape, n, r[3], RANK)["total"], (r[3], r[4])
     for name, g in ref.items():
         err = (_dense(by_rank, name) - g).abs().max().item()
         assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())

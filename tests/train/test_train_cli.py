@@ -115,7 +115,8 @@ def test_under_torchrun(tmp_path):
     (["train", "--tp", 4, "--sequence-parallel", "--seq-len", 3], "--seq-len 3 is shorter than"),
     (["train", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
     (["generate", "--ckpt", "/nonexistent", "--prompt", "x"], "no checkpoint in /nonexistent"),
-    (["train", "--vocab-size", 100], "--vocab-size 100: the byte tokenizer needs 256"),
+    (["train", "--vocab-size", 100], "--vocab-size 100: the tokenizer, bytes (256 tokens), "
+     "needs 256"),
     (["train", "--lr", -1], "--lr -1.0 must be > 0"),
 ])
 def test_bad_requests_exit_2(args, message):
