@@ -26,8 +26,8 @@ from tensorpar.parallel.mappings import gather_from_tp  # noqa: E402
 
 from tests_common import tensorpar_here  # noqa: E402
 
-STEPS = 6
-LORA = TRAIN | {"steps": STEPS, "save_every": 3, "lora_rank": 4, "lora_alpha": 8.0,
+STEPS = 4
+LORA = TRAIN | {"steps": STEPS, "save_every": 2, "lora_rank": 4, "lora_alpha": 8.0,
                 "lr": 1e-2}
 
 
@@ -61,13 +61,13 @@ def _same(rows, ref, tol, what):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_lora_equal_across_tp(runs, family):
-    """Loss and gradient norm of 6 AdamW steps on the adapters at TP=2 and 3 (and for the Llama
-    TP=2 with sequence parallelism and with recompute) equal TP=1's to 1e-5 relative (measured
-    at most 1.7e-7), and the loss falls."""
+    """Loss and gradient norm of 4 AdamW steps on the adapters at TP=2 (and for the Llama TP=3,
+    TP=2 with sequence parallelism and with recompute; GPT-2's packed q|k|v at TP=3: test_lora.py)
+    equal TP=1's to 1e-5 relative (measured at most 1.7e-7), and the loss falls."""
     ref = runs(family, 1)[1]
     assert ref[-1]["loss"] < ref[0]["loss"], ref
-    cases = [(2, {}), (3, {})] + [(2, {"sequence_parallel": True}),
-                                  (2, {"recompute": True})] * (family == "llama")
+    cases = [(2, {})] + [(3, {}), (2, {"sequence_parallel": True}),
+                         (2, {"recompute": True})] * (family == "llama")
     for tp, flags in cases:
         _same(runs(family, tp, **flags)[1], ref, 1e-5, f"{family} TP={tp} {flags}")
 
@@ -97,15 +97,15 @@ def test_checkpoint_holds_the_adapters_and_the_base_is_untouched(runs, models):
 
 
 def test_resume_at_another_tp_continues_exactly(ranks, runs, models, tmp_path):
-    """Stopped after step 3 at TP=2, resumed at TP=3 from the adapters and the base: steps 4-6
+    """Stopped after step 2 at TP=2, resumed at TP=3 from the adapters and the base: steps 3-4
     equal the uninterrupted TP=3 run's (1e-5)."""
-    train(ranks, models["llama"], tmp_path / "cut", 2, **(LORA | {"steps": 3,
+    train(ranks, models["llama"], tmp_path / "cut", 2, **(LORA | {"steps": 2,
                                                                  "lr_decay_steps": STEPS}),
           data=str(models["data"]))
     rows = train(ranks, None, tmp_path / "cut", 3, resume=True, steps=STEPS)
     ref = runs("llama", 3)[1]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for a, b in zip(rows[3:], ref[3:], strict=True):
+    for a, b in zip(rows[2:], ref[2:], strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * b[key], (a, b)
 
@@ -220,10 +220,10 @@ def test_lora_flags_are_checked_before_any_rank(models, tmp_path):
 
 
 def test_generate_from_a_full_fine_tune(ranks, models, tmp_path):
-    """generate --ckpt of a run that trained every weight prints, at TP=1 and 2, the greedy text
+    """generate --ckpt of a run that trained every weight prints, at TP=2, the greedy text
     transformers gives on the run exported with export --hf-out."""
     run = tmp_path / "full"
-    train(ranks, models["llama"], run, 2, **(TRAIN | {"steps": 2}), data=str(models["data"]))
+    train(ranks, models["llama"], run, 2, **(TRAIN | {"steps": 1}), data=str(models["data"]))
     assert tensorpar_here("export", "--ckpt", str(run), "--hf-out",
                           str(tmp_path / "hf")).returncode == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -231,8 +231,7 @@ def test_generate_from_a_full_fine_tune(ranks, models, tmp_path):
     with torch.no_grad():
         greedy = model.generate(torch.tensor([tok("A class")["input_ids"]]), max_new_tokens=8,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-    for tp in ("1", "2"):
-        said = tensorpar_here("generate", "--ckpt", str(run), "--tp", tp, "--prompt", "A class",
-                              "--max-new-tokens", "8")
-        assert said.returncode == 0, said.stderr
-        assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
+    said = tensorpar_here("generate", "--ckpt", str(run), "--tp", "2", "--prompt", "A class",
+                          "--max-new-tokens", "8")
+    assert said.returncode == 0, said.stderr
+    assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
