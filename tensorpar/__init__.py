@@ -9,9 +9,9 @@ The packages, and the one direction their imports flow (each imports only those 
     checkpoint   sharded checkpoints that load at any TP size
     planner      memory and communication per rank, the memory meter
     dp           the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
-    gpt          tensorpar's GPT, its tokenizer, generation
-    hf           Hugging Face plans, parallelize, from_pretrained, export
-    train        the trainer: config, run, loop, recipes (the GPT, HF models)
+    gpt          tensorpar's GPT, its tokenizers, generation
+    hf           Hugging Face plans, parallelize, from_pretrained, LoRA, export
+    train        the trainer: config, run, loop, data (text, shards, chat), recipes
     bench        tensorpar against DTensor, megatron-core and plain PyTorch
     cli          ``tensorpar``: one module per command, on top
 
