@@ -66,6 +66,7 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
         transformers.AutoModelForCausalLM.from_config(config)
     rss0, t0 = _private_memory(), time.perf_counter()
     model = from_pretrained(path, group)
+    model.gather_logits = True  # the logits whole with labels too: compared with the dense ones
     load_s, rss1 = time.perf_counter() - t0, _private_memory()
     dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)

@@ -61,6 +61,7 @@ def test_attention_dropout_differs_per_rank_and_logits_agree(ranks):
 def _train_step(n_head: int, attn: str):
     """Two train-mode SGD steps; return the logits of the second and the replicated weights."""
     model = parallelize(_gpt2(n_head, attn)).train()
+    model.gather_logits = True  # the logits whole with labels too: compared across the ranks
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
