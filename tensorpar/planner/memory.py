@@ -113,6 +113,20 @@ LORA_COLUMNS = ("q", "k", "v", "gate", "up")  # the GPT's names; a Hugging Face 
 LORA_ROWS = ("o", "down")
 
 
+# a Hugging Face projection's name -> the planner's (GPT-2's c_proj is both o and down)
+_HF_KINDS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",),
+             "gate_proj": ("gate",), "up_proj": ("up",), "down_proj": ("down",),
+             "c_attn": ("q", "k", "v"), "c_proj": ("o", "down"), "c_fc": ("up",)}
+
+
+def planner_kinds(targets: str | None) -> tuple[str, ...] | None:
+    """``--lora-targets`` (comma-separated projection names) as ``lora_params``' names (None:
+    every projection)."""
+    if targets is None:
+        return None
+    return tuple(k for t in targets.split(",") for k in _HF_KINDS.get(t.strip(), (t.strip(),)))
+
+
 def lora_params(shape: ModelShape, tp: int, rank: int, r: int,
                 targets: tuple[str, ...] | None = None) -> dict:
     """Adapter elements this rank holds for LoRA of rank ``r`` on the block projections

@@ -165,6 +165,11 @@ class ExampleBatches:
             h.update(json.dumps([ids, trained]).encode())
         self.digest = h.hexdigest()[:16]
         self.tokens = None  # nothing of the corpus the memory meter counts beyond the lists
+        # each example's inputs and targets, made once (a step only copies them into its rows)
+        self._pairs = []
+        for ids, trained in zip(examples.ids, examples.trained, strict=True):
+            ids, trained = torch.tensor(ids), torch.tensor(trained)
+            self._pairs.append((ids[:-1], torch.where(trained[1:], ids[1:], IGNORE_INDEX)))
         self._perm: tuple[int, torch.Tensor] | None = None
         self._rows: list[list[list[int]]] = []  # packed: each epoch's rows of example indices
 
@@ -207,11 +212,10 @@ class ExampleBatches:
         for r in range(B):
             at = 0
             for e in self._row(step * B + r):
-                ids = torch.tensor(self.examples.ids[e])
-                trained = torch.tensor(self.examples.trained[e])
-                n = len(ids) - 1
-                x[r, at:at + n] = ids[:-1]
-                y[r, at:at + n] = torch.where(trained[1:], ids[1:], IGNORE_INDEX)
+                inputs, targets = self._pairs[e]
+                n = len(inputs)
+                x[r, at:at + n] = inputs
+                y[r, at:at + n] = targets
                 pos[r, at:at + n] = torch.arange(n)
                 at += n
             pos[r, at:] = torch.arange(T - at)  # the padding: a block of its own

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
-from tensorpar.planner.memory import lora_params, tensorpar_memory
+from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
 
@@ -273,19 +273,6 @@ class RunReport:
         return rows
 
 
-# a Hugging Face projection's name -> the planner's (GPT-2's c_proj is both o and down)
-_KINDS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",),
-          "gate_proj": ("gate",), "up_proj": ("up",), "down_proj": ("down",),
-          "c_attn": ("q", "k", "v"), "c_proj": ("o", "down"), "c_fc": ("up",)}
-
-
-def lora_kinds(targets: str | None) -> tuple[str, ...] | None:
-    """``--lora-targets`` as the planner's projection names (None: every projection)."""
-    if targets is None:
-        return None
-    return tuple(k for t in targets.split(",") for k in _KINDS.get(t.strip(), (t.strip(),)))
-
-
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelShape,
             optimizer: str = "fused", dropout: bool = False,
             data_note: str | None = None) -> Table:
@@ -343,7 +330,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         elif s.get("peak_memory"):
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
             lora = None if getattr(cfg, "lora_rank", None) is None else \
-                lora_params(shape, tp, tp_r, cfg.lora_rank, lora_kinds(cfg.lora_targets)) | \
+                lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
                 {"r": cfg.lora_rank}
             planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
