@@ -126,7 +126,8 @@ def seed_dropout(model: nn.Module, seed: int, step: int, dp_rank: int = 0) -> No
     """Seed the dropout of a model converted by ``parallelize`` for one step, on every rank
     before the step's forward: torch's global generator (the TP group's shared stream, outside
     the TP regions) from (seed, "hf-dropout", step, dp_rank), and this rank's region stream from
-    (seed, "hf-tp-region", step, dp_rank, tp rank). Each step and each data-parallel replica then
+    (seed, "hf-tp-region", step, dp_rank, tp rank), and LoRA's adapter dropout (``add_lora``), if
+any, from (seed, "lora-dropout", step, dp_rank). Each step and each data-parallel replica then
     draws masks of its own, and a step's masks depend on (seed, step) alone: a resumed run draws
     the uninterrupted one's. ``model``: the converted model, or a DDP wrapper of it (FSDP2
     converts it in place). Reseeding the global generator also reseeds whatever else draws from
@@ -137,3 +138,6 @@ def seed_dropout(model: nn.Module, seed: int, step: int, dp_rank: int = 0) -> No
                          "tensorpar.parallelize first")
     torch.manual_seed(derive_seed(seed, "hf-dropout", step, dp_rank))
     stream.restart(derive_seed(seed, "hf-tp-region", step, dp_rank, stream.tp_rank))
+    adapters = getattr(getattr(model, "module", model), "lora_dropout", None)
+    if adapters is not None:  # LoRA's masks: the same at every TP size
+        adapters.restart(derive_seed(seed, "lora-dropout", step, dp_rank))

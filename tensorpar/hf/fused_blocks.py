@@ -43,7 +43,7 @@ from torch.distributed import ProcessGroup
 from tensorpar.parallel.fused import fused_column
 from tensorpar.parallel.grad_sync import sum_grads_in_backward, sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear
-from tensorpar.parallel.lora import column_update, has_lora
+from tensorpar.parallel.lora import column_update, dropped_column_products, drops, has_lora
 from tensorpar.parallel.mappings import gather_from_tp
 from tensorpar.parallel.sharding import ShardSpec
 
@@ -102,13 +102,14 @@ class Region:
     def _leave(self, module, args, out):
         self._input = self._handed = self._products = None
 
-    def _weights(self, columns: list[InRegionColumn]):
-        """Each column's (weight, bias), and the LoRA factors A of the adapted ones as more
-        weights of the op (``parallel/lora.py``); the shared rows' gradients and A's summed in
-        one all-reduce each. Returns the weights, the biases, the adapted columns and their B."""
+    def _weights(self, columns: list[InRegionColumn], adapted: list[InRegionColumn],
+                 fuse_a: bool):
+        """Each column's (weight, bias), and (``fuse_a``) the LoRA factors A of the adapted
+        ones as more weights of the op (``parallel/lora.py``); the shared rows' gradients and
+        A's summed in one all-reduce each. Returns the weights, the biases and the adapted
+        columns' B."""
         ws, bs = [c.weight for c in columns], [c.bias for c in columns]
         shared = [i for i, c in enumerate(columns) if c.shared]
-        adapted = [c for c in columns if has_lora(c)]
         b_lora = [c.lora_B.weight for c in adapted]
         shared_b = [j for j, c in enumerate(adapted) if c.shared]
         if shared:
@@ -119,17 +120,24 @@ class Region:
                 ws[i], bs[i] = summed[j], summed[len(shared) + j]
             for k, j in enumerate(shared_b):
                 b_lora[j] = summed[2 * len(shared) + k]
+        if not fuse_a:
+            return ws, bs, b_lora
         a_lora = sum_grads_in_backward([c.lora_A.weight for c in adapted], self.group)
-        return ws + a_lora, bs + [None] * len(adapted), adapted, b_lora
+        return ws + a_lora, bs + [None] * len(adapted), b_lora
 
     def _products_of(self, columns: list[InRegionColumn], x: torch.Tensor,
-                  length: int | None) -> list[torch.Tensor]:
-        ws, bs, adapted, b_lora = self._weights(columns)
+                     length: int | None) -> list[torch.Tensor]:
+        adapted = [c for c in columns if has_lora(c)]
+        # an adapter that drops has an input of its own: A leaves the fused op
+        fuse_a = not any(drops(c) for c in adapted)
+        ws, bs, b_lora = self._weights(columns, adapted, fuse_a)
         outs = column_op(x, ws, bs, self.group, length)
+        zs = outs[len(columns):] if fuse_a else \
+            dropped_column_products(x, adapted, self.group, length)
         ys = list(outs[:len(columns)])
         for j, c in enumerate(adapted):
             i = columns.index(c)
-            ys[i] = column_update(ys[i], outs[len(columns) + j], c, b_lora[j])
+            ys[i] = column_update(ys[i], zs[j], c, b_lora[j])
         return ys
 
     def product(self, column: InRegionColumn, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +174,10 @@ class FusedColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         seq_len = (seq_len or self.seq.length) if self.seq is not None else None
-        if has_lora(self):
+        if has_lora(self) and drops(self):
+            (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
+            y = column_update(y, dropped_column_products(x, [self], self.group, seq_len)[0], self)
+        elif has_lora(self):
             (a,) = sum_grads_in_backward([self.lora_A.weight], self.group)
             y, z = column_op(x, [self.weight, a], [self.bias, None], self.group, seq_len)
             y = column_update(y, z, self)

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.parallel.lora import attach_lora, dense_lora_a, has_lora, lora_parameters
+from tensorpar.parallel.lora import (
+    LoRADropout,
+    attach_lora,
+    dense_lora_a,
+    has_lora,
+    lora_parameters,
+)
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -75,14 +81,23 @@ def check_targets(targets: list[str], kinds: set[str]) -> None:
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None,
-             seed: int = 0, init: dict[str, torch.Tensor] | None = None) -> list[str]:
+             seed: int = 0, init: dict[str, torch.Tensor] | None = None,
+             dropout: float = 0.0) -> list[str]:
     """Adapters of rank ``rank`` (scale alpha / rank) on the target projections, every other
     parameter frozen; returns the adapted modules' names. init: dense factors by name
-    (``<module>.lora_A.weight``, from a PEFT folder), else A drawn from (seed, name), B zeros."""
+    (``<module>.lora_A.weight``, from a PEFT folder), else A drawn from (seed, name), B zeros.
+    dropout: PEFT's ``lora_dropout`` on each adapter's input while training, its masks those of
+    TP=1 at any TP size (``parallel/lora.py``), drawn from (seed, forward number, layer);
+    ``seed_dropout`` restarts them for a step (``model.lora_dropout``)."""
     if rank < 1:
         raise ValueError(f"--lora-rank {rank} must be >= 1")
     chosen = lora_targets(model, targets)
-    for name, m in chosen.items():
+    stream = None
+    if dropout > 0:
+        stream = LoRADropout(dropout, seed)
+        model.lora_dropout = stream
+        model.register_forward_pre_hook(lambda m, args: stream.next_forward())
+    for site, (name, m) in enumerate(sorted(chosen.items())):
         device = m.weight.device
         if init is not None:
             a = init[f"{name}.lora_A.weight"].float()
@@ -92,23 +107,42 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | Non
             b = torch.zeros(m.out_features, rank)
         a, b = a.to(device), b.to(device)
         if isinstance(m, RowParallelLinear):
-            attach_lora(m, "row", a, b, alpha, in_range=(m.shard_start, m.shard_stop))
+            attach_lora(m, "row", a, b, alpha, in_range=(m.shard_start, m.shard_stop),
+                        dropout=stream, site=site)
         else:
-            attach_lora(m, "column", a, b, alpha, out_spec=m.shard_spec)
+            attach_lora(m, "column", a, b, alpha, out_spec=m.shard_spec, dropout=stream,
+                        site=site)
     adapters = {id(p) for _, p in lora_parameters(model)}
     for p in model.parameters():
         p.requires_grad_(id(p) in adapters)
     return sorted(chosen)
 
 
+def frozen_in_bf16(model: nn.Module) -> int:
+    """Keep the frozen weights of a LoRA model's matmuls (its projections and head) in bf16,
+    half their memory: the values a bf16 autocast step casts them to anyway, so the step computes
+    what it would with them in fp32 and makes no bf16 copies. The embedding (a lookup; a head
+    tied to it too), norms, biases and the adapters stay fp32. Returns the parameters cast."""
+    embedding = model.get_input_embeddings().weight
+    cast = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and w is not embedding \
+                and not w.requires_grad and w.dtype == torch.float32:
+            w.data = w.data.to(torch.bfloat16)
+            cast += w.numel()
+    return cast
+
+
 def adapted_modules(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if has_lora(m)]
 
 
-def peft_config(rank: int, alpha: float, targets: list[str], base: str, conv1d: bool) -> dict:
+def peft_config(rank: int, alpha: float, targets: list[str], base: str, conv1d: bool,
+                dropout: float = 0.0) -> dict:
     """PEFT's ``adapter_config.json`` for these adapters."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted(targets), "lora_dropout": dropout, "bias": "none",
             "fan_in_fan_out": conv1d, "base_model_name_or_path": base,
             "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "modules_to_save": None, "inference_mode": True}
@@ -150,6 +184,7 @@ def lora_settings(manifest: dict) -> dict | None:
     if train.get("lora_rank") is None:
         return None
     return {"rank": train["lora_rank"], "alpha": train["lora_alpha"],
+            "dropout": train.get("lora_dropout", 0.0),
             "base": (manifest.get("hf") or {}).get("source")}
 
 
@@ -186,7 +221,7 @@ def peft_writer(reader, files: Path):
     conv = _conv1d_modules(files)
     config = peft_config(settings["rank"], settings["alpha"],
                          sorted({m.rsplit(".", 1)[-1] for m in modules}), settings["base"],
-                         any(m in conv for m in modules))
+                         any(m in conv for m in modules), settings["dropout"])
 
     def write(folder: Path) -> None:
         save_file({PEFT_PREFIX + n: t.contiguous() for n, t in factors.items()},

@@ -28,6 +28,21 @@ gradient per adapted op (A for a block's column op, B for each row layer), r/(B�
 activations' size. Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform,
 a = sqrt(5)) drawn dense from a generator seeded by the layer's name, B zeros; so every TP size
 starts from the same adapter.
+
+Dropout (PEFT's ``lora_dropout``: ``B A dropout(x)``, a mask of its own per adapted layer)::
+
+    every mask is drawn dense, (B, T, in), from (step seed, forward number, layer), and each
+    rank keeps its part: a row layer its input columns, a column layer under SP its tokens.
+    So the masks are those of TP=1 at every TP size, and a recomputed forward (same step, same
+    forward number) draws them again.
+
+    Row base: nothing changes, z_i = A_i (m_i ⊙ x_i) / (1 - p) still sums to A dropout(x).
+    Column base: A's input is no longer the base's, so A leaves the fused op. Each rank computes
+    z = A dropout(x) on the block's input as it holds it, and z enters the TP region as any
+    column input does (``enter_tp_region``: f, or the sequence all-gather under SP): backward
+    sums the ranks' partial dz, one all-reduce (reduce-scatter under SP) of (B, T, r·k) values
+    for a block's k adapted columns. Without SP, A's gradient is then whole on every rank (no
+    sum of A's gradients); under SP each rank's is over its tokens and is summed as before.
 """
 
 from __future__ import annotations
@@ -37,9 +52,79 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter
+from tensorpar.parallel.dropout import dropout_mask
+from tensorpar.parallel.grad_sync import sum_grads_in_backward
+from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
+from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.seeds import derive_seed
+
+
+class LoRADropout:
+    """The adapters' dropout masks: probability ``p``, drawn from the seed of the step
+    (``restart``; at first (seed, "lora-dropout", step 0, dp rank 0)) and the model's forward
+    number within it (``next_forward``, a forward pre-hook on the model), one mask per layer
+    (its ``lora_site``)."""
+
+    def __init__(self, p: float, seed: int):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"--lora-dropout {p} must be in [0, 1)")
+        self.p = p
+        # int64 [step seed, forward number], updated in place (dropout_mask's key)
+        self.key = torch.zeros(2, dtype=torch.int64)
+        self.restart(derive_seed(seed, "lora-dropout", 0, 0))
+
+    def restart(self, step_seed: int) -> None:
+        """Start the step whose seed is ``step_seed`` (``hf.dropout.seed_dropout``)."""
+        self.key[0], self.key[1] = step_seed, 0
+
+    def next_forward(self) -> None:
+        self.key[1] += 1
+
+    def drop(self, x: torch.Tensor, site: int, dense_shape, part: tuple) -> torch.Tensor:
+        """``x`` with this rank's ``part`` (a tuple of slices) of the dense mask of ``site``
+        zeroed and the rest scaled by 1 / (1 - p)."""
+        mask = dropout_mask(list(dense_shape), self.p, self.key, site, x.device)[part]
+        return x.masked_fill(mask, 0.0) * (1.0 / (1.0 - self.p))
+
+
+def drops(layer: nn.Module) -> bool:
+    """Whether ``layer``'s adapter drops its input now (a dropout above 0, training)."""
+    stream = getattr(layer, "lora_dropout", None)
+    return layer.training and stream is not None and stream.p > 0
+
+
+def dropped_input(x: torch.Tensor, layer: nn.Module, group: ProcessGroup | None,
+                  seq_len: int | None = None) -> torch.Tensor:
+    """The adapter's input with its mask: a row layer's x_i (..., in_local) keeps its columns of
+    the dense mask; a column layer's x its tokens under SP (``seq_len`` T, x (B, T_r, D)), else
+    all of it."""
+    shape, part = list(x.shape), [slice(None)] * x.dim()
+    if layer.lora_split == "row":
+        shape[-1] = layer.in_features
+        part[-1] = slice(layer.shard_start, layer.shard_stop)
+    elif seq_len is not None and tp_size(group) > 1:
+        shape[1] = seq_len
+        part[1] = slice(*shard_range(seq_len, tp_size(group), tp_rank(group)))
+    return layer.lora_dropout.drop(x, layer.lora_site, shape, tuple(part))
+
+
+def dropped_column_products(x: torch.Tensor, layers: list[nn.Module],
+                            group: ProcessGroup | None,
+                            seq_len: int | None = None) -> list[torch.Tensor]:
+    """z = A dropout(x) of each column layer in ``layers`` on the block's input ``x`` as this
+    rank holds it (under SP its tokens, ``seq_len`` T), entering the TP region together: one
+    all-reduce (reduce-scatter) of their gradients in backward."""
+    sp = seq_len is not None
+    factors = [c.lora_A.weight for c in layers]
+    if sp:  # each rank's A gradient is over its tokens
+        factors = sum_grads_in_backward(factors, group)
+    zs = [F.linear(dropped_input(x, c, group, seq_len), a)
+          for c, a in zip(layers, factors, strict=True)]
+    z = enter_tp_region(torch.cat(zs, dim=-1), sp, group, seq_len)
+    return list(z.split([a.shape[0] for a in factors], dim=-1))
 
 
 class LoRAFactor(nn.Module):
@@ -61,11 +146,13 @@ def dense_lora_a(name: str, rank: int, in_features: int, seed: int,
 
 def attach_lora(layer: nn.Module, split: str, a_dense: torch.Tensor, b_dense: torch.Tensor,
                 alpha: float, out_spec: ShardSpec | None = None,
-                in_range: tuple[int, int] | None = None) -> None:
+                in_range: tuple[int, int] | None = None, dropout: LoRADropout | None = None,
+                site: int = 0) -> None:
     """Give ``layer`` (a column or row layer) the factors ``lora_A`` and ``lora_B``, this rank's
     pieces of the dense ``a_dense`` (r, in) and ``b_dense`` (out, r), and ``lora_scale``
     alpha / r. split: "column" (B's rows as ``out_spec``, the layer's weight rows) or "row" (A's
-    columns ``in_range``, the layer's weight columns)."""
+    columns ``in_range``, the layer's weight columns). dropout: the model's adapter dropout, if
+    any; site: this layer's mask number in it."""
     rank = a_dense.shape[0]
     if split == "column":
         a = local_parameter(a_dense, REPLICATED)
@@ -80,6 +167,7 @@ def attach_lora(layer: nn.Module, split: str, a_dense: torch.Tensor, b_dense: to
     layer.lora_A, layer.lora_B = LoRAFactor(a), LoRAFactor(b)
     layer.lora_scale = alpha / rank
     layer.lora_split = split
+    layer.lora_dropout, layer.lora_site = dropout, site
 
 
 def has_lora(layer: nn.Module) -> bool:
@@ -96,7 +184,9 @@ def column_update(y: torch.Tensor, z: torch.Tensor, layer: nn.Module,
 
 def row_addend(x: torch.Tensor, layer: nn.Module, b: torch.Tensor) -> torch.Tensor:
     """``s · B A_i x_i``, the row layer's update before the reduction (b: B with its gradients
-    summed over the group)."""
+    summed over the group; x_i with its part of the dense mask when the adapter drops)."""
+    if drops(layer):
+        x = dropped_input(x, layer, layer.group)
     return layer.lora_scale * F.linear(F.linear(x, layer.lora_A.weight), b)
 
 

@@ -17,6 +17,9 @@ The purposes tensorpar draws from (``README.md``, "Randomness", has the table)::
                       (step, dp rank, tp rank)         under ``tensorpar train --hf``
     hf-dropout        (step, dp rank)                  ``train --hf``: torch's global generator,
                                                        HF dropout outside the TP regions
+    lora-dropout      (step, dp rank)                  LoRA's adapter dropout: the masks are
+                                                       its dropout-site masks (forward number,
+                                                       layer), drawn dense (parallel/lora.py)
     sampling          ()                               generation's Gumbel noise
 """
 

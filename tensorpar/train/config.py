@@ -76,6 +76,13 @@ class TrainConfig:
         "help": "with --lora-rank: the projections to adapt, by the last part of their names, "
                 "comma-separated (PEFT's target_modules: q_proj,v_proj)",
         "default": "every projection in the blocks, not the head"})
+    lora_dropout: float = dataclasses.field(default=0.0, metadata={
+        "help": "with --lora-rank: dropout on each adapter's input while training (PEFT's "
+                "lora_dropout); its masks are the same at every --tp"})
+    base_dtype: str = dataclasses.field(default="fp32", metadata={
+        "help": "with --lora-rank: keep the frozen weights of the projections and the head "
+                "in fp32 or bf16 (half their memory, the same step: the values bf16 autocast "
+                "computes with; needs --dtype bf16); embedding, norms and adapters stay fp32"})
     lora_init: str | None = dataclasses.field(default=None, metadata={
         "help": "with --hf: continue from this PEFT LoRA adapter folder (adapter_config.json, "
                 "adapter_model.safetensors); its rank, alpha and targets are the run's",
@@ -133,6 +140,16 @@ class TrainConfig:
             raise ValueError(f"--lr {self.lr} must be > 0")
         if not self.lora_alpha > 0:
             raise ValueError(f"--lora-alpha {self.lora_alpha} must be > 0")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1)")
+        if self.base_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--base-dtype {self.base_dtype}: expected fp32 or bf16")
+        asked = [f for f, on in (("--lora-dropout", self.lora_dropout),
+                                  ("--base-dtype bf16", self.base_dtype != "fp32")) if on]
+        if asked and self.lora_rank is None and self.lora_init is None:
+            raise ValueError(f"{' and '.join(asked)}: for LoRA, add --lora-rank R")
+        if self.base_dtype == "bf16" and self.dtype != "bf16":
+            raise ValueError("--base-dtype bf16 computes in bf16: add --dtype bf16")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
         if self.sequence_parallel and self.seq_len < self.tp:

@@ -57,7 +57,13 @@ from torch import nn
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.gpt.tokenizer import TOKENIZER_FILES, HFTokenizer
 from tensorpar.hf.dropout import seed_dropout
-from tensorpar.hf.lora import add_lora, block_linear_kinds, check_targets, read_peft
+from tensorpar.hf.lora import (
+    add_lora,
+    block_linear_kinds,
+    check_targets,
+    frozen_in_bf16,
+    read_peft,
+)
 from tensorpar.hf.parallelize import check_layout, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -125,7 +131,10 @@ class HFRecipe:
                                 sequence_parallel=cfg.sequence_parallel).to(device).train()
         if cfg.lora_rank is not None:  # adapters on the projections, the model frozen
             init = None if cfg.lora_init is None else read_peft(cfg.lora_init)[1]
-            add_lora(model, cfg.lora_rank, cfg.lora_alpha, lora_targets(cfg), cfg.seed, init)
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha, lora_targets(cfg), cfg.seed, init,
+                     dropout=cfg.lora_dropout)
+            if cfg.base_dtype == "bf16":
+                frozen_in_bf16(model)
         stream = model.tp_region_stream
         if cfg.recompute:  # transformers' own: each decoder layer keeps its input only
             enable = getattr(model, "activation_checkpointing_enable", None) or \

@@ -36,9 +36,10 @@ def _factors(model_dir, family):
     return out
 
 
-def _tp_loss_and_grads(model_dir, factors, ids, targets_, group=None):
-    model = from_pretrained(model_dir, group).train()
-    add_lora(model, RANK, ALPHA, targets_, init=factors)
+def _tp_loss_and_grads(model_dir, factors, ids, targets_, group=None, dropout=0.0,
+                       sequence_parallel=False):
+    model = from_pretrained(model_dir, group, sequence_parallel=sequence_parallel).train()
+    add_lora(model, RANK, ALPHA, targets_, init=factors, dropout=dropout)
     logits = model(input_ids=ids[:, :-1], use_cache=False).logits
     vocab = model.config.vocab_size
     if logits.shape[-1] == vocab:  # the head gathered them
@@ -68,14 +69,56 @@ def _dense(grads_by_rank, name):
     return out
 
 
+class _SameMasks(torch.nn.Module):
+    """PEFT's ``lora_dropout`` drawing tensorpar's dense mask of one adapter (its site)."""
+
+    def __init__(self, p, key, site):
+        super().__init__()
+        self.p, self.key, self.site = p, key, site
+
+    def forward(self, x):
+        from tensorpar.parallel.dropout import dropout_mask
+
+        mask = dropout_mask(list(x.shape), self.p, self.key, self.site, x.device)
+        return x.masked_fill(mask, 0.0) * (1.0 / (1.0 - self.p))
+
+
+def _peft_reference(path, family, factors, ids, targets, dropout=0.0):
+    """PEFT's loss and factor gradients on the dense model (with ``dropout``: tensorpar's masks
+    of the first forward, each adapter's by its place in the sorted names)."""
+    import peft
+    import transformers
+
+    from tensorpar.parallel.lora import LoRADropout
+
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets or TARGETS["llama"],
+                             lora_dropout=dropout, fan_in_fan_out=family == "gpt2")
+    model = peft.get_peft_model(dense, config)
+    state = {f"base_model.model.{k}": v for k, v in factors.items()}
+    missing = peft.set_peft_model_state_dict(model, state).unexpected_keys
+    assert not missing, missing
+    if dropout:
+        stream = LoRADropout(dropout, 0)
+        stream.next_forward()
+        names = sorted(n.removesuffix(".lora_A.weight") for n in factors if "lora_A" in n)
+        for site, name in enumerate(names):
+            layer = model.get_submodule(f"base_model.model.{name}")
+            layer.lora_dropout["default"] = _SameMasks(dropout, stream.key, site)
+    model.train()
+    logits = model(input_ids=ids[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    want.backward()
+    ref = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+           for n, p in model.named_parameters() if "lora_" in n}
+    return want, ref, dense
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "llama-mqa"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
     """Loss and every factor's gradient equal PEFT's dense model's (relative 1e-5); no base
     parameter has a gradient."""
-    import peft
-    import transformers
-
     if family == "llama-mqa" and n == 3:
         pytest.skip("4 heads over 3 ranks: the plain Llama covers uneven heads")
     path = hf_dirs / family
@@ -83,19 +126,7 @@ def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
     ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     targets = TARGETS[family]
     results = ranks(n).run(_tp_loss_and_grads, path, factors, ids, targets)
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets or TARGETS["llama"],
-                             lora_dropout=0.0, fan_in_fan_out=family == "gpt2")
-    model = peft.get_peft_model(dense, config)
-    state = {f"base_model.model.{k}": v for k, v in factors.items()}
-    missing = peft.set_peft_model_state_dict(model, state).unexpected_keys
-    assert not missing, missing
-    model.train()
-    logits = model(input_ids=ids[:, :-1]).logits
-    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    want.backward()
-    ref = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
-           for n, p in model.named_parameters() if "lora_" in n}
+    want, ref, dense = _peft_reference(path, family, factors, ids, targets)
     by_rank = [r[1] for r in results]
     assert all(not r[2] for r in results), results[0][2]
     assert {r[0] for r in results} == {results[0][0]}
@@ -108,6 +139,30 @@ def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
         shape = shape_from_hf_config(dense.config.to_dict(), "llama")
         for r in results:
             assert r[4] == lora_params(shape, n, r[3], RANK)["total"], (r[3], r[4])
+    for name, g in ref.items():
+        err = (_dense(by_rank, name) - g).abs().max().item()
+        assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())
+
+
+@pytest.mark.parametrize("family,n,sp", [("llama", 1, False), ("llama", 2, False),
+                                         ("llama", 3, False), ("llama", 2, True),
+                                         ("gpt2", 3, False)])
+def test_lora_dropout_matches_peft_with_the_same_masks(ranks, hf_dirs, family, n, sp):
+    """``dropout=0.3``: the masks are drawn dense and each rank keeps its part, so the loss and
+    every factor's gradient equal PEFT's with those masks (relative 1e-5) at every TP size, with
+    sequence parallelism too; and they are not the loss without dropout."""
+    path = hf_dirs / family
+    factors = _factors(path, family)
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    targets = TARGETS[family]
+    results = ranks(n).run(_tp_loss_and_grads, path, factors, ids, targets, dropout=0.3,
+                           sequence_parallel=sp)
+    want, ref, _ = _peft_reference(path, family, factors, ids, targets, dropout=0.3)
+    plain, _, _ = _peft_reference(path, family, factors, ids, targets)
+    assert abs(want.item() - plain.item()) > 1e-3, (want.item(), plain.item())
+    assert {r[0] for r in results} == {results[0][0]}
+    assert abs(results[0][0] - want.item()) <= 1e-5 * want.item(), (results[0][0], want.item())
+    by_rank = [r[1] for r in results]
     for name, g in ref.items():
         err = (_dense(by_rank, name) - g).abs().max().item()
         assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())

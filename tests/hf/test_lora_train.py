@@ -79,6 +79,26 @@ def test_lora_tp2_dp2_equals_tp1(runs, mode):
     _same(runs("llama", 2, 2, dp_mode=mode)[1], runs("llama", 1)[1], 1e-5, f"2x2 {mode}")
 
 
+def test_lora_dropout_equal_across_tp(runs):
+    """``--lora-dropout 0.2``: each mask is drawn dense and split, so TP=2 (and with sequence
+    parallelism) trains as TP=1 (1e-5), and the steps differ from those without dropout."""
+    ref = runs("llama", 1, lora_dropout=0.2)[1]
+    plain = runs("llama", 1)[1]
+    assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(ref[1:], plain[1:], strict=True))
+    for flags in ({}, {"sequence_parallel": True}):
+        _same(runs("llama", 2, lora_dropout=0.2, **flags)[1], ref, 1e-5, f"dropout {flags}")
+
+
+def test_base_in_bf16_steps_as_autocast_with_less_memory(runs):
+    """``--base-dtype bf16 --dtype bf16`` holds the frozen projections and head in bf16: the
+    values autocast computes with, so the steps are those of ``--dtype bf16`` with the base in
+    fp32 (to fp32 rounding), with less memory on each rank."""
+    fp32, bf16 = runs("llama", 2, dtype="bf16"), runs("llama", 2, dtype="bf16", base_dtype="bf16")
+    _same(bf16[1], fp32[1], 1e-6, "bf16 base")
+    for mine, theirs in zip(bf16[2]["sizes"], fp32[2]["sizes"], strict=True):
+        assert mine["peak_memory"] < theirs["peak_memory"], (mine, theirs)
+
+
 def test_checkpoint_holds_the_adapters_and_the_base_is_untouched(runs, models):
     """The checkpoint has each adapter's two factors and their AdamW moments, nothing of the
     base; the manifest names the base model; the base's weights on a rank are the file's."""
@@ -201,8 +221,8 @@ def _checkpoint_adapters(run, base, group=None):
 
 
 def test_lora_flags_are_checked_before_any_rank(models, tmp_path):
-    """The GPT refuses LoRA; an unknown target names what there is; --lora-init's rank and a
-    flag that disagrees; a rank below 1."""
+    """The GPT refuses LoRA; an unknown target names what there is; a rank below 1; dropout
+    without LoRA or of 1; a bf16 base without bf16 compute."""
     from tensorpar.train.run import resolve as resolve_any
 
     cases = [(lambda: resolve_any({"lora_rank": 4, "out": str(tmp_path / "g")}, {}),
@@ -212,7 +232,14 @@ def test_lora_flags_are_checked_before_any_rank(models, tmp_path):
               "--lora-targets qkv: no such projection in the model's blocks (it has down_proj, "
               "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"),
              (lambda: resolve(models["llama"], out=str(tmp_path / "b"), lora_rank=0),
-              "--lora-rank 0 must be >= 1")]
+              "--lora-rank 0 must be >= 1"),
+             (lambda: resolve(models["llama"], out=str(tmp_path / "c"), lora_dropout=0.1),
+              "--lora-dropout: for LoRA, add --lora-rank R"),
+             (lambda: resolve(models["llama"], out=str(tmp_path / "d"), lora_rank=4,
+                              lora_dropout=1.0), "--lora-dropout 1.0 must be in [0, 1)"),
+             (lambda: resolve(models["llama"], out=str(tmp_path / "e"), lora_rank=4,
+                              base_dtype="bf16"),
+              "--base-dtype bf16 computes in bf16: add --dtype bf16")]
     for call, message in cases:
         with pytest.raises(ValueError) as e:
             call()
