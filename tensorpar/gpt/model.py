@@ -41,7 +41,12 @@ from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
 from tensorpar.runtime.groups import tp_size
 from tensorpar.runtime.seeds import derive_seed
-from tensorpar.transformer.attention import ParallelSelfAttention, head_layout, padded_causal_mask
+from tensorpar.transformer.attention import (
+    ParallelSelfAttention,
+    head_layout,
+    packed_causal_mask,
+    padded_causal_mask,
+)
 from tensorpar.transformer.kv_cache import KVCache
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.rotary import rotary_table, rotary_table_at
@@ -203,7 +208,8 @@ class GPT(nn.Module):
     def forward(self, ids_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 cache: KVCache | None = None,
                 attention_mask_BS: torch.Tensor | None = None,
-                loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                loss_tokens: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T), the same on every rank. Returns this rank's logits
         (B, T, V_local), or with targets the mean cross-entropy over the targets that are not
         ignored (-100) (a scalar, the same on every rank). With a cache, the T new tokens follow
@@ -217,12 +223,25 @@ class GPT(nn.Module):
         positions, 1 (True) at real tokens and 0 at padding, as in transformers. Padding is never
         attended and each sequence's rotary positions start at 0 at its first real token, so a
         prompt gets the logits it gets alone. None: every token is real (training's fused
-        causal attention)."""
+        causal attention).
+
+        position_ids: (B, T) positions restarting at 0 at each of several examples packed in a
+        row (``--pack``): the rotary positions, and attention confined to each example (the
+        block-diagonal causal mask), so an example's logits are those it gets alone."""
         B, T = ids_BT.shape
         start = cache.length if cache is not None else 0
         x = self.embed(ids_BT)  # (B, T, D); under SP this rank's tensor_split shard (B, T_r, D)
         attn_mask = None
-        if attention_mask_BS is None:
+        if position_ids is not None:
+            if cache is not None or attention_mask_BS is not None:
+                raise ValueError("position_ids (packed examples) is for training: without a "
+                                 "cache or an attention_mask_BS")
+            if tuple(position_ids.shape) != (B, T):
+                raise ValueError(f"position_ids is {tuple(position_ids.shape)}; expected "
+                                 f"(B, T) = ({B}, {T})")
+            rope = rotary_table_at(self.cfg.head_dim, position_ids, self.cfg.rope_theta)
+            attn_mask = packed_causal_mask(position_ids)
+        elif attention_mask_BS is None:
             rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
         else:
             if tuple(attention_mask_BS.shape) != (B, start + T):

@@ -49,6 +49,7 @@ from tensorpar.gpt.tokenizer import (
 )
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
 from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
@@ -94,9 +95,10 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
-        if getattr(cfg, "pack", False):
-            raise ValueError("--pack is for a Hugging Face model (--hf PATH) yet: the GPT's "
-                             "attention takes no restarting positions")
+        if is_chat_file(getattr(cfg, "data", None)) and self.tokenizer_dir is None:
+            raise ValueError(f"--data {cfg.data}: chat or instruction examples need a tokenizer "
+                             "with an end-of-text token (and a chat template for messages): "
+                             "add --tokenizer DIR")
         if getattr(cfg, "lora_rank", None) is not None or getattr(cfg, "lora_init", None):
             raise ValueError("--lora-rank and --lora-init fine-tune a Hugging Face model (--hf "
                              "PATH); the GPT trains every weight")

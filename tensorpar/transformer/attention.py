@@ -71,6 +71,17 @@ def padded_causal_mask(valid_BS: torch.Tensor, T: int) -> torch.Tensor:
     return mask[:, None]
 
 
+def packed_causal_mask(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where a query may read a key, for rows of packed examples whose
+    positions restart at 0 at each example: causal within an example, nothing across two (the
+    block-diagonal mask)."""
+    T = position_ids_BT.shape[1]
+    example_BT = (position_ids_BT == 0).long().cumsum(-1)  # which example each token is in
+    pos = torch.arange(T, device=position_ids_BT.device)
+    same = example_BT[:, :, None] == example_BT[:, None, :]  # (B, T, T)
+    return (same & (pos[None, :] <= pos[:, None]))[:, None]
+
+
 class ParallelSelfAttention(nn.Module):
     """Multi-head self-attention (MHA, GQA, MQA) with its heads split across the TP group.
 
