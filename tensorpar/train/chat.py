@@ -231,6 +231,36 @@ class ExampleBatches:
         return epoch + rows / len(self._epoch_rows(epoch))
 
 
+class ValidationExamples:
+    """Chat or instruction examples as validation data (``--val-data FILE.jsonl``): in the file's
+    order, one example a row padded on the right to ``seq_len``, ``batch_size`` rows a batch (the
+    first ``batches`` batches; None: all). The validation loss is then the mean over the answer
+    tokens, as training's."""
+
+    def __init__(self, examples: Examples, seq_len: int, batch_size: int,
+                 batches: int | None = None, pad_id: int = 0):
+        rows = ExampleBatches(examples, seq_len, 1, 0, pad_id)._pairs
+        self.rows = rows if batches is None else rows[:batches * batch_size]
+        self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, pad_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batches(self, dp: int, dp_rank: int):
+        """This dp rank's part of each batch, (inputs, targets), every rank the same number of
+        rows (as ``data.ValidationWindows``: a rank with fewer has rows that count for
+        nothing)."""
+        for start in range(0, len(self.rows), self.batch_size):
+            chunk = self.rows[start:start + self.batch_size]
+            share = -(-len(chunk) // dp)  # the largest share
+            mine = [chunk[i] for i in torch.arange(len(chunk)).tensor_split(dp)[dp_rank]]
+            x = torch.full((share, self.seq_len), self.pad_id, dtype=torch.long)
+            y = torch.full((share, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+            for r, (inputs, targets) in enumerate(mine):
+                x[r, :len(inputs)], y[r, :len(targets)] = inputs, targets
+            yield x, y
+
+
 def describe_examples(examples: Examples, seq_len: int) -> str:
     """The summary's line on the examples: how many, how the answers were found, the policy's
     counts."""

@@ -52,9 +52,11 @@ class TrainConfig:
         "help": "a UTF-8 text file, or a folder of token shards written by tensorpar prepare "
                 "(memory-mapped)", "default": "Python's help topics, pydoc_data"})
     val_data: str | None = dataclasses.field(default=None, metadata={
-        "help": "a UTF-8 text file or a shard folder held out for validation: cut into "
-                "consecutive windows of --seq-len + 1 tokens in order, its loss (the mean over "
-                "every predicted token) written as val_loss", "default": "none, no validation"})
+        "help": "held-out data, its loss written as val_loss: a UTF-8 text file or a shard "
+                "folder (consecutive windows of --seq-len + 1 tokens in order, the mean over "
+                "every predicted token), or chat or instruction examples like --data's (one a "
+                "row in order, the mean over their answer tokens)",
+        "default": "none, no validation"})
     eval_every: int | None = dataclasses.field(default=None, metadata={
         "help": "with --val-data: the validation loss every N steps (with the weights after "
                 "that step's update) and after the last", "default": "--save-every"})

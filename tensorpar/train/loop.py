@@ -48,6 +48,7 @@ from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, t
 from tensorpar.train.chat import (
     IGNORE_INDEX,
     ExampleBatches,
+    ValidationExamples,
     describe_examples,
     is_chat_file,
     pad_id,
@@ -108,6 +109,18 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
         return run.result(measure, report, stopped)
 
 
+def validation_data(cfg: TrainConfig, tokenizer) -> ValidationWindows | ValidationExamples | None:
+    """``--val-data``: chat or instruction examples (their answers scored), else text windows."""
+    if cfg.val_data is None:
+        return None
+    if is_chat_file(cfg.val_data):
+        examples = read_examples(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
+        return ValidationExamples(examples, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
+                                  pad_id(tokenizer))
+    return ValidationWindows(read_corpus(cfg.val_data, tokenizer, "--val-data").tokens,
+                             cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+
+
 class Run:
     """One rank's run, set up: its groups, model, optimizer, data and files. ``step`` is one
     optimizer step; ``save`` a checkpoint; ``result`` what the run returns."""
@@ -142,9 +155,7 @@ class Run:
         self.dp = dp
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the layout use ``net``
-        self.validation = None if cfg.val_data is None else ValidationWindows(
-            read_corpus(cfg.val_data, tokenizer, "--val-data").tokens,
-            cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        self.validation = validation_data(cfg, tokenizer)
         self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))

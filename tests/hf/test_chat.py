@@ -163,12 +163,15 @@ def _gpt_run(ranks, chat, out, tp, **flags):
     return ranks(tp).run(train_rank, cfg, recipe, resume_from)[0], cfg, recipe
 
 
-def _gpt_loss_one_by_one(cfg, recipe, examples, chosen):
-    """The GPT's (TP=1, in this process) mean cross-entropy over the answer tokens of the
-    ``chosen`` examples, each run alone."""
+def _gpt_loss_one_by_one(cfg, recipe, examples, chosen, checkpoint=None):
+    """The GPT's (TP=1, in this process; its weights at the start, or the run ``checkpoint``'s)
+    mean cross-entropy over the answer tokens of the ``chosen`` examples, each run alone."""
+    from tensorpar.checkpoint.load import load_checkpoint
     from tensorpar.gpt.model import GPT
 
     model = GPT(recipe.model_cfg, None, seed=cfg.seed).eval()
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, model)
     total, count = 0.0, 0
     for e in chosen:
         ids = torch.tensor([examples.ids[e]])
@@ -184,16 +187,24 @@ def test_gpt_trains_on_chat_examples_packed_or_not(ranks, chat, tmp_path):
     """The GPT with ``--tokenizer``: its first step's loss on chat examples at TP=2, one example
     a row and ``--pack``ed (positions restarting, the block-diagonal mask), equals the mean over
     the same examples' answer tokens, each run alone at TP=1 (1e-6 relative; measured 1.6e-8), and
-    a packed row's logits are its examples' alone; without
+    a packed row's logits are its examples' alone; chat examples as --val-data give the mean
+    over their answer tokens after the step; without
     ``--tokenizer`` chat data is refused in one line."""
     data = str(chat / "chat.jsonl")
     flags = {"steps": 1, "batch_size": 2, "seed": 3, "lr": 1e-3, "warmup_steps": 1,
              "data": data}
-    plain, cfg, recipe = _gpt_run(ranks, chat, tmp_path / "g", 2, seq_len=SEQ, **flags)
+    plain, cfg, recipe = _gpt_run(ranks, chat, tmp_path / "g", 2, seq_len=SEQ, val_data=data,
+                                  **flags)
     examples = read_examples(data, HFTokenizer(chat / "marked"), SEQ)
     first = ExampleBatches(examples, SEQ, 2, 3)._order(0)[:2].tolist()
     want = _gpt_loss_one_by_one(cfg, recipe, examples, first)
     assert abs(plain["rows"][0]["loss"] - want) <= 1e-6 * want, (plain["rows"][0], want)
+    # the validation loss (chat examples as --val-data): the mean over every example's answer
+    # tokens with the weights after the step (its checkpoint)
+    trained = _gpt_loss_one_by_one(cfg, recipe, examples, range(len(examples.ids)),
+                                   checkpoint=tmp_path / "g")
+    assert abs(plain["rows"][0]["val_loss"] - trained) <= 1e-6 * trained, \
+        (plain["rows"][0], trained)
 
     packed, cfg, recipe = _gpt_run(ranks, chat, tmp_path / "p", 2, seq_len=2 * SEQ, pack=True,
                                    **flags)
