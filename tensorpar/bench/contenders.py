@@ -49,7 +49,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from tensorpar.bench.dtensor_tp import setup_dtensor
-from tensorpar.bench.hf_llama import setup_hf_llama
+from tensorpar.bench.hf_llama import setup_hf_llama, setup_hf_llama_labels
 from tensorpar.bench.workload import DenseLlama, StepFn, Workload, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
 from tensorpar.train.compute import loss_function
@@ -208,6 +208,12 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
     Contender("hf-llama-sp", partial(setup_hf_llama, sequence_parallel=True), "tp",
               cannot_run=transformers_missing,
               about="hf-llama with sequence parallelism"),
+    Contender("hf-llama-labels", partial(setup_hf_llama_labels), "tp",
+              cannot_run=transformers_missing,
+              about="hf-llama as a user's loop steps it: default plan, model(..., labels=).loss"),
+    Contender("hf-llama-lora", partial(setup_hf_llama_labels, lora_rank=8), "tp",
+              cannot_run=transformers_missing,
+              about="hf-llama-labels training LoRA adapters (rank 8) on every block projection"),
     Contender("dtensor", partial(setup_dtensor), "tp", ours=False,
               about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
     Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp", ours=False,

@@ -7,6 +7,14 @@ batches. It is converted with the built-in Llama plan, the head left split by vo
 (``column``): the loss is ``vocab_parallel_cross_entropy`` on the local logits, as for the GPT
 (and as DTensor's ``loss_parallel``), never on gathered logits. Needs transformers (the ``hf``
 extra), imported when the contender is set up.
+
+Two more rows step as a transformers user's own loop does, ``model(input_ids=ids,
+labels=ids).loss`` on the model ``parallelize`` gives with its default plan (the head
+``column_gather``; with labels it gathers nothing and the loss is vocab-parallel,
+``hf/labels_loss.py``): ``hf-llama-labels`` trains every weight, ``hf-llama-lora`` LoRA adapters
+of rank 8 on every block projection (``hf/lora.py``), the model frozen. The bench's targets go in
+as ``shift_labels``, so the loss is the other rows'; the LoRA row's first loss is theirs, its
+later ones its adapters' own.
 """
 
 from __future__ import annotations
@@ -79,6 +87,30 @@ def setup_hf_llama(work: Workload, state: dict[str, torch.Tensor], group: Proces
             logits_BTV_local = model(input_ids=ids_BT, use_cache=False).logits
             loss = vocab_parallel_cross_entropy(logits_BTV_local, targets_BT, group=group,
                                                 vocab_size=vocab, reuse_logits=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def setup_hf_llama_labels(work: Workload, state: dict[str, torch.Tensor],
+                          group: ProcessGroup | None, device: torch.device,
+                          lora_rank: int | None = None) -> StepFn:
+    """The user's loop: ``parallelize(model)`` (default plan), ``model(..., labels=).loss``;
+    ``lora_rank``: adapters on every block projection, only they in the optimizer."""
+    from tensorpar.hf.lora import add_lora
+
+    model = parallelize(hf_llama(work, state).to(device), group=group)
+    if lora_rank is not None:
+        add_lora(model, lora_rank, 2.0 * lora_rank, seed=work.seed)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], work)
+
+    def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        with mixed_precision(device):
+            loss = model(input_ids=ids_BT, labels=ids_BT, shift_labels=targets_BT,
+                         use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -285,32 +285,39 @@ def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: lis
     return _RegatheringColumn.apply(x_full, x_shard.detach(), group, sizes, has_bias, *tensors)
 
 class _FusedRow(torch.autograd.Function):
-    """forward: the row-parallel matmul, then all-reduce of its product; backward: local."""
+    """forward: the row-parallel matmul (plus an addend), then all-reduce of its product;
+    backward: local."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, addend):
         ctx.x_dtype = x.dtype
+        ctx.addend_dtype = None if addend is None else addend.dtype
         cast = autocast_cast(x.device.type)  # what autocast's linear would compute
         x, weight = cast(x), cast(weight)
         y = F.linear(x, weight)  # (B, T, out): partial sums, made here and referenced nowhere
+        if addend is not None:
+            y.add_(addend.to(y.dtype))
         if tp_size(group) > 1:
             y = start_all_reduce(y, group)()  # in place (eager)
-        ctx.save_for_backward(x, weight)
+        # no dW wanted (a frozen weight): x is not kept
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        need_dx, need_dw, _ = ctx.needs_input_grad
+        need_dx, need_dw, _, need_da = ctx.needs_input_grad
         dx = torch.matmul(dy, weight).to(ctx.x_dtype) if need_dx else None
         dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])) if need_dw else None
-        return dx, dw, None
+        return dx, dw, None, dy.to(ctx.addend_dtype) if need_da else None
 
 
-def fused_row(x: torch.Tensor, weight: torch.Tensor,
-              group: ProcessGroup | None = None) -> torch.Tensor:
-    """``reduce_from_tp(F.linear(x, weight))`` with the all-reduce done in place on the product.
+def fused_row(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None = None,
+              addend: torch.Tensor | None = None) -> torch.Tensor:
+    """``reduce_from_tp(F.linear(x, weight) + addend)`` with the all-reduce done in place on the
+    product.
 
-    x: (..., in_i) this rank's input shard; weight: (out, in_i). Returns the summed (..., out).
+    x: (..., in_i) this rank's input shard; weight: (out, in_i); addend: (..., out), a partial
+    sum added before the reduction (LoRA's B A_i x_i). Returns the summed (..., out).
     """
-    return _FusedRow.apply(x, weight, group)
+    return _FusedRow.apply(x, weight, group, addend)

@@ -271,8 +271,11 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tp(x, self.group)
         if has_lora(self):  # the update joins the partial product before its reduction
             (b,) = sum_grads_in_backward([self.lora_B.weight], self.group)
-            y = exit_tp_region(F.linear(x, self.weight) + row_addend(x, self, b),
-                               self.sequence_parallel, self.group)
+            if self.fused and not self.sequence_parallel:
+                y = fused_row(x, self.weight, self.group, row_addend(x, self, b))
+            else:
+                y = exit_tp_region(F.linear(x, self.weight) + row_addend(x, self, b),
+                                   self.sequence_parallel, self.group)
         elif self.fused and not self.sequence_parallel:
             y = fused_row(x, self.weight, self.group)
         else:

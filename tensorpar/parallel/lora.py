@@ -179,7 +179,9 @@ def column_update(y: torch.Tensor, z: torch.Tensor, layer: nn.Module,
     """A column layer's output ``y`` plus its update ``s · B_i z`` (z = A x from the fused op;
     b: B as the caller has it, its gradients summed where ranks share its rows)."""
     b = layer.lora_B.weight if b is None else b
-    return y + layer.lora_scale * F.linear(z, b)
+    # one addmm: y + s · z B^T, with no pass over y for the scale
+    return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
+                       alpha=layer.lora_scale).view(y.shape)
 
 
 def row_addend(x: torch.Tensor, layer: nn.Module, b: torch.Tensor) -> torch.Tensor:
@@ -187,7 +189,7 @@ def row_addend(x: torch.Tensor, layer: nn.Module, b: torch.Tensor) -> torch.Tens
     summed over the group; x_i with its part of the dense mask when the adapter drops)."""
     if drops(layer):
         x = dropped_input(x, layer, layer.group)
-    return layer.lora_scale * F.linear(F.linear(x, layer.lora_A.weight), b)
+    return F.linear(F.linear(x, layer.lora_A.weight) * layer.lora_scale, b)  # s on (.., r)
 
 
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
