@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,21 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x), seq_len), key, 1)
 
 
+class BlockDict(nn.ModuleDict):
+    """The blocks a model (or a pipeline stage's part of it) holds, keyed by their index in the
+    whole model, so their parameters keep the names ``blocks.{i}.…`` whichever blocks are held.
+    Iterates over the blocks, in order; ``blocks[i]`` is block i."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, i: int | str) -> nn.Module:
+        return super().__getitem__(str(i))
+
+    def indices(self) -> list[int]:
+        return [int(k) for k in self.keys()]
+
+
 class GPT(nn.Module):
     """The GPT of ``cfg`` split over ``group``.
 
@@ -144,14 +160,23 @@ class GPT(nn.Module):
         all-gathered (B, T, D) input for backward instead of their (B, T/n, D) shard and skip
         the all-gather again in backward (the default keeps the shard, as Megatron does: less
         memory, one more all-gather per column op, overlapped with the input-gradient matmul).
+    blocks, embed, head: a pipeline rank's part of the model (``gpt/stages.py``): only the
+        blocks of those indices (default all), the embedding only if ``embed``, the final norm
+        and the head only if ``head``; every parameter has its name and its values in the whole
+        model. A tied head needs the embedding in the same part.
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, seed: int = 0,
                  rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
-                 recompute: bool = False, keep_gathered_input: bool = False):
+                 recompute: bool = False, keep_gathered_input: bool = False,
+                 blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True):
         super().__init__()
         cfg.check(tp_size(group))
+        if cfg.tie_embeddings and head != embed:
+            raise ValueError("a tied head (--tie-embeddings) reuses the embedding table, so "
+                             "both must be in the same part of the model: under pipeline "
+                             "stages train with --no-tie-embeddings")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         self.fused, self.recompute = fused, recompute
         self.keep_gathered_input = keep_gathered_input
@@ -159,16 +184,17 @@ class GPT(nn.Module):
         kw = {"sequence_parallel": sequence_parallel, "group": group, "device": device}
         # built on the meta device, then every parameter drawn by ``init_weights``
         meta = {**kw, "device": "meta"}
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta)
-        self.blocks = nn.ModuleList(Block(cfg, sequence_parallel, group, self.rng, "meta", fused,
-                                          keep_gathered_input) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta) if embed else None
+        held = range(cfg.n_layer) if blocks is None else blocks
+        self.blocks = BlockDict({str(i): Block(cfg, sequence_parallel, group, self.rng, "meta",
+                                               fused, keep_gathered_input) for i in held})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta) if head else None
         if recompute:
             # a replayed block stops once its last saved tensor is back: with the all-reduce
             # outside the row matmul's op, the replay skips the MLP's exit (one fewer per block)
             for block in self.blocks:
                 block.attn.o_proj.fused = block.mlp.down.fused = False
-        self.lm_head = None if cfg.tie_embeddings else \
+        self.lm_head = None if cfg.tie_embeddings or not head else \
             ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **meta)
         self.init_weights(seed, device)
 
@@ -201,6 +227,65 @@ class GPT(nn.Module):
         path, _, attr = name.rpartition(".")
         return self.get_submodule(path), attr
 
+    def positions(self, B: int, T: int, device, cache: KVCache | None = None,
+                  attention_mask_BS: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None):
+        """The rotary table and the attention mask (None: plain causal) of a forward over T
+        tokens (``forward`` says what each argument means)."""
+        start = cache.length if cache is not None else 0
+        if position_ids is not None:
+            if cache is not None or attention_mask_BS is not None:
+                raise ValueError("position_ids (packed examples) is for training: without a "
+                                 "cache or an attention_mask_BS")
+            if tuple(position_ids.shape) != (B, T):
+                raise ValueError(f"position_ids is {tuple(position_ids.shape)}; expected "
+                                 f"(B, T) = ({B}, {T})")
+            rope = rotary_table_at(self.cfg.head_dim, position_ids, self.cfg.rope_theta)
+            return rope, packed_causal_mask(position_ids)
+        if attention_mask_BS is None:
+            return rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, device), None
+        if tuple(attention_mask_BS.shape) != (B, start + T):
+            raise ValueError(f"attention_mask_BS is {tuple(attention_mask_BS.shape)}; "
+                             f"expected (B, cached + T) = ({B}, {start + T})")
+        valid_BS = attention_mask_BS.bool()
+        pos_BT = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # padding: 0
+        rope = rotary_table_at(self.cfg.head_dim, pos_BT, self.cfg.rope_theta)
+        return rope, padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
+
+    def run_blocks(self, x: torch.Tensor, rope, attn_mask, T: int,
+                   cache: KVCache | None = None, blocks: BlockDict | None = None,
+                   first_key: int | None = None) -> torch.Tensor:
+        """``x`` through ``blocks`` (default this model's), each block's dropout key taken here:
+        a recomputed block is handed it again (the masks of its first forward), and a compiled
+        checkpoint sees no side effect. first_key: block i's key is number first_key + i + 1 of
+        its stream (a pipeline stage's, the number the whole model's forward gives it);
+        None: the stream's next keys."""
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        for i, block in (blocks or self.blocks).items():
+            i = int(i)
+            key = None
+            if block.drop.training and self.cfg.dropout > 0:
+                key = self.rng.key(block.drop.region) if first_key is None else \
+                    self.rng.key_at(block.drop.region, first_key + i + 1)
+            if recompute:
+                x = checkpoint(block, x, rope, None, attn_mask, T, key, use_reentrant=False)
+            else:
+                x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T,
+                          key)
+        return x
+
+    def logits(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        """The final norm and the head: this rank's logits (B, T, V_local); the loss never
+        gathers them."""
+        x = self.norm(x)
+        # tied: the embedding's vocab rows are exactly a column-parallel head's shard
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        column = fused_column if self.fused else column_linears
+        (logits_BTV_local,) = column(x, [head], sequence_parallel=self.sequence_parallel,
+                                     group=self.group,
+                                     keep_gathered_input=self.keep_gathered_input, seq_len=T)
+        return logits_BTV_local
+
     def new_cache(self, max_len: int) -> KVCache:
         """An empty KV cache for ``max_len`` positions (this rank's KV heads only)."""
         return KVCache(self.cfg.n_layer, max_len)
@@ -229,46 +314,11 @@ class GPT(nn.Module):
         row (``--pack``): the rotary positions, and attention confined to each example (the
         block-diagonal causal mask), so an example's logits are those it gets alone."""
         B, T = ids_BT.shape
-        start = cache.length if cache is not None else 0
         x = self.embed(ids_BT)  # (B, T, D); under SP this rank's tensor_split shard (B, T_r, D)
-        attn_mask = None
-        if position_ids is not None:
-            if cache is not None or attention_mask_BS is not None:
-                raise ValueError("position_ids (packed examples) is for training: without a "
-                                 "cache or an attention_mask_BS")
-            if tuple(position_ids.shape) != (B, T):
-                raise ValueError(f"position_ids is {tuple(position_ids.shape)}; expected "
-                                 f"(B, T) = ({B}, {T})")
-            rope = rotary_table_at(self.cfg.head_dim, position_ids, self.cfg.rope_theta)
-            attn_mask = packed_causal_mask(position_ids)
-        elif attention_mask_BS is None:
-            rope = rotary_table(self.cfg.head_dim, start, T, self.cfg.rope_theta, ids_BT.device)
-        else:
-            if tuple(attention_mask_BS.shape) != (B, start + T):
-                raise ValueError(f"attention_mask_BS is {tuple(attention_mask_BS.shape)}; "
-                                 f"expected (B, cached + T) = ({B}, {start + T})")
-            valid_BS = attention_mask_BS.bool()
-            pos_BT = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # padding: 0
-            rope = rotary_table_at(self.cfg.head_dim, pos_BT, self.cfg.rope_theta)
-            attn_mask = padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
-        recompute = self.recompute and cache is None and torch.is_grad_enabled()
-        for i, block in enumerate(self.blocks):
-            # the block's dropout key, taken here: a recomputed block is handed it again (the
-            # masks of its first forward), and a compiled checkpoint sees no side effect
-            key = (self.rng.key(block.drop.region)
-                   if block.drop.training and self.cfg.dropout > 0 else None)
-            if recompute:
-                x = checkpoint(block, x, rope, None, attn_mask, T, key, use_reentrant=False)
-            else:
-                x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T,
-                          key)
-        x = self.norm(x)
-        # tied: the embedding's vocab rows are exactly a column-parallel head's shard
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        column = fused_column if self.fused else column_linears
-        (logits_BTV_local,) = column(x, [head], sequence_parallel=self.sequence_parallel,
-                                     group=self.group,
-                                     keep_gathered_input=self.keep_gathered_input, seq_len=T)
+        rope, attn_mask = self.positions(B, T, ids_BT.device, cache, attention_mask_BS,
+                                         position_ids)
+        x = self.run_blocks(x, rope, attn_mask, T, cache)
+        logits_BTV_local = self.logits(x, T)
         if targets_BT is None:
             return logits_BTV_local
         loss = vocab_parallel_cross_entropy(

@@ -108,6 +108,13 @@ class TensorParallelRNG:
         number.add_(1)
         return torch.stack((self._seed_tensors[region], number))
 
+    def key_at(self, region: str, number: int) -> torch.Tensor:
+        """Key ``number`` of stream ``region`` this step, as ``key`` hands it out as its
+        ``number``-th (the counter untouched): for code that knows which key it needs (a pipeline
+        stage's blocks: ``gpt/stages.py``)."""
+        _check_region(region)
+        return torch.stack((self._seed_tensors[region], torch.tensor(number)))
+
     def mask(self, shape, p: float, region: str, device: torch.device | str = "cpu",
              key: torch.Tensor | None = None, site: int = 0):
         """The bool mask of ``shape`` for (``key``, ``site``) of stream ``region`` (key None: a

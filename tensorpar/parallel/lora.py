@@ -156,7 +156,7 @@ def attach_lora(layer: nn.Module, split: str, a_dense: torch.Tensor, b_dense: to
     rank = a_dense.shape[0]
     if split == "column":
         a = local_parameter(a_dense, REPLICATED)
-        b = local_parameter(out_spec.take(b_dense).contiguous(), out_spec)
+        b = local_parameter(out_spec.take(b_dense).clone(), out_spec)  # not a view of B
     elif split == "row":
         start, stop = in_range
         spec = ShardSpec(1, start, stop, a_dense.shape[1])
