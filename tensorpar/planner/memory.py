@@ -44,6 +44,18 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
   T2048, fp32, bf16, unfused and recomputed; issue 15).
 
+A Hugging Face model converted by tensorpar (``converted``) keeps other attention tensors than
+the GPT (``converted_block_terms``: K and V per KV head, no o_proj copy, the model's own rotary
+tables; the math kernel on CUDA in fp32 with grouped KV heads). LoRA (``lora``, only on those
+models) freezes the rest (``lora_block_terms``): no embedding output or first norm kept, no x·rstd
+in the norms, no input of a row layer without an adapter, no weight gradients; a frozen block's
+backward makes two or three hidden-sized gradients more than it keeps, and the final norm's
+backward is a moment of its own. Against ``tensorpar train --hf --lora-rank`` on CPU (torch 2.13,
+a random Llama, d=256, 4 layers, 8/4 heads, B8 x T128, TP 1 and 2, ranks 8 and 16, every
+projection or q_proj,v_proj, fp32, bf16, SP, recomputed): within 0.5% in fp32, 1-4% under bf16
+autocast (``tests/planner/test_plan_lora.py``); on an H200 (torch 2.11, transformers 5.17,
+d=2048, 4 layers, 16/8 heads, B8 x T1024, ``--device cuda``, TP 1 and 2) within 3.5%.
+
 Data parallelism (``layouts.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
 blocks, DDP's buckets) builds on these numbers in ``data_parallel.py``.
 
@@ -54,7 +66,7 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 from __future__ import annotations
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.planner.activations import block_copies, block_saved
+from tensorpar.planner.activations import block_terms
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.transformer.attention import head_layout
 
@@ -133,7 +145,8 @@ def lora_params(shape: ModelShape, tp: int, rank: int, r: int,
     ``targets`` (q, k, v, o, gate, up, down; default all): a column projection's A whole
     (r x D) and its share of B's rows, a row projection's share of A's columns and B whole
     (D x r) (``parallel/lora.py``). As ``rank_params``: total, largest, tensors, block; and
-    ``columns``, ``rows``: how many of each kind a block adapts."""
+    ``columns``, ``rows``: how many of each kind a block adapts; ``o``, ``down``: whether those
+    rows are; ``hidden``: the rank's MLP width."""
     s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
     out = {"q": s["heads"] * hd, "k": s["kv_heads"] * hd, "v": s["kv_heads"] * hd,
            "gate": s["hidden"] if shape.gated_mlp else 0, "up": s["hidden"]}
@@ -145,7 +158,78 @@ def lora_params(shape: ModelShape, tp: int, rank: int, r: int,
     sizes = [r * D] + [out[c] * r for c in cols] + [r * ins[c] for c in rows]
     return {"total": shape.n_layer * block, "block": block, "largest": max(sizes),
             "tensors": 2 * shape.n_layer * (len(cols) + len(rows)), "columns": len(cols),
-            "rows": len(rows)}
+            "rows": len(rows), "o": "o" in rows, "down": "down" in rows, "hidden": s["hidden"]}
+
+
+def converted_block_terms(shape: ModelShape, tp: int, rank: int, terms: dict, N: int, B: int,
+                          act: int, device: str = "cpu", attention: str | None = None) -> dict:
+    """``activations.block_terms`` (tensorpar's GPT) made what a block of a Hugging Face model
+    converted by tensorpar (``hf/``) keeps: its attention keeps other tensors than the GPT's
+    (measured tensor by tensor with ``saved_tensors_hooks``, torch 2.13 CPU, transformers 5, a
+    random Llama of width 256, 8 heads, 4 KV heads, at TP 1 and 2):
+
+    - K and V: transformers hands SDPA the rank's KV heads with ``enable_gqa`` (no attention
+      mask and head_dim <= 256: ``use_gqa_in_sdpa``), so they are kept as they are, not one per
+      query head as the GPT's index_select makes them; only a rank whose query heads do not map
+      evenly onto its KV heads has the converter expand them first (``hf/styles.py``'s
+      kv_index). (A mask, as packed examples give, makes transformers repeat K and V: not
+      modelled.)
+    - the o_proj input: transformers' q, k and v are (B, h, T, hd) views of the (B, T, h, hd)
+      projections, so SDPA's output is laid out (B, T, h, hd) as well, and its
+      ``transpose(1, 2).contiguous()`` and reshape hand o_proj a view of it: no copy.
+    - the rotary tables: the model computes cos and sin once per forward, in the residual
+      stream's dtype (fp32), and every layer's rotation saves those same two (``rope`` in
+      ``tensorpar_memory``), not bf16 casts of its own under autocast.
+    - on CUDA in fp32 (``attention`` None: the kernel torch picks), K and V handed over with
+      ``enable_gqa`` leave no fused kernel (flash and cuDNN take no fp32, the memory-efficient
+      kernel as many KV heads as query heads: torch 2.11), so torch runs its math kernel, which
+      keeps q and K (expanded) scaled, V expanded and the softmax's (B, h, T, T) fp32 scores,
+      and whose (B, h, T, hd) output the o_proj input copies (measured on an H200: d=2048,
+      16/8 heads, B8 x T1024: 768 MiB kept by a forward's attention).
+    """
+    (h0, h1), (k0, k1), _ = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    hd, hl, kvl = shape.head_dim, h1 - h0, k1 - k0
+    group = shape.n_head // shape.n_kv_head
+    kv_index = [h // group - k0 for h in range(h0, h1)]  # the local KV head of each query head
+    uniform = hl % kvl == 0 and kv_index == [i // (hl // kvl) for i in range(hl)]
+    gqa = uniform and hd <= 256 and kvl < hl  # enable_gqa (else K and V already per head)
+    kv_heads = kvl if gqa else hl
+    out = terms | {"sdpa q, k, v": N * hl * hd * act + 2 * N * kv_heads * hd * act,
+                   "o_proj input": 0, "rotary tables": 0}
+    if gqa and device == "cuda" and act == 4 and attention is None:  # the math kernel
+        out |= {"sdpa q, k, v": 3 * N * hl * hd * 4, "sdpa output": 0, "sdpa logsumexp": 0,
+                "o_proj input": N * hl * hd * 4, "sdpa scores": B * hl * (N // B) ** 2 * 4}
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def lora_block_terms(shape: ModelShape, terms: dict, N: int, Ns: int, act: int,
+                     lora: dict) -> dict:
+    """A block's terms (``converted_block_terms``) in a LoRA step, the model frozen:
+
+    - each adapter keeps its A x, (B, T, r) on every rank (a row layer's partial sum), for B's
+      gradient (``parallel/lora.py``), in autocast's dtype; under autocast the bf16 copies of
+      the adapters' factors are kept too, beside those of the frozen weights.
+    - the norms' weights are frozen, and x·rstd is needed only for a weight's gradient: an
+      RMSNorm keeps rstd alone besides its input (the residual), on CPU under autocast too, where
+      ``F.rms_norm`` is composed of ops (layer_norm's kernel keeps its mean and rstd either way).
+    - a row layer without an adapter (o_proj, down_proj) keeps no input: its weight wants no
+      gradient (``parallel/fused.py``'s fused_row). down's input is the MLP's product (SwiGLU's,
+      or the activation's output), which nothing else keeps; o_proj's is SDPA's output, which
+      SDPA keeps itself, but for the math kernel's copy (``converted_block_terms``).
+      (The column ops keep their input whether adapted or not, as the head does.)
+    """
+    out = terms | {"adapters' A x": (lora["columns"] + lora["rows"]) * N * lora["r"] * act}
+    if not lora["down"]:
+        out["mlp"] -= N * lora["hidden"] * act
+    if not lora["o"] and out["sdpa output"]:  # SDPA keeps its own output, o_proj a view of it
+        out["o_proj input"] = 0
+    if shape.norm == "rms":
+        out["norms"] = 2 * Ns * 4
+    if terms["weight copies"]:  # autocast
+        out["weight copies"] += 2 * lora["block"]
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
 
 
 def step_temporaries(optimizer: str, total: int, largest: int) -> int:
@@ -160,13 +244,18 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
                      recompute: str = "none", fused: bool = True, rank: int = 0,
                      optimizer: str = "fused", dropout: bool = False,
                      keep_gathered_input: bool = False, device: str = "cpu",
-                     attention: str | None = None, lora: dict | None = None) -> dict:
+                     attention: str | None = None, lora: dict | None = None,
+                     converted: bool | None = None) -> dict:
     """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
     exist; gradients are freed between steps): components and the predicted peak.
 
     lora: ``lora_params``' count and ``"r"``: LoRA fine-tuning, the model frozen; gradients and
     AdamW states are the adapters', no weight gradient of the model is made (the head's
-    neither), and each adapted projection keeps its (b, s, r) product for B's gradient.
+    neither), the frozen embedding and norms keep less, a frozen block's backward makes fewer
+    gradients, and each adapted projection keeps its (b, s, r) product for B's gradient
+    (``lora_block_terms`` and the moments below). converted: the model is a Hugging Face model
+    converted by tensorpar, whose attention keeps other tensors than the GPT's
+    (``converted_block_terms``); None: whether ``lora`` is given (only those take adapters).
     dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
     ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
     (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
@@ -199,16 +288,30 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     weights, grads = 4 * (p["total"] + (0 if lora is None else lora["total"])), 4 * trained["total"]
     states = 8 * trained["total"] + 4 * trained["tensors"]  # exp_avg, exp_avg_sq; a step each
     regather = sequence_parallel and tp > 1 and not keep_gathered_input
-    block = block_saved(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
-                         attention)
-    if lora is not None:  # each adapter's A x, kept for B's gradient
-        block += (lora["columns"] + lora["rows"]) * N * lora["r"] * 4
-    weight_copies = block_copies(shape, s) if autocast else 0
+    terms = block_terms(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
+                        attention)
+    if converted is None:
+        converted = lora is not None
+    if converted:
+        terms = converted_block_terms(shape, tp, rank, terms, N, B, act, device, attention)
+    if lora is not None:
+        terms = lora_block_terms(shape, terms, N, Ns, act, lora)
+    block, weight_copies = terms["total"], terms["weight copies"]
     embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
+    # LoRA: the embedding is frozen, so its output needs no gradient, and neither does the first
+    # block's input norm (its weight frozen too): neither keeps anything (the vocab-parallel
+    # embedding neither its ids nor its mask); the first tensor kept is that norm's output, for
+    # block 0's adapted columns (its "columns" term). Recomputed, the output is still kept, as
+    # block 0's checkpointed input.
+    first_norm = 0
+    if lora is not None and recompute != "full":
+        embed, first_norm = 0, terms["norms"] // 2
     if shape.norm == "layer":
         final_norm = 2 * Ns * 4
+    elif device == "cuda" or not autocast or lora is not None:  # rstd (frozen: lora_block_terms)
+        final_norm = Ns * 4
     else:  # rstd; on CPU under autocast also x·rstd (see block_terms)
-        final_norm = Ns * 4 if device == "cuda" or not autocast else Ns * D * 4 + Ns * 4
+        final_norm = Ns * D * 4 + Ns * 4
     final_norm += (Ns if regather else N) * D * act  # the head's input
     head_copy = s["vocab"] * D * 2 if autocast else 0
     # the same fp32 (N, V_local) either way: at TP=1 F.cross_entropy's log_softmax output (not
@@ -219,11 +322,13 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
     # ("rotary tables" in block_terms)
     rope = 0 if autocast and recompute != "full" else 4 * T * shape.head_dim
+    if converted:  # the model's cos and sin, (T, hd) fp32 each (converted_block_terms)
+        rope = 0 if shape.learned_pos else 2 * T * shape.head_dim * 4
     tail = final_norm + head_copy + logits + loss
     if recompute == "full":  # each block keeps only its input (the checkpoint's)
         blocks, copies = L * Ns * D * 4, head_copy
     else:
-        blocks, copies = L * block, L * weight_copies + head_copy
+        blocks, copies = L * block - first_norm, L * weight_copies + head_copy
     activations = embed + blocks + tail + rope
     # the loss backward: the vocab-parallel loss builds its gradient in place in the buffer it
     # kept; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
@@ -232,13 +337,44 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
                                                               else 0)
     peaks = {"loss backward": activations + loss_bwd}
     in_copies = {"activations": copies, "loss backward": copies, "optimizer step": 0}
+    head_grad = 4 * s["vocab"] * D if lora is None else 0  # a frozen head has none
+    if lora is not None:
+        # LoRA: the final norm's backward, after the head's, the peak at TP > 1 (where the loss
+        # backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's backward
+        # adds little (below). The logits' buffer, the loss's statistics and the head's input
+        # are let go; the head's input gradient (fp32) is in, and the norm's backward makes its
+        # temporaries (measured, torch 2.13 CPU): tensorpar's CPU rms_norm (fp32) x·rstd, g·w and
+        # the input gradient; F.rms_norm composed of ops (CPU autocast) five of the width at its
+        # pow's backward (the mul's and the mean's gradients, pow's 2·x and its product, and the
+        # gradient through x·rstd); torch's kernels (CUDA's, layer_norm) the input gradient
+        # alone. (Not modelled for a full fine-tune, whose norm makes its weight's gradient too:
+        # unmeasured; the block's backward the GPT's measured peak.)
+        head_input = (Ns if regather else N) * D * act
+        if shape.norm == "rms" and device == "cpu":
+            norm_temps = (5 if autocast else 3) * Ns * D * 4
+        else:
+            norm_temps = Ns * D * 4
+        peaks["final norm backward"] = (activations - logits - loss - head_input + Ns * D * 4
+                                        + norm_temps)
+        in_copies["final norm backward"] = copies - head_copy
     # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
     # full recomputation also the recomputed block
-    hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+    between = activations - tail + head_grad
+    if lora is None:
+        hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+    else:
+        # a frozen MLP's backward (measured: its peak is inside down's and the SwiGLU product's
+        # backward): the incoming gradient (N·D fp32) and three hidden-sized gradients in
+        # flight, down's base op's and its adapter's gradients of the product and their sum,
+        # or (down not adapted) the product's and mul's two, silu(gate)'s and up's; the
+        # product, which down kept for its adapter's A, is let go once down's backward has run
+        # (without an adapter down kept none: lora_block_terms)
+        hidden_grads = N * D * 4 + (2 if lora["down"] else 3) * N * s["hidden"] * act
+        if recompute != "full":  # the last block's output, kept by the final norm alone, is gone
+            between -= Ns * D * 4
     if regather:  # the column op's input, gathered again for its weight gradients
         hidden_grads += N * D * act
-    head_grad = 4 * s["vocab"] * D if lora is None else 0  # a frozen head has none
-    top = activations - tail + head_grad + hidden_grads
+    top = between + hidden_grads
     in_copies["block backward"] = copies - head_copy
     if recompute == "full":
         # inside the recomputed block's MLP backward (measured: tests/planner/test_plan_modes.py):
@@ -248,6 +384,8 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
         # not a tensor of its own
         block_input = embed_output = Ns * D * 4
         swiglu_product, second_width_grad = N * s["hidden"] * act, N * D * 4
+        if lora is not None:  # hidden_grads has the one gradient and the product let go
+            swiglu_product = second_width_grad = 0
         top += block - block_input - swiglu_product - second_width_grad - embed_output
         in_copies["block backward"] += weight_copies
     # that is the last block's backward (L blocks' activations, no block gradient yet); at the
@@ -255,7 +393,6 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     kept = Ns * D * 4 if recompute == "full" else block
     # between blocks in backward (the last block's activations, the head's gradient) and what
     # a block's backward adds: what data parallelism (plan.data_parallel) builds on
-    between = activations - tail + head_grad
     blocks = {"count": L, "between": between, "inside": top - between, "kept": kept,
               "copies": {"between": copies - head_copy, "kept": 0 if recompute == "full" else
                          weight_copies, "inside": in_copies["block backward"] - copies + head_copy}}
