@@ -15,9 +15,11 @@ several ranges of one tensor (a fused dim: GPT-2's q|k|v, each block split alike
 stacks them along ``split_dim`` and each piece after the first gives its ``offset`` there: rows
 [offset, offset + stop - start) of the file's tensor. Every dense element is in exactly one piece.
 
-Versions: 1 has no ``offset`` (one range per rank and tensor); 2 may have it. A checkpoint is
-written as version 1 whenever it can be, so readers that know only version 1 still read every
-checkpoint without fused tensors, and refuse, rather than misread, those with them.
+Versions: 1 has no ``offset`` (one range per rank and tensor); 2 may have it; 3 is a pipelined
+run's (``pp_size`` stages, each of ``tp_size`` files: stage p's TP rank r wrote file
+p · tp_size + r, and the pieces name those files). A checkpoint is written with the lowest
+version that describes it, so older readers still read what they can, and refuse, rather than
+misread, the rest.
 
 No pickle: the format is JSON plus safetensors. ``save.py`` writes it, ``load.py`` reads it at any
 TP size, ``export.py`` turns it into one dense file.
@@ -30,8 +32,8 @@ import os
 from pathlib import Path
 
 FORMAT = "tensorpar-checkpoint"
-VERSION = 2  # the newest version written and read
-VERSIONS = (1, 2)  # read; 1: no piece has an offset (see the module docstring)
+VERSION = 3  # the newest version written and read
+VERSIONS = (1, 2, 3)  # read; 1: no piece has an offset, 3: pipeline stages (module docstring)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 

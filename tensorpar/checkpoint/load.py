@@ -51,7 +51,7 @@ class CheckpointReader:
                                   f"{' or '.join(map(str, VERSIONS))} ({what})")
         shape = {"tp_size": int, "step": int, "config": dict, "files": list, "tensors": dict}
         bad = [k for k, t in shape.items() if not isinstance(m.get(k), t)]
-        if bad or len(m["files"]) != m["tp_size"]:
+        if bad or len(m["files"]) != m["tp_size"] * m.get("pp_size", 1):
             raise CheckpointError(f"{found}/manifest.json is corrupted: "
                                   f"{'missing or invalid ' + ', '.join(bad) if bad else ''}"
                                   f"{'' if bad else 'files do not match tp_size'}")
@@ -125,11 +125,12 @@ def read_shard(reader: CheckpointReader, key: str, spec: ShardSpec) -> torch.Ten
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
 
 
-def check_fits(reader: CheckpointReader, model: nn.Module) -> None:
-    """Raise CheckpointError unless the checkpoint has exactly the model's parameters and shapes."""
+def check_fits(reader: CheckpointReader, model: nn.Module, part: bool = False) -> None:
+    """Raise CheckpointError unless the checkpoint has exactly the model's parameters and shapes
+    (``part``: the model is a pipeline rank's part, so the checkpoint holds more)."""
     have = {k for k in reader.tensors if not k.startswith("optimizer.")}
     want = dict(checkpointed(model))
-    missing, extra = sorted(want.keys() - have), sorted(have - want.keys())
+    missing, extra = sorted(want.keys() - have), [] if part else sorted(have - want.keys())
     if missing or extra:
         raise CheckpointError(f"{reader.dir} does not match the model: missing {missing[:4]}"
                               f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
@@ -157,7 +158,7 @@ def _place(tp_shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
-                    check_hashes: bool = True) -> dict:
+                    check_hashes: bool = True, part: bool = False) -> dict:
     """Load weights (and AdamW moments) into this rank's shards; return the manifest.
 
     Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
@@ -165,9 +166,11 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     FSDP2 (``dp/wrap.py``) loads too: each rank keeps its data-parallel piece of
     what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
     compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
+    ``part``: ``model`` is a pipeline rank's part of the saved model (its own tensors are read,
+    whatever pipeline size saved them).
     """
     reader = CheckpointReader(path, check_hashes)
-    check_fits(reader, model)
+    check_fits(reader, model, part)
     groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in checkpointed(model):

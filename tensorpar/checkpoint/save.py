@@ -33,8 +33,6 @@ from torch.distributed import ProcessGroup
 from tensorpar.checkpoint.format import (
     ADAM_STATES,
     FORMAT,
-    VERSION,
-    VERSIONS,
     checkpointed,
     list_checkpoints,
     make_readable,
@@ -54,6 +52,25 @@ def _agree(status, group) -> list:
     statuses = [None] * tp_size(group)
     dist.all_gather_object(statuses, status, group=group)
     return statuses
+
+
+class Grid:
+    """The ranks that write one checkpoint: the TP ``group`` of each of the ``pp_group``'s
+    pipeline stages (None: one stage). Rank g = stage · tp + tp rank writes file g; ``agree``
+    exchanges a status over all of them, in that order."""
+
+    def __init__(self, group: ProcessGroup | None, pp_group: ProcessGroup | None = None):
+        self.group, self.pp_group = group, pp_group
+        self.tp, self.stages = tp_size(group), tp_size(pp_group)
+        self.stage = tp_rank(pp_group)
+        self.rank = self.stage * self.tp + tp_rank(group)
+        self.size = self.stages * self.tp
+
+    def agree(self, status) -> list:
+        in_stage = _agree(status, self.group)
+        if self.stages == 1:
+            return in_stage
+        return [s for stage in _agree(in_stage, self.pp_group) for s in stage]
 
 
 def _first_failure(statuses: list):
@@ -127,7 +144,8 @@ def _whole(t) -> torch.Tensor:
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
                     optimizer: torch.optim.Optimizer | None = None,
                     group: ProcessGroup | None = None, meta: dict | None = None,
-                    keep: int = 2, dp_group: ProcessGroup | None = None) -> Path:
+                    keep: int = 2, dp_group: ProcessGroup | None = None,
+                    pp_group: ProcessGroup | None = None) -> Path:
     """Write ``RUN_DIR/step-{step}``; every rank of ``group`` calls it. Keeps the newest ``keep``
     checkpoints. ``meta`` (JSON-serializable) goes into the manifest. Returns the directory.
 
@@ -135,7 +153,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     data-parallel group. The first replica (dp rank 0) of each TP rank writes, so nothing is
     stored twice: FSDP2's pieces (DTensors) are first gathered over ``dp_group`` into the whole
     TP shard, DDP's are whole already. The other replicas wait for the writers' outcome and
-    raise what they raised, so every rank ends alike."""
+    raise what they raised, so every rank ends alike.
+
+    pp_group: with pipeline stages, every stage's ranks call it with their part of the model
+    (each parameter under its name in the whole model): stage p's TP rank r writes file
+    p · tp + r, and one manifest lists every stage's tensors, so that the checkpoint loads at
+    any TP and pipeline size."""
     tensors = {}
     rank = tp_rank(group)
     for name, p in checkpointed(model):  # every dp rank: FSDP2's gathers are collectives
@@ -147,12 +170,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
             mine = owned_local(layout, name, t, rank)
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
+    grid = Grid(group, pp_group)
     if dp_group is None or tp_size(dp_group) == 1:  # None: no data parallelism
-        return _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors)
+        return _write(run_dir, step, model, layout, optimizer, grid, meta, keep, tensors)
     status = None
     if tp_rank(dp_group) == 0:
         try:
-            _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors)
+            _write(run_dir, step, model, layout, optimizer, grid, meta, keep, tensors)
         except Exception as e:  # noqa: BLE001 (the replicas raise it too, below)
             status = e
     outcome = [status]
@@ -162,9 +186,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     return Path(run_dir) / f"step-{step:08d}"
 
 
-def _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors) -> Path:
+def _write(run_dir, step, model, layout, optimizer, grid: Grid, meta, keep, tensors) -> Path:
     """The writing ranks' part of ``save_checkpoint``: ``tensors`` is what this rank owns."""
-    rank, n = tp_rank(group), tp_size(group)
+    rank, n = grid.rank, grid.size
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
     # 1. nothing non-finite is ever written, and rank 0 makes the directory: agreed on first
@@ -177,7 +201,7 @@ def _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors) 
             tmp.mkdir(parents=True)
         except OSError as e:
             status = _io_error(e, tmp)
-    statuses = _agree(status, group)
+    statuses = grid.agree(status)
     if rank == 0 and any(s is not None for s in statuses):
         shutil.rmtree(tmp, ignore_errors=True)
     _first_failure(statuses)
@@ -191,25 +215,29 @@ def _write(run_dir, step, model, layout, optimizer, group, meta, keep, tensors) 
                   "sha256": sha256_of(tmp / fname), "keys": sorted(tensors)}
     except Exception as e:  # noqa: BLE001 (a bug too: the other ranks must not wait for it)
         status = _io_error(e, tmp / fname)
-    infos = _agree(status, group)
+    infos = grid.agree(status)
     failed = [i for i in infos if isinstance(i, BaseException)]
     if rank == 0 and failed:
         shutil.rmtree(tmp, ignore_errors=True)
     _first_failure(failed)
-    # 3. rank 0 adds the manifest and renames the directory into place
+    # 3. every stage's tensors (its pieces in the grid's files); rank 0 adds the manifest and
+    # renames the directory into place
+    entries = _entries(model, layout, optimizer, grid.tp, grid.stage * grid.tp)
+    if grid.stages > 1:
+        entries = {k: v for stage in _agree(entries, grid.pp_group) for k, v in stage.items()}
     status = None
     if rank == 0:
         try:
-            _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, keep, n)
+            _finish(run_dir, step, tmp, final, entries, optimizer, infos, meta, keep, grid)
         except Exception as e:  # noqa: BLE001 (as above)
             shutil.rmtree(tmp, ignore_errors=True)
             status = _io_error(e, tmp / "manifest.json")
-    _first_failure(_agree(status, group))
+    _first_failure(grid.agree(status))
     return final
 
 
-def _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, keep, n) -> None:
-    manifest = _manifest(step, n, model, layout, optimizer, infos, meta or {})
+def _finish(run_dir, step, tmp, final, entries, optimizer, infos, meta, keep, grid) -> None:
+    manifest = _manifest(step, grid, entries, optimizer, infos, meta or {})
     write_atomically(tmp / "manifest.json", _write_synced(json.dumps(manifest, indent=1)))
     _fsync(tmp)
     old = run_dir / f".step-{step:08d}.old"
@@ -223,9 +251,10 @@ def _finish(run_dir, step, tmp, final, model, layout, optimizer, infos, meta, ke
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _pieces(layout: Layout, name: str, n: int) -> list[dict]:
+def _pieces(layout: Layout, name: str, n: int, first_file: int = 0) -> list[dict]:
     """Which rank's file holds which dense rows of ``name``: a rank's owned ranges, stacked in its
-    file in the order ``owned_local`` concatenates them (``offset``: where each one starts)."""
+    file in the order ``owned_local`` concatenates them (``offset``: where each one starts). TP
+    rank r's file is ``first_file`` + r (its stage's first file, with pipeline stages)."""
     pieces = []
     for r in range(n):
         offset = 0
@@ -233,22 +262,27 @@ def _pieces(layout: Layout, name: str, n: int) -> list[dict]:
             if offset and pieces[-1]["stop"] == a:  # adjacent in the file and in the dense tensor
                 pieces[-1]["stop"] = b  # (a fused dim at TP=1): one piece
             else:
-                pieces.append({"rank": r, "start": a, "stop": b} |
+                pieces.append({"rank": first_file + r, "start": a, "stop": b} |
                               ({"offset": offset} if offset else {}))
             offset += b - a
     return pieces
 
 
-def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
+def _entries(model, layout, optimizer, n: int, first_file: int) -> dict:
+    """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too)."""
     tensors = {}
     for name, p in checkpointed(model):
-        pieces = _pieces(layout, name, n)
+        pieces = _pieces(layout, name, n, first_file)
         entry = {"shape": list(layout.shapes[name]), "dtype": str(p.dtype).removeprefix("torch."),
                  "split_dim": layout.shards[name][0].dim, "pieces": pieces}
         tensors[name] = entry
         if optimizer is not None and optimizer.state.get(p):
             for s in ADAM_STATES:
                 tensors[f"optimizer.{s}.{name}"] = entry
+    return tensors
+
+
+def _manifest(step, grid: Grid, tensors, optimizer, infos, meta) -> dict:
     files = [{k: v for k, v in info.items() if k != "keys"} for info in infos]
     opt = None
     if optimizer is not None:
@@ -257,6 +291,7 @@ def _manifest(step, n, model, layout, optimizer, infos, meta) -> dict:
                                 for g in optimizer.param_groups]}
     # version 1 when no piece needs an offset: older readers then read it as before
     packed = any("offset" in piece for t in tensors.values() for piece in t["pieces"])
-    version = VERSION if packed else min(VERSIONS)
-    return {"format": FORMAT, "version": version, "tp_size": n, "step": step, **meta,
-            "optimizer": opt, "files": files, "tensors": tensors}
+    version = 3 if grid.stages > 1 else 2 if packed else 1
+    stages = {"pp_size": grid.stages} if grid.stages > 1 else {}
+    return {"format": FORMAT, "version": version, "tp_size": grid.tp, **stages, "step": step,
+            **meta, "optimizer": opt, "files": files, "tensors": tensors}

@@ -50,23 +50,31 @@ def mesh_sizes(world: int, tp: int | None = None, dp: int | None = None) -> tupl
     return dp, tp
 
 
-def init_parallel(tp: int | None = None, dp: int | None = None, *, backend: str | None = None,
-                  timeout: timedelta | None = None,
+def init_parallel(tp: int | None = None, dp: int | None = None, *, pp: int = 1,
+                  backend: str | None = None, timeout: timedelta | None = None,
                   check_collectives: bool | None = None) -> DeviceMesh:
     """Start torch.distributed from the launcher's environment and return the ("dp", "tp") mesh.
 
     tp, dp: the tensor- and data-parallel sizes; one left out is the world divided by the other
         (under torchrun ``dp`` defaults to world / tp). ``tp * dp`` must be the world size.
+    pp: pipeline stages (``train/pipeline.py``); above 1 the mesh is ("pp", "dp", "tp"), the
+        stages outermost, and ``tp * dp * pp`` is the world size.
     backend, timeout, check_collectives: as for ``init_tensor_parallel``.
 
     Use ``mesh["tp"].get_group()`` for tensorpar's layers, ``GPT`` and ``parallelize``, and
     ``mesh`` for :func:`tensorpar.dp.wrap.data_parallel`. On one process (no torchrun)
     it is a 1 x 1 mesh.
     """
-    dp_size, tp_size = mesh_sizes(world_size_to_be(), tp, dp)  # before any collective
+    world = world_size_to_be()
+    if pp < 1 or world % pp:
+        raise ValueError(f"--pp {pp} does not divide the world size {world}")
+    dp_size, tp_size = mesh_sizes(world // pp, tp, dp)  # before any collective
     start_process_group(backend=backend, timeout=timeout, check_collectives=check_collectives)
     from torch.distributed.device_mesh import init_device_mesh
 
+    if pp > 1:  # pipeline stages outermost: across nodes, TP inside one
+        return init_device_mesh(device_for().type, (pp, dp_size, tp_size),
+                                mesh_dim_names=("pp", *MESH_DIMS))
     return init_device_mesh(device_for().type, (dp_size, tp_size), mesh_dim_names=MESH_DIMS)
 
 

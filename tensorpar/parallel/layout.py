@@ -104,7 +104,8 @@ def owned_local(layout: Layout, name: str, t: torch.Tensor, rank: int) -> torch.
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
                     group: ProcessGroup | None = None,
-                    dp_group: ProcessGroup | None = None) -> torch.Tensor:
+                    dp_group: ProcessGroup | None = None,
+                    pp_group: ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so the global L2 norm (of the dense model) is at most ``max_norm``.
 
     Each rank sums the squares of the gradient elements it owns; one all-reduce of that scalar
@@ -116,6 +117,8 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     dp_group: with FSDP2 (gradients that are DTensors, split once more over data parallelism)
     each rank holds 1/dp of its TP shard's gradient, so the sum is all-reduced over ``dp_group``
     too. DDP's gradients are whole (the same on every dp rank): no second all-reduce.
+    pp_group: with pipeline stages, each rank holds its stages' parameters alone, so the sum is
+    all-reduced over the pipeline too.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -135,6 +138,8 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
         dist.all_reduce(sq, group=group)
     if dp_sharded and dp_group is not None and tp_size(dp_group) > 1:
         dist.all_reduce(sq, group=dp_group)
+    if pp_group is not None and tp_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0),

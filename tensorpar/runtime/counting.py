@@ -41,12 +41,17 @@ KIND_OF_OP = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "send": "send",  # point to point: a pipeline's activations and gradients
+    "recv_": "recv",
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def ring_share(kind: str, n: int) -> float:
-    """The fraction of a collective's payload each of ``n`` ranks sends with ring algorithms."""
+    """The fraction of a collective's payload each of ``n`` ranks sends with ring algorithms (a
+    send: all of it; a receive: nothing)."""
+    if kind in ("send", "recv"):
+        return 1.0 if kind == "send" else 0.0
     return 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
 
 

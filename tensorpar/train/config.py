@@ -22,6 +22,13 @@ class TrainConfig:
     dp_mode: str = dataclasses.field(default="fsdp", metadata={
         "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
+    pp: int = dataclasses.field(default=1, metadata={
+        "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
+                "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
+                "step's micro-batches (--micro-batch-size)", "default": "1, no pipeline"})
+    pp_virtual: int = dataclasses.field(default=1, metadata={
+        "help": "with --pp: stages per pipeline rank, interleaved (torch's "
+                "ScheduleInterleaved1F1B): a smaller bubble, more point-to-point traffic"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
     steps: int = dataclasses.field(default=400, metadata={
@@ -131,8 +138,9 @@ class TrainConfig:
         "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len",
-                     "save_every", "lr_decay_steps", "eval_every", "eval_batches", "lora_rank"):
+        for flag in ("tp", "dp", "pp", "pp_virtual", "steps", "batch_size", "micro_batch_size",
+                     "seq_len", "save_every", "lr_decay_steps", "eval_every", "eval_batches",
+                     "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -168,6 +176,8 @@ class TrainConfig:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} does not divide the "
                              f"{self.batch_size // dp} sequences of each data-parallel rank "
                              f"(--batch-size {self.batch_size} over --dp {dp})")
+        if self.pp > 1 or self.pp_virtual > 1:
+            check_pipeline_flags(self)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
@@ -182,6 +192,15 @@ def evaluates(cfg: TrainConfig, step: int) -> bool:
     """Whether the run computes the validation loss after ``step`` (counted from 1)."""
     every = cfg.eval_every or cfg.save_every
     return cfg.val_data is not None and (step % every == 0 or step == cfg.steps)
+
+
+def check_pipeline_flags(cfg: TrainConfig) -> None:
+    """What ``--pp`` needs of the other flags (the model's side: ``gpt_recipe.check``)."""
+    for flag in ("val_data", "compile"):
+        if getattr(cfg, flag):
+            raise ValueError(f"--pp with --{flag.replace('_', '-')} is not supported yet")
+    if cfg.lora_rank is not None or cfg.lora_init is not None:
+        raise ValueError("--pp pipelines tensorpar's GPT; LoRA fine-tunes a Hugging Face model")
 
 
 def passes(cfg: TrainConfig) -> int:

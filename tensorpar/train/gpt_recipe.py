@@ -51,6 +51,8 @@ from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
+from tensorpar.train.config import passes
+from tensorpar.train.pipeline import check_pipeline
 from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
 
@@ -95,6 +97,12 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
+        if pp > 1 or virtual > 1:
+            check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
+            if self.model_cfg.tie_embeddings:
+                raise ValueError("--pp puts the embedding on the first stage and the head on the "
+                                 "last, so they cannot share a table: add --no-tie-embeddings")
         if is_chat_file(getattr(cfg, "data", None)) and self.tokenizer_dir is None:
             raise ValueError(f"--data {cfg.data}: chat or instruction examples need a tokenizer "
                              "with an end-of-text token (and a chat template for messages): "
@@ -114,11 +122,13 @@ class GPTRecipe:
             return ByteTokenizer()
         return HFTokenizer(self.tokenizer_dir, self.model_cfg.vocab_size)
 
-    def build(self, cfg, group, dp_rank: int,
-              device: torch.device) -> tuple[nn.Module, Callable[[int], None]]:
+    def build(self, cfg, group, dp_rank: int, device: torch.device,
+              **part) -> tuple[nn.Module, Callable[[int], None]]:
+        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, as
+        ``GPT`` takes them) and what sets each step's dropout streams."""
         rng = TensorParallelRNG(cfg.seed, group, dp_rank)  # dropout masks differ by dp rank
         net = GPT(self.model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, rng=rng,
-                  device=device, fused=cfg.fused, recompute=cfg.recompute)
+                  device=device, fused=cfg.fused, recompute=cfg.recompute, **part)
         return net, rng.set_step
 
     def loss_fn(self, model: nn.Module, cfg, group) -> Callable:

@@ -105,6 +105,13 @@ class HFRecipe:
     kind = "hf"
 
     def check(self, cfg: TrainConfig) -> None:
+        if cfg.pp > 1:
+            raise ValueError(f"--pp with --hf {self.origin}: pipeline stages are built for "
+                             "tensorpar's GPT only. A Hugging Face model's forward runs its "
+                             "embedding, every decoder layer and its head in one call, with "
+                             "masks and positions made inside it, so torch.distributed."
+                             "pipelining cannot cut it into stages without a model-specific "
+                             "stage forward, which tensorpar does not have yet")
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")

@@ -61,6 +61,7 @@ from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
 from tensorpar.train.optim import implementation, make_optimizer
+from tensorpar.train.pipeline import Schedule, build_parts, shard_stages
 from tensorpar.train.report import RunReport
 
 
@@ -129,7 +130,8 @@ class Run:
                  scope: ExitStack):
         self.cfg, self.recipe, self.run_group = cfg, recipe, run_group
         dp = cfg.dp or 1
-        self.mesh = init_parallel(tp=cfg.tp, dp=dp) if dp > 1 else None
+        self.mesh = init_parallel(tp=cfg.tp, dp=dp, pp=cfg.pp) if dp > 1 or cfg.pp > 1 \
+            else None
         self.group = run_group if self.mesh is None else self.mesh["tp"].get_group()
         self.device = device_for(self.group)
         self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
@@ -156,24 +158,39 @@ class Run:
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the layout use ``net``
         self.validation = validation_data(cfg, tokenizer)
-        self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
+        self.pipeline, self.pp_group = None, None  # --pp: this rank's stages (pipeline.py)
+        bf16 = torch.bfloat16 if cfg.dtype == "bf16" else None
+        if cfg.pp > 1:
+            self.pp_group = self.mesh["pp"].get_group()
+            parts, self.at_step = build_parts(recipe, cfg, self.group, r, self.device,
+                                              self.mesh["pp"].get_local_rank())
+            self.net = parts.net
+        else:
+            self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
         self.layout = Layout.gather(self.net, self.group)  # ranks go on to other jobs
-        self.model = self.net if self.mesh is None else \
-            data_parallel(self.net, self.mesh, cfg.dp_mode,
-                          param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None)
+        if cfg.pp > 1:
+            modules = shard_stages(parts, self.mesh, cfg.dp_mode, bf16)
+            self.model = self.net
+            self.pipeline = Schedule(cfg, parts, modules, self.mesh, self.device, n,
+                                     recipe.model_cfg.vocab_size,
+                                     bf16 or torch.float32)
+        else:
+            self.model = self.net if self.mesh is None else \
+                data_parallel(self.net, self.mesh, cfg.dp_mode, param_dtype=bf16)
         self.forward = recipe.loss_fn(self.model, cfg, self.group)
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
-            ({} if self.mesh is None else {"dp": dp_groups(self.model, self.mesh)})
+            ({} if dp == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
+            ({} if self.pp_group is None else {"pp": self.pp_group})
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0
         if resume_from is not None:  # the files were hashed once before the ranks started
-            self.start = load_checkpoint(resume_from, self.net, self.opt,
-                                         check_hashes=False)["step"]
+            self.start = load_checkpoint(resume_from, self.net, self.opt, check_hashes=False,
+                                         part=cfg.pp > 1)["step"]
         self.out = Path(cfg.out)
         if self.lead:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +222,14 @@ class Run:
         # --pack: each row's positions restart at every example (chat.ExampleBatches)
         pos = packed[0].to(self.device) if packed and cfg.pack else None
         at = {} if pos is None else {"position_ids": pos}
-        if len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
+        if self.pipeline is not None:  # the passes are the pipeline's micro-batches
+            rows = slice(self.passes[0].start, self.passes[-1].stop)
+            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.dp, device=self.device)
+            with self.autocast:
+                loss_sum = self.pipeline.step(
+                    x[rows].to(self.device), y[rows].to(self.device), tokens,
+                    None if pos is None else pos[rows]) / self.dp
+        elif len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
             with self.autocast:
                 loss = self.forward(x.to(self.device), y.to(self.device), **at)
             loss.backward()
@@ -225,7 +249,8 @@ class Run:
                     loss.backward()
                 loss_sum = loss_sum + loss.detach().float() / self.dp
         norm = clip_grad_norm_(self.net, self.layout, cfg.grad_clip, self.group,
-                               dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None)
+                               dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
+                               self.pp_group)
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
@@ -270,7 +295,7 @@ class Run:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
                                          "epoch": round(self.batches.epoch_of(step), 4)}
         save_checkpoint(self.out, step, self.net, self.layout, self.opt, self.group, self.meta,
-                        dp_group=dp_group(self.mesh))
+                        dp_group=dp_group(self.mesh), pp_group=self.pp_group)
 
     def agree(self, value: int) -> int:
         """Rank 0's ``value`` on every rank of the run."""

@@ -25,9 +25,10 @@ KINDS = ("counts", "bytes", "ring_bytes")
 class StepMeasure:
     """``with measure.around(step): ...`` measures the block when ``step`` is the one chosen.
 
-    groups: the groups whose collectives are counted, by name ("tp", and "dp" under data
-    parallelism). After the measured step, ``comm`` holds the "tp" group's counts, bytes and
-    ring bytes (and ``comm["dp"]`` the dp group's), ``peak_memory`` the peak in bytes."""
+    groups: the groups whose collectives are counted, by name ("tp", "dp" under data
+    parallelism, "pp" with pipeline stages). After the measured step, ``comm`` holds the "tp"
+    group's counts, bytes and ring bytes (``comm["dp"]`` the dp group's, ``comm["pp"]`` the
+    pipeline's sends and receives), ``peak_memory`` the peak in bytes."""
 
     def __init__(self, start: int, steps: int, groups: dict, device: torch.device,
                  ddp: bool = False):
@@ -47,8 +48,10 @@ class StepMeasure:
             yield
         tp = counter.by_group.get("tp", {})
         self.comm = {k: dict(tp.get(k, {})) for k in KINDS}
-        if "dp" in self.groups:
-            self.comm["dp"] = {k: dict(v) for k, v in counter.by_group.get("dp", {}).items()}
+        for label in ("dp", "pp"):
+            if label in self.groups:
+                self.comm[label] = {k: dict(v)
+                                    for k, v in counter.by_group.get(label, {}).items()}
         self.peak_memory = meter.peak_bytes
 
 

@@ -17,11 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tensorpar.gpt.stages import describe_split
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
+from tensorpar.train.pipeline import p2p_per_step
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -289,14 +291,20 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     # the planner sees one pass's activations; a step makes each pass's collectives
     micro = getattr(cfg, "micro_batch_size", None) or cfg.batch_size // dp
     n = cfg.batch_size // dp // micro
+    pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
     split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
-    split += f", {n} passes of {micro}" if n > 1 else ""
+    split += f" x PP={pp}" if pp > 1 else ""
+    split += f", {n} {'micro-batches' if pp > 1 else 'passes'} of {micro}" if n > 1 else ""
     table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{split}{how}",
                   show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     if data_note:
         table.add_row("data", data_note)
+    if pp > 1 and shape is not None:  # the split, and the share of a step a rank idles
+        schedule = "1F1B" if virtual == 1 else f"interleaved 1F1B, {virtual} stages a rank"
+        table.add_row("pipeline", f"{describe_split(shape.n_layer, pp, virtual)}; {schedule}; "
+                      f"bubble (p - 1) / (v m) = {(pp - 1) / (virtual * n):.1%}")
     done = [r for r in rows if not r.get("skipped")]
     if done:
         table.add_row("loss (first -> final step)",
@@ -318,14 +326,15 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             share = sum(waits) / sum(r["step_time_s"] for r in rows if "data_s" in r)
             table.add_row("data wait (share of step time)",
                           f"{share:.2%} (reading each step's batch)")
-    dense = sizes[0]["dense"]
+    dense = sizes[0]["dense"] if pp == 1 else \
+        sum(s["dense"] for s in sizes if s.get("tp_rank", 0) == 0 and s.get("dp_rank", 0) == 0)
     per_param = sum(BYTES_PER_PARAM.values())
     table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
                   "weights + grads + AdamW (fp32)")
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory") and shape is None:
+        if s.get("peak_memory") and (shape is None or pp > 1):  # (the plan: tensorpar plan --pp)
             line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
         elif s.get("peak_memory"):
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
@@ -351,8 +360,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         table.add_row(f"rank {r}{where}", line)
     # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
     bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"
-    if comm["counts"]:
-        minimum = None if shape is None else predicted_comm(
+    if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
+        minimum = None if shape is None or pp > 1 else predicted_comm(
             shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n,
             bf16_params=bf16_params)
         _collective_rows(table, "", comm, minimum)
@@ -368,7 +377,25 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         if expected is not None:
             table.add_row("dp analytic count (payload)", " + ".join(
                 f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
+    if "pp" in comm:  # rank 0's (the first stage's) sends and receives, against the count
+        _collective_rows(table, "pp ", comm["pp"],
+                         None if shape is None else pipeline_p2p(cfg, shape, n))
     return table
+
+
+def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
+    """What pipeline rank 0 sends and receives in a step (``pipeline.p2p_per_step``): fp32
+    (B/m, T, D) activations out and as many gradients in, T/tp tokens a rank under sequence
+    parallelism; and what it all-reduces over the pipeline."""
+    from tensorpar.parallel.sharding import shard_sizes
+
+    n = p2p_per_step(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0)["sends"]
+    rows = cfg.batch_size // (getattr(cfg, "dp", None) or 1) // micro_batches
+    tokens = shard_sizes(cfg.seq_len, cfg.tp)[0] if cfg.sequence_parallel else cfg.seq_len
+    size = rows * tokens * shape.dim * 4
+    # and two fp32 scalars all-reduced: the step's loss, the gradient norm's sum of squares
+    return {"counts": {"send": n, "recv": n, "all_reduce": 2},
+            "bytes": {"send": n * size, "recv": n * size, "all_reduce": 8}}
 
 
 def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:

@@ -140,7 +140,7 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
         CheckpointReader(resume_from).verify()  # a corrupted file too
     if cfg.compile:
         check_compile_device(cfg.tp, wanted_device())
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp * cfg.dp))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp * cfg.dp * cfg.pp))
     if note := tf32_note(cfg.tf32, cfg.dtype, rank_device_type(local_world)):
         _say(f"note: {note}")
 
@@ -151,23 +151,24 @@ def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
     if explicit is not None or not under_torchrun():
         return 1 if cfg.dp is None else cfg.dp  # --dp 0 stays 0, for check() to refuse
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.tp < 1 or world % cfg.tp:
-        raise ValueError(f"torchrun started {world} processes, which --tp {cfg.tp} does not "
-                         f"divide: start a multiple of {cfg.tp} in all (--nnodes x "
-                         f"--nproc-per-node), or pass a --tp that divides {world}")
-    return world // cfg.tp
+    grid = cfg.tp * cfg.pp  # the ranks of one data-parallel replica
+    if grid < 1 or world % grid:
+        raise ValueError(f"torchrun started {world} processes, which --tp {cfg.tp} x --pp "
+                         f"{cfg.pp} does not divide: start a multiple of {grid} in all "
+                         f"(--nnodes x --nproc-per-node), or pass sizes that divide {world}")
+    return world // grid
 
 
 def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
     """Spawn ``cfg.tp`` x ``cfg.dp`` local ranks, or, under torchrun, be one of its ranks, to
     train the model of ``recipe`` (``GPTRecipe(model_cfg)`` for the GPT). Returns the exit
     status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
-    ranks = cfg.tp * (cfg.dp or 1)
+    ranks = cfg.tp * (cfg.dp or 1) * cfg.pp
     world = int(os.environ.get("WORLD_SIZE", ranks))
     if under_torchrun() and world != ranks:
         raise ValueError(f"torchrun started {world} processes but --tp {cfg.tp} x --dp "
-                         f"{cfg.dp or 1} is {ranks}: start {ranks} in all (torchrun "
-                         f"--nnodes x --nproc-per-node), or change --tp / --dp")
+                         f"{cfg.dp or 1} x --pp {cfg.pp} is {ranks}: start {ranks} in all "
+                         "(torchrun --nnodes x --nproc-per-node), or change --tp / --dp / --pp")
     if cfg.resume and resume_from is None:
         _say(f"no checkpoint in {cfg.out}; starting from step 0")
     elif resume_from is not None:

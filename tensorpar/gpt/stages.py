@@ -1,0 +1,102 @@
+"""The GPT cut into pipeline stages, for ``torch.distributed.pipelining``.
+
+With pipeline parallelism over ``pp`` ranks and ``v`` stages per rank (interleaved schedules),
+the model's L blocks are cut into S = pp · v stages of consecutive blocks, as ``tensor_split``
+cuts (sizes differ by at most one, the larger first); stage s runs on pp rank s % pp::
+
+    L = 5, pp = 2, v = 1    stage 0: embedding, blocks 0-2      (rank 0)
+                            stage 1: blocks 3-4, norm, head     (rank 1)
+    L = 8, pp = 2, v = 2    stage 0: embedding, blocks 0-1      (rank 0)
+                            stage 1: blocks 2-3                 (rank 1)
+                            stage 2: blocks 4-5                 (rank 0)
+                            stage 3: blocks 6-7, norm, head     (rank 1)
+
+A rank builds only its part of the model (``GPT(..., blocks=, embed=, head=)``): every
+parameter has its name and its initial values in the whole model, so checkpoints, the TP layout
+and a resume at another pipeline size see the same tensors. Each stage is a ``GPTStage``: a
+module over the part's embedding, blocks, norm and head (the same module objects), whose forward
+is what ``PipelineStage`` runs for one micro-batch: token ids in on the first stage, the residual
+stream (B, T, D) between stages (under sequence parallelism this TP rank's (B, T_r, D) shard),
+this rank's logits (B, T, V_local) out of the last.
+
+Dropout: a stage counts the micro-batches it runs within a step and gives block i of
+micro-batch j the key number j · L + i + 1 of its stream, the number the whole model's forward
+takes for it on the j-th pass of gradient accumulation: the masks are those of the same run
+without a pipeline, and no two stages, blocks or micro-batches share one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tensorpar.gpt.model import GPT, BlockDict
+
+
+def stage_blocks(n_layer: int, stages: int) -> list[range]:
+    """The blocks of each of ``stages`` stages: consecutive, sizes as ``tensor_split`` cuts
+    ``n_layer`` (the larger first). ValueError when a stage would hold none."""
+    if stages > n_layer:
+        raise ValueError(f"--n-layer {n_layer} cannot be cut into {stages} pipeline stages "
+                         "(--pp x --pp-virtual): each stage needs a block")
+    base, extra = divmod(n_layer, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def rank_stages(pp: int, virtual: int, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs: s = pp_rank + k · pp (the loop placement of
+    torch's interleaved schedules)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def describe_split(n_layer: int, pp: int, virtual: int = 1) -> str:
+    """One line on how the blocks are cut, e.g. "blocks 0-2 | 3-4 (5 over 2 stages)"."""
+    parts = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}"
+             for r in stage_blocks(n_layer, pp * virtual)]
+    placed = "" if virtual == 1 else f", stage s on pp rank s % {pp}"
+    return f"blocks {' | '.join(parts)} ({n_layer} over {pp * virtual} stages{placed})"
+
+
+class GPTStage(nn.Module):
+    """Stage ``index`` of ``count`` of a GPT, over ``gpt`` (this rank's part of the model)
+    holding its ``blocks``: the embedding first if it is the first stage, the norm and head
+    after if it is the last."""
+
+    def __init__(self, gpt: GPT, index: int, count: int, blocks: range):
+        super().__init__()
+        self.index, self.count = index, count
+        self.first, self.last = index == 0, index == count - 1
+        if self.first:
+            self.embed = gpt.embed
+        self.blocks = BlockDict({str(i): gpt.blocks[i] for i in blocks})
+        if self.last:
+            self.norm, self.lm_head = gpt.norm, gpt.lm_head
+        object.__setattr__(self, "gpt", gpt)  # its steps, not a submodule: no parameter twice
+        self._step, self._micro = None, 0
+
+    def _micro_batch(self) -> int:
+        """This forward's micro-batch within the step (the schedule runs them in order)."""
+        step = self.gpt.rng.step
+        if self._step != step or not self.training:
+            self._step, self._micro = step, 0
+        self._micro += 1
+        return self._micro - 1
+
+    def forward(self, x: torch.Tensor, seq_len: int,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One micro-batch: ids (B, T) into the first stage, the residual stream between stages,
+        this rank's logits out of the last. seq_len: T (under sequence parallelism the stream
+        holds this rank's shard of it). position_ids: packed examples' positions (B, T)."""
+        gpt, micro = self.gpt, self._micro_batch()
+        if self.first:
+            x = gpt.embed(x)
+        B = x.shape[0]
+        rope, mask = gpt.positions(B, seq_len, x.device, position_ids=position_ids)
+        x = gpt.run_blocks(x, rope, mask, seq_len, blocks=self.blocks,
+                           first_key=micro * gpt.cfg.n_layer)
+        return gpt.logits(x, seq_len) if self.last else x

@@ -1,0 +1,182 @@
+"""Pipeline parallelism in the trainer (``--pp N``): the GPT's stages on a ("pp", "dp", "tp")
+mesh, scheduled by ``torch.distributed.pipelining``.
+
+Each pipeline rank builds its part of the GPT (``gpt/stages.py``): its stages' blocks, the
+embedding on the rank of the first stage, the final norm and head on the rank of the last. The
+micro-batches are gradient accumulation's passes (``--micro-batch-size``): the step's batch on
+this dp rank, split into m = (--batch-size / --dp) / --micro-batch-size rows each. torch's
+``Schedule1F1B`` runs them (``ScheduleInterleaved1F1B`` with ``--pp-virtual V``: V stages per
+rank), so at most about pp micro-batches are in flight on the first rank.
+
+The loss is exact, as accumulation's: the last stage's loss function sums each micro-batch's
+token losses and divides by the step's target count on this dp rank (``num_tokens``, the same
+``loss_tokens`` rule as ``loop.Run.step``), with the schedule's own scaling off
+(``scale_grads=False``); the step's loss is the sum of the micro-batches' on the last rank,
+all-reduced over the pipeline so that every rank holds it. The gradient norm sums the squares of
+every stage (``clip_grad_norm_``'s ``pp_group``).
+
+The stages' shapes are given (``input_args``, ``output_args``), so the schedule never runs a
+forward to find them (which would take dropout keys and, under DDP, run a forward outside
+``no_sync``). FSDP2 shards each block and each stage's own parameters (embedding; norm and head)
+over dp without resharding after forward (a stage runs m forwards before its backwards: gathering
+again for each would cost m - 1 all-gathers); the schedule reduce-scatters once, after the
+stage's last backward. DDP wraps each stage; the schedule holds its all-reduce back to the last
+backward.
+
+Point to point: each stage boundary carries one activation forward and one gradient backward
+per micro-batch, (B/m, T, D) fp32 each (T / tp tokens under sequence parallelism), so a step
+sends 2 · m · (S - 1) tensors over its S = pp · V stages (``p2p_per_step``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorpar.gpt.stages import GPTStage, rank_stages, stage_blocks
+from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.runtime.groups import tp_size
+
+
+def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
+    """ValueError, naming the numbers, for a pipeline the schedules refuse; before any rank."""
+    if pp < 1 or virtual < 1:
+        raise ValueError(f"--pp {pp} and --pp-virtual {virtual} must be >= 1")
+    if pp == 1:
+        if virtual > 1:
+            raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
+        return
+    stage_blocks(n_layer, pp * virtual)
+    if micro_batches < pp:
+        raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step to keep every "
+                         f"stage busy (1F1B), but the step has {micro_batches}: lower "
+                         "--micro-batch-size (micro-batches = --batch-size / --dp / "
+                         "--micro-batch-size)")
+    rounds = max(1, micro_batches // pp)
+    if virtual > 1 and micro_batches % rounds:
+        raise ValueError(f"--pp-virtual {virtual}: the interleaved schedule runs the "
+                         f"{micro_batches} micro-batches in rounds of --pp {pp}; make them a "
+                         f"multiple of {pp}")
+
+
+def p2p_per_step(pp: int, virtual: int, micro_batches: int, pp_rank: int) -> dict:
+    """The point-to-point transfers a pipeline rank makes in a step: ``sends`` (activations to
+    the next stage, gradients to the one before) and as many ``recvs``."""
+    activations = micro_batches * (virtual - (pp_rank == pp - 1))
+    gradients = micro_batches * (virtual - (pp_rank == 0))
+    return {"sends": activations + gradients, "recvs": activations + gradients}
+
+
+@dataclass
+class PipelineParts:
+    """What a pipeline rank holds: ``net``, its part of the GPT (every parameter under its name
+    in the whole model: the optimizer, the layout, the norm and checkpoints use it), and
+    ``stages``, the ``GPTStage`` modules the schedule runs (over the same modules)."""
+
+    net: nn.Module
+    stages: list[GPTStage]
+
+
+def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int):
+    """This rank's part of the GPT and its stages; with the recipe's per-step callback."""
+    count = cfg.pp * cfg.pp_virtual
+    ranges = stage_blocks(recipe.model_cfg.n_layer, count)
+    mine = rank_stages(cfg.pp, cfg.pp_virtual, pp_rank)
+    blocks = [i for s in mine for i in ranges[s]]
+    net, at_step = recipe.build(cfg, group, dp_rank, device, blocks=blocks, embed=0 in mine,
+                                head=count - 1 in mine)
+    stages = [GPTStage(net, s, count, ranges[s]) for s in mine]
+    return PipelineParts(net, stages), at_step
+
+
+def shard_stages(parts: PipelineParts, mesh, mode: str,
+                 param_dtype: torch.dtype | None) -> list[nn.Module]:
+    """The stage modules the schedule calls, data-parallel over ``mesh["dp"]``: FSDP2 (each
+    block, then each stage's own parameters, kept gathered between forwards) or DDP (each stage
+    wrapped). Without data parallelism, the stages themselves."""
+    if mesh["dp"].size() == 1:
+        return list(parts.stages)
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return [DistributedDataParallel(s, process_group=mesh["dp"].get_group(),
+                                        broadcast_buffers=False) for s in parts.stages]
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None else MixedPrecisionPolicy()
+    specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
+    for block in parts.net.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+    for stage in parts.stages:
+        fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+    for name, p in parts.net.named_parameters():
+        p.tp_shard = specs[name]
+    return list(parts.stages)
+
+
+class Schedule:
+    """The stages of this rank under torch's schedule: ``step`` runs one optimizer step's
+    forward and backward over its micro-batches and returns the step's loss."""
+
+    def __init__(self, cfg, parts: PipelineParts, modules: list[nn.Module], mesh, device,
+                 micro_batches: int, vocab: int, dtype: torch.dtype):
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+        )
+
+        self.pp_group, self.tp_group = mesh["pp"].get_group(), mesh["tp"].get_group()
+        self.stages, self.m = parts.stages, micro_batches
+        self.first = any(s.first for s in parts.stages)
+        self.last = any(s.last for s in parts.stages)
+        rows = cfg.batch_size // (cfg.dp or 1) // micro_batches
+        T, tp = cfg.seq_len, tp_size(self.tp_group)
+        t_r = shard_sizes(T, tp)[dist.get_rank(self.tp_group)] if cfg.sequence_parallel else T
+        dim = parts.net.cfg.dim
+        # the shapes of one micro-batch, so that the schedule needs no forward to find them
+        hidden = torch.empty(rows, t_r, dim, device=device, requires_grad=True)
+        logits = torch.empty(rows, T, shard_sizes(vocab, tp)[dist.get_rank(self.tp_group)],
+                             device=device, dtype=dtype)
+        ids = torch.zeros(rows, T, dtype=torch.long, device=device)
+        pipeline = [PipelineStage(module, s.index, s.count, device,
+                                  input_args=(ids if s.first else hidden,),
+                                  output_args=(logits if s.last else hidden,),
+                                  group=self.pp_group)
+                    for module, s in zip(modules, parts.stages, strict=True)]
+        group = self.tp_group
+
+        def loss_fn(logits_local, targets, num_tokens):  # the micro-batch's summed losses / N
+            return vocab_parallel_cross_entropy(logits_local, targets, group=group,
+                                                vocab_size=vocab, reuse_logits=True,
+                                                reduction="sum") / num_tokens
+
+        if cfg.pp_virtual == 1:
+            self.schedule = Schedule1F1B(pipeline[0], micro_batches, loss_fn=loss_fn,
+                                         scale_grads=False)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(pipeline, micro_batches, loss_fn=loss_fn,
+                                                    scale_grads=False)
+        self.device = device
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """This dp rank's rows of the step (x, y on the device): the sum of the micro-batches'
+        losses, each its summed token losses / ``tokens``, on every pipeline rank."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"seq_len": x.shape[1]}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+                           losses=losses if self.last else None,
+                           loss_kwargs={"num_tokens": tokens}, return_outputs=False, **kwargs)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss.detach().float()
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank has them
+        return total

@@ -1,0 +1,132 @@
+"""Pipeline parallelism (``--pp``, ``--pp-virtual``): the GPT's stages under
+torch.distributed.pipelining train exactly as the same run without a pipeline, at every
+(tp, pp, dp) and schedule; a pipelined run's checkpoint resumes at another TP and pipeline size;
+the flags it cannot take are one line before any rank."""
+
+import pytest
+
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.gpt.stages import describe_split, rank_stages, stage_blocks
+from tensorpar.train.config import TrainConfig
+from tensorpar.train.loop import train_rank
+from tensorpar.train.pipeline import p2p_per_step
+
+MODEL = {"n_layer": 4, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64,
+         "tie_embeddings": False}
+STEPS = 3
+# 8 sequences in micro-batches of 2: 4 micro-batches (2 per dp rank at dp 2)
+FLAGS = {"steps": STEPS, "batch_size": 8, "micro_batch_size": 2, "seq_len": 16,
+         "warmup_steps": 1, "seed": 3, "save_every": STEPS}
+
+
+def _train(out, resume_from=None, model=None, **flags):
+    cfg = TrainConfig(out=str(out), **(FLAGS | flags))
+    result = train_rank(cfg, GPTConfig(**(MODEL | (model or {}))), resume_from)
+    return {"rows": result.get("rows"), "comm": result["comm"]}
+
+
+@pytest.fixture(scope="module")
+def runs(ranks, tmp_path_factory):
+    """``runs(tp, pp=1, dp=1, **flags)``: the metrics rows of that run, made once."""
+    made = {}
+
+    def get(tp, pp=1, dp=1, model=None, **flags):
+        key = (tp, pp, dp, tuple(sorted((model or {}).items())), tuple(sorted(flags.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"pp{pp}-tp{tp}-dp{dp}")
+            made[key] = ranks(tp * pp * dp).run(_train, out, None, model, tp=tp, pp=pp,
+                                                dp=dp if dp > 1 else None, **flags)[0]["rows"]
+        return made[key]
+
+    return get
+
+
+def _same(rows, ref, what, tol=1e-5):
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for a, b in zip(rows, ref, strict=True):
+        for key in ("loss", "grad_norm"):
+            err = abs(a[key] - b[key]) / abs(b[key])
+            assert err <= tol, f"{what}: step {a['step']} {key} {a[key]} vs {b[key]} ({err:.1e})"
+
+
+def test_stages_cut_the_blocks_as_tensor_split():
+    """5 blocks over 2 stages: 3 and 2; interleaved, stage s on rank s % pp; the summary's line."""
+    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_blocks(8, 4) == [range(2 * i, 2 * i + 2) for i in range(4)]
+    assert rank_stages(2, 2, 1) == [1, 3]
+    assert describe_split(5, 2) == "blocks 0-2 | 3-4 (5 over 2 stages)"
+    with pytest.raises(ValueError, match="--n-layer 3 cannot be cut into 4 pipeline stages"):
+        stage_blocks(3, 4)
+    # 1F1B at pp 4, 8 micro-batches: each boundary one activation and one gradient each
+    assert [p2p_per_step(4, 1, 8, r)["sends"] for r in range(4)] == [8, 16, 16, 8]
+    assert [p2p_per_step(2, 2, 4, r)["sends"] for r in range(2)] == [12, 12]
+
+
+@pytest.mark.parametrize("tp,pp,dp,flags", [
+    (1, 2, 1, {}), (2, 2, 1, {}), (1, 2, 1, {"pp_virtual": 2}),
+    pytest.param(1, 4, 1, {}, marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, {"dp_mode": "fsdp"}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, {"dp_mode": "ddp"}, marks=pytest.mark.slow),
+], ids=["tp1-pp2", "tp2-pp2", "tp1-pp2-v2", "tp1-pp4", "tp2-pp2-dp2-fsdp", "tp1-pp2-dp2-ddp"])
+def test_pipeline_trains_as_tp1(runs, tp, pp, dp, flags):
+    """Losses and gradient norms of 3 steps equal TP=1's without a pipeline (1e-5 relative;
+    the same micro-batches: the pipeline's are accumulation's)."""
+    _same(runs(tp, pp, dp, **flags), runs(1), f"tp{tp} pp{pp} dp{dp} {flags}")
+
+
+def test_point_to_point_transfers_are_counted(ranks, tmp_path):
+    """The measured step's sends and receives on pipeline rank 0 are the analytic count: at
+    (tp 2, pp 2) with sequence parallelism, 4 micro-batches of 2 x 8 of the 16 tokens x 32
+    fp32: 4 activations out and 4 gradients in, 2 KiB each."""
+    comm = ranks(4).run(_train, tmp_path, None, None, tp=2, pp=2, sequence_parallel=True,
+                        steps=2)[0]["comm"]["pp"]
+    assert comm["counts"] == {"send": 4, "recv": 4, "all_reduce": 2}, comm
+    assert comm["bytes"]["send"] == comm["bytes"]["recv"] == 4 * 2 * 8 * 32 * 4, comm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,flags", [(1, {"dropout": 0.1}),
+                                      (2, {"dropout": 0.1, "sequence_parallel": True,
+                                           "recompute": True})],
+                         ids=["dropout", "sp-recompute-dropout"])
+def test_pipeline_keeps_the_masks_of_the_run_without_one(runs, tp, flags):
+    """With dropout (and sequence parallelism and recompute) the stages draw the masks the same
+    run draws without a pipeline: block i of micro-batch j takes key j * L + i + 1."""
+    model = {"dropout": flags["dropout"]}
+    rest = {k: v for k, v in flags.items() if k != "dropout"}
+    ref = runs(tp, model=model, **rest)
+    no_dropout = runs(tp, **rest)
+    assert abs(ref[0]["loss"] - no_dropout[0]["loss"]) > 1e-4  # the masks drop something
+    _same(runs(tp, 2, model=model, **rest), ref, f"pp2 tp{tp} {flags}")
+
+
+def test_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
+    """Stopped after step 2 at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4): step 3
+    equals the uninterrupted run's (1e-5)."""
+    cut = tmp_path / "cut"
+    ranks(4).run(_train, cut, None, None, tp=2, pp=2, steps=2, lr_decay_steps=STEPS)
+    want = runs(1)[-1]
+    for tp, pp in ((4, 1), (1, 4)):
+        rows = ranks(tp * pp).run(_train, tmp_path / f"tp{tp}-pp{pp}", str(cut / "step-00000002"),
+                                  None, tp=tp, pp=pp, lr_decay_steps=STEPS)[0]["rows"]
+        got = rows[-1]
+        assert got["step"] == STEPS, rows
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-5 * want[key], (tp, pp, got, want)
+
+
+def test_pipeline_flags_are_checked_before_any_rank(tmp_path):
+    """Too few micro-batches for the stages; interleaved rounds; a tied head; no --hf."""
+    from tensorpar.train.run import resolve
+
+    def check(message, model=None, **flags):
+        args = {"out": str(tmp_path / "x")} | FLAGS | flags
+        with pytest.raises(ValueError, match=message):
+            resolve(args, MODEL | {"tie_embeddings": None} | (model or {}))
+
+    check("--pp 4 needs at least 4 micro-batches per step", tp=1, pp=4, micro_batch_size=4)
+    check("--n-layer 4 cannot be cut into 6 pipeline stages", tp=1, pp=3, pp_virtual=2,
+          micro_batch_size=1)
+    check("--pp-virtual 2: the interleaved schedule runs the 5 micro-batches", tp=1, pp=2,
+          pp_virtual=2, batch_size=5, micro_batch_size=1)
+    check("add --no-tie-embeddings", model={"tie_embeddings": True}, tp=1, pp=2)
