@@ -102,9 +102,18 @@ def test_pipeline_keeps_the_masks_of_the_run_without_one(runs, tp, flags):
 
 def test_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
     """Stopped after step 2 at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4): step 3
-    equals the uninterrupted run's (1e-5)."""
+    equals the uninterrupted run's (1e-5). The checkpoint is one manifest over both stages'
+    files, and exports as the whole model: every tensor of it, whole."""
+    from safetensors.torch import load_file
+
+    from tensorpar.checkpoint.export import export_dense
+    from tensorpar.gpt.model import GPT
+
     cut = tmp_path / "cut"
     ranks(4).run(_train, cut, None, None, tp=2, pp=2, steps=2, lr_decay_steps=STEPS)
+    dense = load_file(export_dense(cut / "step-00000002", tmp_path / "dense.safetensors"))
+    whole = GPT(GPTConfig(**MODEL)).state_dict()
+    assert {k: v.shape for k, v in dense.items()} == {k: v.shape for k, v in whole.items()}
     want = runs(1)[-1]
     for tp, pp in ((4, 1), (1, 4)):
         rows = ranks(tp * pp).run(_train, tmp_path / f"tp{tp}-pp{pp}", str(cut / "step-00000002"),
