@@ -59,11 +59,13 @@ def check_dp_mode(mode: str) -> None:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP2 shards one by one: the blocks of the model's first ``ModuleList``
-    (tensorpar's ``GPT.blocks``, a Hugging Face model's ``model.layers``)."""
+    """The modules FSDP2 shards one by one: the blocks of the model's first ``ModuleList`` or
+    ``ModuleDict`` (tensorpar's ``GPT.blocks``, a Hugging Face model's ``model.layers``)."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
             return list(module)
+        if isinstance(module, nn.ModuleDict):
+            return list(module.values())
     return []
 
 

@@ -30,6 +30,7 @@ sends 2 · m · (S - 1) tensors over its S = pp · V stages (``p2p_per_step``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -150,11 +151,12 @@ class Schedule:
                                   group=self.pp_group)
                     for module, s in zip(modules, parts.stages, strict=True)]
         group = self.tp_group
+        self.tokens = None  # the step's target count on this dp rank, set by ``step``
 
-        def loss_fn(logits_local, targets, num_tokens):  # the micro-batch's summed losses / N
+        def loss_fn(logits_local, targets):  # the micro-batch's summed losses / the step's count
             return vocab_parallel_cross_entropy(logits_local, targets, group=group,
                                                 vocab_size=vocab, reuse_logits=True,
-                                                reduction="sum") / num_tokens
+                                                reduction="sum") / self.tokens
 
         if cfg.pp_virtual == 1:
             self.schedule = Schedule1F1B(pipeline[0], micro_batches, loss_fn=loss_fn,
@@ -163,6 +165,7 @@ class Schedule:
             self.schedule = ScheduleInterleaved1F1B(pipeline, micro_batches, loss_fn=loss_fn,
                                                     scale_grads=False)
         self.device = device
+        self.keeps_outputs = "return_outputs" in inspect.signature(self.schedule.step).parameters
 
     def step(self, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
              position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,9 +175,11 @@ class Schedule:
         kwargs = {"seq_len": x.shape[1]}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
+        self.tokens = tokens  # read by the loss function (torch 2.11 has no loss_kwargs)
+        if self.keeps_outputs:  # the last stage's logits are not kept for the caller
+            kwargs["return_outputs"] = False
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
-                           losses=losses if self.last else None,
-                           loss_kwargs={"num_tokens": tokens}, return_outputs=False, **kwargs)
+                           losses=losses if self.last else None, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += loss.detach().float()

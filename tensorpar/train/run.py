@@ -25,7 +25,7 @@ from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.checkpoint.save import remove_unfinished
 from tensorpar.ranks.local import run_ranks
 from tensorpar.ranks.signals import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
-from tensorpar.runtime.groups import rank_device_type, wanted_device
+from tensorpar.runtime.groups import pick_backend, rank_device_type, wanted_device
 from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import check_compile_device, tf32_note
@@ -141,6 +141,12 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
     if cfg.compile:
         check_compile_device(cfg.tp, wanted_device())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp * cfg.dp * cfg.pp))
+    if cfg.pp > 1 and rank_device_type(local_world) == "cuda" and \
+            pick_backend(local_world) == "gloo":
+        raise ValueError(f"--pp {cfg.pp} with the ranks on the GPU over gloo: gloo sends and "
+                         "receives CPU tensors only (torch 2.11 aborts on a CUDA one), so "
+                         "pipeline stages on GPUs need NCCL, a GPU per rank; or run them on the "
+                         "CPU (--device cpu)")
     if note := tf32_note(cfg.tf32, cfg.dtype, rank_device_type(local_world)):
         _say(f"note: {note}")
 
