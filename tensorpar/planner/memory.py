@@ -228,6 +228,8 @@ def lora_block_terms(shape: ModelShape, terms: dict, N: int, Ns: int, act: int,
         out["norms"] = 2 * Ns * 4
     if terms["weight copies"]:  # autocast
         out["weight copies"] += 2 * lora["block"]
+        if lora.get("base_dtype") == "bf16":  # the frozen projections are bf16 already: only
+            out["weight copies"] = 2 * lora["block"]  # the adapters' factors are cast
     out["total"] = sum(v for k, v in out.items() if k != "total")
     return out
 
@@ -313,7 +315,13 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
     else:  # rstd; on CPU under autocast also x·rstd (see block_terms)
         final_norm = Ns * D * 4 + Ns * 4
     final_norm += (Ns if regather else N) * D * act  # the head's input
-    head_copy = s["vocab"] * D * 2 if autocast else 0
+    # --base-dtype bf16 (LoRA): the frozen projections and an untied head are held in bf16,
+    # half their bytes, and autocast makes no copies of them (lora_block_terms)
+    bf16_base = lora is not None and lora.get("base_dtype") == "bf16"
+    if bf16_base:
+        weights -= 2 * (p["matmul"] - (s["vocab"] * D if shape.tie_embeddings else 0))
+    head_copy = s["vocab"] * D * 2 if autocast and not (bf16_base and not shape.tie_embeddings) \
+        else 0
     # the same fp32 (N, V_local) either way: at TP=1 F.cross_entropy's log_softmax output (not
     # the logits), at TP > 1 the vocab-parallel loss's exp(logits - max), in the logits' buffer
     logits = N * s["vocab"] * 4

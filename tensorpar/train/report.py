@@ -340,7 +340,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
             lora = None if getattr(cfg, "lora_rank", None) is None else \
                 lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
-                {"r": cfg.lora_rank}
+                {"r": cfg.lora_rank, "base_dtype": getattr(cfg, "base_dtype", "fp32")}
             planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
                                        "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                                        recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
