@@ -152,8 +152,16 @@ def _small(sub: str, args: list[str]) -> list[str]:
         if "--resume" in args:  # the model and its settings come from the checkpoint
             return args
         if "--hf" in args:  # the model comes from its directory: the run alone made small
-            return args + SMALL_RUN
+            return args + _not_given(SMALL_RUN, args)
+        return args + _not_given(SMALL["train"], args)
     return args + SMALL.get(sub, [])
+
+
+def _not_given(flags: list[str], args: list[str]) -> list[str]:
+    """The (flag, value) pairs of ``flags`` whose flag ``args`` does not give (a train line that
+    sets --n-layer or --batch-size keeps it: a pipeline needs its blocks and micro-batches)."""
+    pairs = list(zip(flags[::2], flags[1::2], strict=True))
+    return [w for flag, value in pairs if flag not in args for w in (flag, value)]
 
 
 def _program(words: list[str]) -> list[str]:

@@ -61,8 +61,9 @@ class Grid:
 
     def __init__(self, group: ProcessGroup | None, pp_group: ProcessGroup | None = None):
         self.group, self.pp_group = group, pp_group
-        self.tp, self.stages = tp_size(group), tp_size(pp_group)
-        self.stage = tp_rank(pp_group)
+        self.tp = tp_size(group)  # (a group of None is the world's: no pipeline is one stage)
+        self.stages = 1 if pp_group is None else tp_size(pp_group)
+        self.stage = 0 if pp_group is None else tp_rank(pp_group)
         self.rank = self.stage * self.tp + tp_rank(group)
         self.size = self.stages * self.tp
 
