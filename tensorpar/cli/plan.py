@@ -6,9 +6,12 @@
     tensorpar plan --config path/to/config.json --tp 2 --dtype fp32,bf16 --json
     tensorpar plan --model gpt2 --tp 4 --split       # which split of gelu(X W1) W2 moves least
     tensorpar plan --model llama-2-70b --tp 8 --dp 8 --dp-mode fsdp --batch 8 --seq 4096
+    tensorpar plan --model llama-2-70b --tp 8 --pp 4 --micro-batches 8 --pp-virtual 2
+    tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB   # which layouts fit
 
 Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
-``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies). What the command
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies), ``pipeline.py`` (``--pp`` stages,
+the bubble, point to point, and the ``--devices`` search). What the command
 says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
 with ``--json``, so that stdout stays one JSON document.
 """
@@ -27,10 +30,19 @@ from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
 from tensorpar.planner.layouts import plan_memory
 from tensorpar.planner.memory import ADAMW, DTYPES, RECOMPUTE
-from tensorpar.planner.report import fmt, print_tables, unit_for, write_png
+from tensorpar.planner.pipeline import plan_pipeline, search_layouts
+from tensorpar.planner.report import (
+    fmt,
+    print_pipeline,
+    print_search,
+    print_tables,
+    unit_for,
+    write_png,
+)
 from tensorpar.planner.shapes import PRESETS, preset
 
 DEFAULT_MODEL = "llama-2-7b"
+DEFAULT_TP = "1,2,4,8"
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -45,6 +57,8 @@ examples:
   tensorpar plan --config runs/gpt/step-00000400 --tp 1,2,4 --dtype fp32
   tensorpar plan --model gpt2 --tp 4 --split --png plan.png
   tensorpar plan --model llama-2-7b --tp 1,2 --dp 8 --dp-mode ddp --batch 8 --device cuda
+  tensorpar plan --model llama-2-70b --tp 8 --pp 4 --micro-batches 8 --pp-virtual 2
+  tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB
 """
 
 
@@ -94,8 +108,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--config", metavar="FILE",
                      help="instead of --model: a JSON file (a GPTConfig, a checkpoint's "
                      "manifest.json or its directory, a Hugging Face config.json); no default")
-    p.add_argument("--tp", default="1,2,4,8",
-                   help="TP size, or a list like 1,2,4,8: one row each (default 1,2,4,8)")
+    p.add_argument("--tp", default=None,
+                   help="TP size, or a list like 1,2,4,8: one row each (default 1,2,4,8; 1 with "
+                   "--pp; with --devices every size up to 8 the search allows)")
     p.add_argument("--dtype", default="bf16",
                    help=f"{', '.join(DTYPES)}, a list, or all. bf16: Megatron-style mixed "
                    "precision at 16 B/param (18 with its fp32 gradient buffer); bf16-autocast: "
@@ -107,12 +122,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "full (each block) (default none)")
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per step, split over the --dp copies as tensorpar train "
-                   "splits its --batch-size (default: a manifest's, else 1 per copy)")
+                   "splits its --batch-size (default: a manifest's, else 1 per copy; with --pp "
+                   "1 per micro-batch, with --devices 1 per device)")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: a manifest's, else 2048)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel copies of the TP-split model (the world is TP x DP "
                    "ranks); 1 is none (default 1)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages: the blocks cut into --pp stages over as many ranks "
+                   "(tp x dp x pp ranks), run by 1F1B on --micro-batches; plans one layout, "
+                   "a row per pipeline rank (default: no pipeline; with --devices the only "
+                   "pipeline size the search tries)")
+    p.add_argument("--pp-virtual", type=int, default=1,
+                   help="stages per pipeline rank, interleaved 1F1B (stage s on pp rank s %% "
+                   "pp): a bubble V times smaller, V times the point-to-point sends (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step and data-parallel copy (gradient accumulation's "
+                   "passes; tensorpar train's --batch-size / (--dp x --micro-batch-size)) "
+                   "(default: one sequence each; without --batch, 2 x --pp of them)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="search the (tp, pp, dp) layouts of this many devices for those that "
+                   "fit --device-memory, ranked by an estimated step time; --batch is the "
+                   "step's (default: one sequence per device) (default: no search)")
     p.add_argument("--dp-mode", default="fsdp",
                    help="how the copies share: fsdp (FSDP2, weights, gradients and AdamW states "
                    "sharded over the copies, each block gathered for its forward and backward) "
@@ -151,9 +183,9 @@ def _preset(name: str):
                          "or give --config FILE") from None
 
 
-def _run_shape(args) -> tuple[int, int]:
-    """--batch and --seq, defaulting to a checkpoint manifest's training run (else one
-    sequence per data-parallel copy, 2048 tokens)."""
+def _run_shape(args, default_batch: int | None = None) -> tuple[int, int]:
+    """--batch and --seq, defaulting to a checkpoint manifest's training run (else
+    ``default_batch``, one sequence per data-parallel copy unless given; 2048 tokens)."""
     train = {}
     if args.config and (args.batch is None or args.seq is None):
         try:
@@ -162,17 +194,24 @@ def _run_shape(args) -> tuple[int, int]:
             train = json.loads(path.read_text()).get("train") or {}
         except (OSError, ValueError, AttributeError):
             train = {}
-    batch = args.batch if args.batch is not None else train.get("batch_size", args.dp)
+    default_batch = args.dp if default_batch is None else default_batch
+    batch = args.batch if args.batch is not None else train.get("batch_size", default_batch)
     seq = args.seq if args.seq is not None else train.get("seq_len", 2048)
     return batch, seq
 
 
 def build(args) -> dict:
-    """Everything the command shows, as plain data (what --json prints)."""
+    """Everything the command shows, as plain data (what --json prints): the TP rows, or with
+    --pp one pipeline layout (``build_pipeline``), or with --devices the search
+    (``build_search``)."""
     check_dp(args.dp, args.dp_mode)  # before anything is read
+    if args.devices is not None:
+        return build_search(args)
+    if args.pp is not None or args.micro_batches is not None or args.pp_virtual != 1:
+        return build_pipeline(args)
     shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
     args.batch, args.seq = _run_shape(args)
-    tps = _ints(str(args.tp), "--tp")
+    tps = _ints(str(args.tp or DEFAULT_TP), "--tp")
     dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
     for d in dtypes:
         if d not in DTYPES:
@@ -239,6 +278,96 @@ def build(args) -> dict:
     return out
 
 
+def _one_layout_flags(args, what: str) -> str:
+    """The one --dtype a pipeline plan or search takes, after refusing the flags that go with
+    the TP rows only (--png, --split)."""
+    for flag, given in (("--png", args.png), ("--split", args.split)):
+        if given:
+            raise ValueError(f"{flag} goes with the TP rows, not with {what}")
+    if args.dtype == "all" or "," in args.dtype:
+        raise ValueError(f"--dtype {args.dtype!r}: {what} plans one precision; give one of "
+                         f"{', '.join(DTYPES)}")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not 0 <= args.reserve < 1:
+        raise ValueError(f"--reserve {args.reserve}: expected a fraction from 0 up to 1 "
+                         "(0.1 keeps 10% of the device free)")
+    return args.dtype
+
+
+def _size_flags(args) -> None:
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+
+
+def build_pipeline(args) -> dict:
+    """One (tp, pp, dp) layout (``pipeline.plan_pipeline``): a row per pipeline rank, the
+    bubble, the bytes each rank sends. --tp is one size (default 1), --pp 1 without it;
+    --micro-batches defaults to one sequence each, and without --batch to 2 x --pp (one, with
+    --pp 1) of them."""
+    dtype = _one_layout_flags(args, "--pp")
+    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    tps = _ints(str(args.tp or 1), "--tp")
+    if len(tps) > 1:
+        raise ValueError(f"--tp {args.tp}: --pp plans one layout; give one TP size (or "
+                         "--devices N to search them)")
+    pp = 1 if args.pp is None else args.pp
+    m = args.micro_batches
+    args.batch, args.seq = _run_shape(args, args.dp * (m or (2 * pp if pp > 1 else 1)))
+    _size_flags(args)
+    if m is None:
+        m = args.batch // args.dp if args.batch % args.dp == 0 else 1
+    device = parse_bytes(args.device_memory)
+    try:
+        out = plan_pipeline(shape, tps[0], pp, args.batch, args.seq, m, args.pp_virtual, dtype,
+                            args.sequence_parallel, args.recompute, device, args.reserve,
+                            args.optimizer, device=args.device, dp=args.dp,
+                            dp_mode=args.dp_mode)
+    except ValueError as e:
+        raise ValueError(f"--tp {tps[0]} --pp {pp} for {shape.name}: {e}") from None
+    return {"plan": "pipeline", "params": shape.params(), "device_memory": device,
+            "adamw": args.optimizer} | out
+
+
+def build_search(args) -> dict:
+    """The layouts of --devices devices that fit (``pipeline.search_layouts``), best first; a
+    --tp list or a --pp restricts the search. --batch defaults to one sequence per device."""
+    what = "--devices"
+    dtype = _one_layout_flags(args, what)
+    if args.dp != 1:
+        raise ValueError(f"--dp {args.dp}: --devices searches the data-parallel size itself; "
+                         "drop --dp")
+    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    args.batch, args.seq = _run_shape(args, args.devices)
+    _size_flags(args)
+    device = parse_bytes(args.device_memory)
+    tps = _ints(str(args.tp), "--tp") if args.tp else None
+    out = search_layouts(shape, args.devices, args.batch, args.seq, device, args.reserve,
+                         args.micro_batches, args.pp_virtual, tps,
+                         None if args.pp is None else [args.pp], dtype=dtype,
+                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                         optimizer=args.optimizer, device=args.device, dp_mode=args.dp_mode)
+    if out["layouts"]:
+        best = out["layouts"][0]
+        verdict = (f"{len(out['layouts'])} of {out['planned']} layouts fit; best: TP={best['tp']}"
+                   f" x PP={best['pp']} x DP={best['dp']}")
+    elif out["smallest"]:
+        low = out["smallest"]
+        verdict = (f"no layout of {args.devices} devices fits {args.device_memory} "
+                   f"({out['usable'] / 1e9:.1f} GB usable): the smallest peak is "
+                   f"{low['total'] / 1e9:.1f} GB per rank (TP={low['tp']} x PP={low['pp']} x "
+                   f"DP={low['dp']}), which needs devices of "
+                   f"{low['total'] / (1 - args.reserve) / 1e9:.1f} GB")
+    else:
+        verdict = (f"no layout of {args.devices} devices can run {shape.name}: all "
+                   f"{len(out['skipped'])} are refused, e.g. {out['skipped'][0]['why']}")
+    return {"plan": "search", "params": shape.params(), "dtype": dtype,
+            "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
+            "dp_mode": args.dp_mode, "device": args.device, "adamw": args.optimizer,
+            "verdict": verdict} | out
+
+
 def _check_png(path: str) -> Path:
     """``--png``'s file, or ValueError (one line) if it cannot be written: checked before the
     plan is built, so a mistake costs nothing and leaves nothing behind."""
@@ -269,6 +398,10 @@ def main(args) -> int:
     notes = sys.stderr if args.json else sys.stdout  # stdout: only the JSON with --json
     if args.json:
         print(json.dumps(data, indent=1))
+    elif data.get("plan") == "pipeline":
+        print_pipeline(data)
+    elif data.get("plan") == "search":
+        print_search(data, args.device_memory)
     else:
         print_tables(data, args)
     if png:

@@ -31,27 +31,9 @@ import torch
 from torch import nn
 
 from tensorpar.gpt.model import GPT, BlockDict
+from tensorpar.planner.pipeline import rank_stages, stage_blocks
 
-
-def stage_blocks(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each of ``stages`` stages: consecutive, sizes as ``tensor_split`` cuts
-    ``n_layer`` (the larger first). ValueError when a stage would hold none."""
-    if stages > n_layer:
-        raise ValueError(f"--n-layer {n_layer} cannot be cut into {stages} pipeline stages "
-                         "(--pp x --pp-virtual): each stage needs a block")
-    base, extra = divmod(n_layer, stages)
-    out, start = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def rank_stages(pp: int, virtual: int, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` runs: s = pp_rank + k · pp (the loop placement of
-    torch's interleaved schedules)."""
-    return [pp_rank + k * pp for k in range(virtual)]
+__all__ = ["GPTStage", "describe_split", "rank_stages", "stage_blocks"]
 
 
 def describe_split(n_layer: int, pp: int, virtual: int = 1) -> str:

@@ -1,6 +1,7 @@
 """What a layout needs per rank: one row of ``tensorpar plan`` for a model at (tp, dp), its
 weights, gradients, optimizer states and activations (``memory.tensorpar_memory``) under data
-parallelism (``data_parallel.dp_memory``), the step's peak and whether it fits a device."""
+parallelism (``data_parallel.dp_memory``), the step's peak and whether it fits a device; and
+``step_memory``, one rank's step in a precision, from which ``pipeline.py`` plans its stages."""
 
 from __future__ import annotations
 
@@ -41,8 +42,39 @@ def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "
     if sequence_parallel and seq < tp:
         raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
                          "least one token per rank")
+    mem = step_memory(shape, tp, batch // dp, seq, dtype, sequence_parallel, recompute,
+                      optimizer, dropout, device)
+    p = rank_params(shape, tp)["total"]
+    # gradients are allocated during backward and freed after the step, activations freed
+    # during backward: they never peak together, so the total is weights + optimizer states +
+    # the largest moment of the step (loss backward, a block's backward, the optimizer step)
+    mem = dp_memory(shape, tp, dp, dp_mode, mem, 2 if dtype == "bf16" else 4,
+                    12 if dtype == "bf16" else 8, device=device, optimizer=optimizer)
+    row = {"model": shape.name, "tp": tp, "dp": dp, "dp_mode": dp_mode if dp > 1 else None,
+           "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
+           "batch": batch, "seq": seq, "device": device, "params_per_rank": p,
+           "weights": mem["weights"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+           "activations": mem["activations"], "dp_buffers": mem["dp_buffers"],
+           "peak_bytes": mem["peak_extra"], "peak_at": mem["peak_at"],
+           "activations_paper": paper_activations(shape, tp, batch // dp, seq, sequence_parallel,
+                                                  recompute),
+           "total": mem["total"]}
+    if device_memory is not None:
+        row["usable"] = round(device_memory * (1 - reserve))
+        row["fits"] = row["total"] <= row["usable"]
+    return row
+
+
+def step_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "bf16",
+                sequence_parallel: bool = False, recompute: str = "none",
+                optimizer: str = "fused", dropout: bool = False, device: str = "cpu") -> dict:
+    """One TP rank's step of ``batch`` sequences without data parallelism, as
+    ``memory.tensorpar_memory`` returns it, in ``dtype`` (``DTYPES``): "bf16" is Megatron-style
+    mixed precision, made from tensorpar's autocast numbers (below); "recompute" "selective" is
+    "none" (no s x s scores are kept anyway). ``plan_memory`` adds data parallelism and makes the
+    row; ``pipeline.py`` reads a stage's pieces from it."""
     rec = "full" if recompute == "full" else "none"
-    mem = tensorpar_memory(shape, tp, batch // dp, seq, sequence_parallel,
+    mem = tensorpar_memory(shape, tp, batch, seq, sequence_parallel,
                            "fp32" if dtype == "fp32" else "bf16-autocast", rec,
                            optimizer=optimizer, dropout=dropout, device=device)
     params = rank_params(shape, tp)
@@ -64,21 +96,4 @@ def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "
         mem["peak_at"] = max(peaks, key=peaks.get)
         mem["peak_extra"] = peaks[mem["peak_at"]]
         mem["total"] = mem["weights"] + mem["optimizer"] + mem["peak_extra"]
-    # gradients are allocated during backward and freed after the step, activations freed
-    # during backward: they never peak together, so the total is weights + optimizer states +
-    # the largest moment of the step (loss backward, a block's backward, the optimizer step)
-    mem = dp_memory(shape, tp, dp, dp_mode, mem, 2 if dtype == "bf16" else 4,
-                    12 if dtype == "bf16" else 8, device=device, optimizer=optimizer)
-    row = {"model": shape.name, "tp": tp, "dp": dp, "dp_mode": dp_mode if dp > 1 else None,
-           "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
-           "batch": batch, "seq": seq, "device": device, "params_per_rank": p,
-           "weights": mem["weights"], "grads": mem["grads"], "optimizer": mem["optimizer"],
-           "activations": mem["activations"], "dp_buffers": mem["dp_buffers"],
-           "peak_bytes": mem["peak_extra"], "peak_at": mem["peak_at"],
-           "activations_paper": paper_activations(shape, tp, batch // dp, seq, sequence_parallel,
-                                                  recompute),
-           "total": mem["total"]}
-    if device_memory is not None:
-        row["usable"] = round(device_memory * (1 - reserve))
-        row["fits"] = row["total"] <= row["usable"]
-    return row
+    return mem

@@ -1,5 +1,6 @@
 """What ``tensorpar plan`` shows: its tables (rich) and its chart (matplotlib), drawn from the
-plain data of ``cli.build`` (what ``--json`` prints)."""
+plain data of ``cli.build`` (what ``--json`` prints): the TP rows (``print_tables``), a pipeline
+layout's ranks (``print_pipeline``) and the layouts a search found (``print_search``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,106 @@ def unit_for(rows: list[dict]) -> tuple[float, str]:
 
 def fmt(b: float, unit: tuple[float, str]) -> str:
     return f"{b / unit[0]:,.2f}"
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=120)  # piped: no 80 columns
+
+
+def _layout_name(d: dict) -> str:
+    """"TP=8 x PP=4 (interleaved 1F1B, V=2) x DP=2 (fsdp)"."""
+    v = f", V={d['virtual']}" if d["virtual"] > 1 else ""
+    dp = f" x DP={d['dp']} ({d['dp_mode']})" if d.get("dp_mode") else f" x DP={d['dp']}"
+    return f"TP={d['tp']} x PP={d['pp']} ({d['schedule']}{v}){dp}"
+
+
+def print_pipeline(data: dict) -> None:
+    """A pipeline layout: memory per pipeline rank (the worst TP rank of each, TP rank 0), the
+    bubble, and the bytes each rank sends per step on its tp, pp and dp groups."""
+    from rich.table import Table
+
+    console = _console()
+    unit = unit_for(data["stages"])
+    params = data["params"]
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+    sp = ", SP" if data["sequence_parallel"] else ""
+    t = Table(title=f"{data['model']} ({size} params), {_layout_name(data)}: batch "
+              f"{data['batch']} = {data['dp']} x {data['micro_batches']} micro-batches of "
+              f"{data['micro_batch']} x seq {data['seq']}{sp}, {data['dtype']}, recompute "
+              f"{data['recompute']}: {unit[1]} per rank")
+    for col in ("pp rank", "blocks", "weights", "optim", "grads", "in flight", "activ",
+                "pp buf", "dp buf", "peak", "at", "fits"):
+        t.add_column(col, justify="right")
+    for r in data["stages"]:
+        t.add_row(str(r["stage"]), " ".join(r["blocks"]),
+                  *(fmt(r[k], unit) for k in ("weights", "optimizer", "grads")),
+                  "+".join(map(str, r["in_flight"])), fmt(r["activations"], unit),
+                  *(fmt(r[k], unit) for k in ("pp_buffers", "dp_buffers", "total")),
+                  _at(r["peak_at"]), "yes" if r.get("fits") else "no")
+    console.print(t)
+    console.print("blocks: each stage's on the rank (stage s on pp rank s % pp); in flight: "
+                  "micro-batches each of them holds at the rank's peak; activ: "
+                  "their activations; pp buf: the receive buffers of every micro-batch's input "
+                  "and output gradient; dp buf: FSDP2's gathered weights and reduce-scatter "
+                  "buffer, or DDP's buckets. peak = weights + optim + the step's largest moment "
+                  "(activations in flight + accumulated gradients + buffers, or the optimizer "
+                  "step).")
+    p, v, m = data["pp"], data["virtual"], data["micro_batches"]
+    formula = f"(P-1)/m = {p - 1}/{m}" if v == 1 else f"(P-1)/(V·m) = {p - 1}/({v}·{m})"
+    console.print(f"bubble: {formula} = {data['bubble']:.1%} of the ideal step's time "
+                  "(Narayanan et al. 2021)")
+    each = data["p2p"]["per_rank"][0]["bytes_each"]
+    console.print(f"point to point: 2·m·(S-1) = {data['p2p']['sends']} sends per step over "
+                  f"S = {p * v} stages, {each / 1e6:,.1f} MB each ((micro, seq, dim) fp32"
+                  f"{', / tp under SP' if data['sequence_parallel'] else ''}), "
+                  f"{data['p2p']['bytes'] / 1e9:,.2f} GB in all")
+    c = Table(title="bytes each rank sends per step (MB; tp and dp: ring bytes of their "
+              "collectives)")
+    for col in ("pp rank", "activations", "gradients", "pp MB", "tp MB", "dp MB"):
+        c.add_column(col, justify="right")
+    for r, sent, comm in zip(data["stages"], data["p2p"]["per_rank"], data["comm"], strict=True):
+        c.add_row(str(r["stage"]), str(sent["activations"]), str(sent["gradients"]),
+                  *(f"{comm[g] / 1e6:,.1f}" for g in ("pp", "tp", "dp")))
+    console.print(c)
+    worst = data["stages"][data["worst"]]
+    if data.get("usable") is not None:
+        verdict = "fits" if data["fits"] else "does not fit"
+        console.print(f"{verdict}: the largest rank (pp rank {worst['stage']}) peaks at "
+                      f"{fmt(worst['total'], unit)} of {fmt(data['usable'], unit)} {unit[1]} "
+                      "usable per device")
+
+
+def print_search(data: dict, device_memory: str) -> None:
+    """The layouts of a search that fit, best first, or why none does."""
+    from rich.table import Table
+
+    console = _console()
+    t = Table(title=f"{data['model']} on {data['devices']} x {device_memory} "
+              f"({data['usable'] / 1e9:.1f} GB usable each): batch {data['batch']} x seq "
+              f"{data['seq']}, {data['dtype']}, recompute {data['recompute']}; the layouts that "
+              "fit, by estimated step time")
+    for col in ("TP", "PP", "DP", "schedule", "micro-batches", "peak GB", "worst", "bubble",
+                "tp GB", "pp GB", "dp GB", "est. step s"):
+        t.add_column(col, justify="right")
+    for r in data["layouts"]:
+        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]),
+                  r["schedule"] + (f", V={r['virtual']}" if r["virtual"] > 1 else ""),
+                  f"{r['micro_batches']} x {r['micro_batch']}", f"{r['total'] / 1e9:,.1f}",
+                  f"pp {r['worst']}", f"{r['bubble']:.1%}",
+                  *(f"{r['sends'][g] / 1e9:,.1f}" for g in ("tp", "pp", "dp")),
+                  f"{r['step_seconds']:,.2f}")
+    if data["layouts"]:
+        console.print(t)
+        console.print("peak: the largest pipeline rank's (worst); tp, pp, dp GB: what the "
+                      "busiest rank sends per step on each group (ring bytes of the "
+                      "collectives, point to point). est. step s ranks them: the step's FLOPs "
+                      "per device at 400 TFLOP/s stretched by the bubble, plus the bytes at "
+                      "450 GB/s inside a node of 8 and 50 GB/s between nodes, no overlap "
+                      "(a proxy, not a prediction).")
+    console.print(data["verdict"])
 
 
 def write_png(data: dict, path: Path, device: float) -> None:

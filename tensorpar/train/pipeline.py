@@ -25,7 +25,7 @@ backward.
 
 Point to point: each stage boundary carries one activation forward and one gradient backward
 per micro-batch, (B/m, T, D) fp32 each (T / tp tokens under sequence parallelism), so a step
-sends 2 · m · (S - 1) tensors over its S = pp · V stages (``p2p_per_step``).
+sends 2 · m · (S - 1) tensors over its S = pp · V stages (``planner.pipeline.p2p``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> N
         if virtual > 1:
             raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
         return
-    stage_blocks(n_layer, pp * virtual)
+    if pp * virtual > n_layer:
+        raise ValueError(f"--n-layer {n_layer} cannot be cut into {pp * virtual} pipeline "
+                         "stages (--pp x --pp-virtual): each stage needs a block")
     if micro_batches < pp:
         raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step to keep every "
                          f"stage busy (1F1B), but the step has {micro_batches}: lower "
@@ -62,14 +64,6 @@ def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> N
         raise ValueError(f"--pp-virtual {virtual}: the interleaved schedule runs the "
                          f"{micro_batches} micro-batches in rounds of --pp {pp}; make them a "
                          f"multiple of {pp}")
-
-
-def p2p_per_step(pp: int, virtual: int, micro_batches: int, pp_rank: int) -> dict:
-    """The point-to-point transfers a pipeline rank makes in a step: ``sends`` (activations to
-    the next stage, gradients to the one before) and as many ``recvs``."""
-    activations = micro_batches * (virtual - (pp_rank == pp - 1))
-    gradients = micro_batches * (virtual - (pp_rank == 0))
-    return {"sends": activations + gradients, "recvs": activations + gradients}
 
 
 @dataclass

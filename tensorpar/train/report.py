@@ -21,9 +21,9 @@ from tensorpar.gpt.stages import describe_split
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
+from tensorpar.planner.pipeline import p2p
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
-from tensorpar.train.pipeline import p2p_per_step
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -384,18 +384,16 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
 
 
 def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
-    """What pipeline rank 0 sends and receives in a step (``pipeline.p2p_per_step``): fp32
+    """What pipeline rank 0 sends and receives in a step (``planner.pipeline.p2p``): fp32
     (B/m, T, D) activations out and as many gradients in, T/tp tokens a rank under sequence
     parallelism; and what it all-reduces over the pipeline."""
-    from tensorpar.parallel.sharding import shard_sizes
-
-    n = p2p_per_step(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0)["sends"]
     rows = cfg.batch_size // (getattr(cfg, "dp", None) or 1) // micro_batches
-    tokens = shard_sizes(cfg.seq_len, cfg.tp)[0] if cfg.sequence_parallel else cfg.seq_len
-    size = rows * tokens * shape.dim * 4
+    sent = p2p(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows, cfg.seq_len,
+               shape.dim, cfg.tp, cfg.sequence_parallel)
+    n = sent["activations"] + sent["gradients"]  # rank 0 receives as many as it sends
     # and two fp32 scalars all-reduced: the step's loss, the gradient norm's sum of squares
     return {"counts": {"send": n, "recv": n, "all_reduce": 2},
-            "bytes": {"send": n * size, "recv": n * size, "all_reduce": 8}}
+            "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
 
 
 def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:
