@@ -314,7 +314,8 @@ class Run:
             "peak_memory": measure.peak_memory, "device": self.device.type,
             "data_bytes": self.batches.tokens.nbytes if on_cpu else 0,
             "resident_peak": resident_peak(), "tp_rank": tp_rank(self.group),
-            "dp_rank": dp_rank(self.mesh)}
+            "dp_rank": dp_rank(self.mesh),
+            "pp_rank": 0 if self.pp_group is None else tp_rank(self.pp_group)}
         sizes = [mine]
         if tp_size(self.run_group) > 1:
             sizes = [None] * tp_size(self.run_group)

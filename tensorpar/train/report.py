@@ -21,7 +21,7 @@ from tensorpar.gpt.stages import describe_split
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
-from tensorpar.planner.pipeline import p2p
+from tensorpar.planner.pipeline import p2p, plan_pipeline
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
 
@@ -334,20 +334,27 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory") and (shape is None or pp > 1):  # (the plan: tensorpar plan --pp)
+        if s.get("peak_memory") and shape is None:
             line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
         elif s.get("peak_memory"):
             tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
             lora = None if getattr(cfg, "lora_rank", None) is None else \
                 lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
                 {"r": cfg.lora_rank, "base_dtype": getattr(cfg, "base_dtype", "fp32")}
-            planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
-                                       "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                       recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
-                                       dropout=dropout, device=device, lora=lora)
-            planned = dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
-                                rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
-                                optimizer=optimizer)["total"]
+            if pp > 1:  # its pipeline rank's row of the plan
+                planned = plan_pipeline(
+                    shape, tp, pp, cfg.batch_size, cfg.seq_len, n, virtual,
+                    "bf16-autocast" if cfg.dtype == "bf16" else "fp32", sp, recompute,
+                    optimizer=optimizer, dropout=dropout, device=device, dp=dp,
+                    dp_mode=getattr(cfg, "dp_mode", "fsdp"))["stages"][s["pp_rank"]]["total"]
+            else:
+                planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
+                                           "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
+                                           recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
+                                           dropout=dropout, device=device, lora=lora)
+                planned = dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
+                                    rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
+                                    optimizer=optimizer)["total"]
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
@@ -357,6 +364,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         if s.get("resident_peak"):
             line += f"; resident peak {human_bytes(s['resident_peak'])}"
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
+        where += f" (pp {s['pp_rank']})" if pp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
     bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"

@@ -22,7 +22,7 @@ FLAGS = {"steps": STEPS, "batch_size": 8, "micro_batch_size": 2, "seq_len": 16,
 def _train(out, resume_from=None, model=None, **flags):
     cfg = TrainConfig(out=str(out), **(FLAGS | flags))
     result = train_rank(cfg, GPTConfig(**(MODEL | (model or {}))), resume_from)
-    return {"rows": result.get("rows"), "comm": result["comm"]}
+    return {"rows": result.get("rows"), "comm": result["comm"], "sizes": result["sizes"]}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,24 @@ def test_point_to_point_transfers_are_counted(ranks, tmp_path):
                         steps=2)[0]["comm"]["pp"]
     assert comm["counts"] == {"send": 4, "recv": 4, "all_reduce": 2}, comm
     assert comm["bytes"]["send"] == comm["bytes"]["recv"] == 4 * 2 * 8 * 32 * 4, comm
+
+
+@pytest.mark.parametrize("tp,virtual", [(1, 1), (2, 2)])
+def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual):
+    """Each pipeline rank's peak tensor memory in a step is the planner's for its stages
+    (``plan_pipeline``: its blocks, embedding or head, the micro-batches 1F1B or the interleaved
+    order keeps in flight, the receive buffers), within 10%, at 1F1B and interleaved."""
+    from tensorpar.gpt.shape import gpt_shape
+    from tensorpar.planner.pipeline import plan_pipeline
+
+    model = {"dim": 128, "n_head": 8, "hidden_dim": 256}
+    sizes = ranks(tp * 2).run(_train, tmp_path, None, model, tp=tp, pp=2, pp_virtual=virtual,
+                              seq_len=32, steps=2)[0]["sizes"]
+    plan = plan_pipeline(gpt_shape(GPTConfig(**(MODEL | model))), tp, 2, 8, 32, 4, virtual,
+                         "fp32")
+    for s in sizes:
+        want = plan["stages"][s["pp_rank"]]["total"] + s["data_bytes"]
+        assert s["peak_memory"] == pytest.approx(want, rel=0.10), (s, want)
 
 
 @pytest.mark.slow
