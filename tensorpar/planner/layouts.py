@@ -12,6 +12,18 @@ from tensorpar.planner.shapes import ModelShape
 from tensorpar.transformer.attention import head_layout
 
 
+def check_step(dtype: str, recompute: str, batch: int, dp: int, dp_mode: str) -> None:
+    """ValueError, naming the flag and the numbers, for a step the planner cannot describe."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    check_dp(dp, dp_mode)
+    if batch % dp:
+        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
+                         "batch/dp sequences")
+
+
 def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "bf16",
                 sequence_parallel: bool = False, recompute: str = "none",
                 device_memory: float | None = None, reserve: float = 0.10,
@@ -30,14 +42,7 @@ def plan_memory(shape: ModelShape, tp: int, batch: int, seq: int, dtype: str = "
     (``data_parallel.dp_memory``); ``batch`` is the step's, each copy takes batch/dp sequences;
     "dp_buffers" is DDP's buckets or FSDP2's gathered weights and gradient buffers at the peak.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-    check_dp(dp, dp_mode)
-    if batch % dp:
-        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
-                         "batch/dp sequences")
+    check_step(dtype, recompute, batch, dp, dp_mode)
     head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
     if sequence_parallel and seq < tp:
         raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "

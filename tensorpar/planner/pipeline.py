@@ -80,14 +80,13 @@ import dataclasses
 from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import (
-    check_dp,
     dp_comm,
     fsdp_elements,
     partly_owned,
     tensor_shapes,
 )
-from tensorpar.planner.layouts import plan_memory, step_memory
-from tensorpar.planner.memory import DTYPES, RECOMPUTE, rank_shapes, step_temporaries
+from tensorpar.planner.layouts import check_step, plan_memory, step_memory
+from tensorpar.planner.memory import rank_shapes, step_temporaries
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_layout
@@ -484,14 +483,7 @@ def plan_pipeline(shape: ModelShape, tp: int, pp: int, batch: int, seq: int,
     "bubble", "p2p" (per rank, and the step's "sends"), "comm" (per rank, bytes each rank sends
     on its tp, pp and dp groups: ring bytes for the collectives), and the layout's numbers.
     ``batch`` is the step's, split over dp copies and then into ``micro_batches``."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-    check_dp(dp, dp_mode)
-    if batch % dp:
-        raise ValueError(f"--batch {batch} does not split over --dp {dp}: each copy takes "
-                         "batch/dp sequences")
+    check_step(dtype, recompute, batch, dp, dp_mode)
     check_pipeline(shape, pp, virtual, micro_batches, batch // dp)
     head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
     if sequence_parallel and seq < tp:
