@@ -158,10 +158,11 @@ def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
         return 1 if cfg.dp is None else cfg.dp  # --dp 0 stays 0, for check() to refuse
     world = int(os.environ.get("WORLD_SIZE", "1"))
     grid = cfg.tp * cfg.pp  # the ranks of one data-parallel replica
+    sizes = f"--tp {cfg.tp}" + (f" x --pp {cfg.pp}" if cfg.pp != 1 else "")
     if grid < 1 or world % grid:
-        raise ValueError(f"torchrun started {world} processes, which --tp {cfg.tp} x --pp "
-                         f"{cfg.pp} does not divide: start a multiple of {grid} in all "
-                         f"(--nnodes x --nproc-per-node), or pass sizes that divide {world}")
+        raise ValueError(f"torchrun started {world} processes, which {sizes} does not divide: "
+                         f"start a multiple of {grid} in all (--nnodes x --nproc-per-node), or "
+                         f"pass a {'--tp' if cfg.pp == 1 else 'size'} that divides {world}")
     return world // grid
 
 

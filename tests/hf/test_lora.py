@@ -144,9 +144,8 @@ def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
         assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())
 
 
-@pytest.mark.parametrize("family,n,sp", [("llama", 1, False), ("llama", 2, False),
-                                         ("llama", 3, False), ("llama", 2, True),
-                                         ("gpt2", 3, False)])
+@pytest.mark.parametrize("family,n,sp", [("llama", 1, False), ("llama", 3, False),
+                                         ("llama", 2, True), ("gpt2", 3, False)])
 def test_lora_dropout_matches_peft_with_the_same_masks(ranks, hf_dirs, family, n, sp):
     """``dropout=0.3``: the masks are drawn dense and each rank keeps its part, so the loss and
     every factor's gradient equal PEFT's with those masks (relative 1e-5) at every TP size, with
