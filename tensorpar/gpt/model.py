@@ -261,7 +261,7 @@ class GPT(nn.Module):
         its stream (a pipeline stage's, the number the whole model's forward gives it);
         None: the stream's next keys."""
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
-        for i, block in (blocks or self.blocks).items():
+        for i, block in (self.blocks if blocks is None else blocks).items():
             i = int(i)
             key = None
             if block.drop.training and self.cfg.dropout > 0:

@@ -331,30 +331,21 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     per_param = sum(BYTES_PER_PARAM.values())
     table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
                   "weights + grads + AdamW (fp32)")
+    stages = None  # with pipeline stages, the plan's row of each pipeline rank
+    if pp > 1 and shape is not None:
+        stages = plan_pipeline(
+            shape, tp, pp, cfg.batch_size, cfg.seq_len, n, virtual,
+            "bf16-autocast" if cfg.dtype == "bf16" else "fp32", sp, recompute,
+            optimizer=optimizer, dropout=dropout, device=sizes[0].get("device", "cpu"), dp=dp,
+            dp_mode=getattr(cfg, "dp_mode", "fsdp"))["stages"]
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
         if s.get("peak_memory") and shape is None:
             line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
         elif s.get("peak_memory"):
-            tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
-            lora = None if getattr(cfg, "lora_rank", None) is None else \
-                lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
-                {"r": cfg.lora_rank, "base_dtype": getattr(cfg, "base_dtype", "fp32")}
-            if pp > 1:  # its pipeline rank's row of the plan
-                planned = plan_pipeline(
-                    shape, tp, pp, cfg.batch_size, cfg.seq_len, n, virtual,
-                    "bf16-autocast" if cfg.dtype == "bf16" else "fp32", sp, recompute,
-                    optimizer=optimizer, dropout=dropout, device=device, dp=dp,
-                    dp_mode=getattr(cfg, "dp_mode", "fsdp"))["stages"][s["pp_rank"]]["total"]
-            else:
-                planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, sp,
-                                           "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                                           recompute, cfg.fused, rank=tp_r, optimizer=optimizer,
-                                           dropout=dropout, device=device, lora=lora)
-                planned = dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned,
-                                    rank=tp_r, dp_rank=s.get("dp_rank", 0), device=device,
-                                    optimizer=optimizer)["total"]
+            planned = stages[s["pp_rank"]]["total"] if stages else \
+                _planned_peak(cfg, shape, s, r, micro, optimizer, dropout)
             data = s.get("data_bytes", 0)
             planned += data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
@@ -389,6 +380,24 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         _collective_rows(table, "pp ", comm["pp"],
                          None if shape is None else pipeline_p2p(cfg, shape, n))
     return table
+
+
+def _planned_peak(cfg, shape: ModelShape, s: dict, r: int, micro: int, optimizer: str,
+                  dropout: bool) -> int:
+    """The planner's peak for rank ``r`` (its ``sizes`` entry ``s``) of a run without pipeline
+    stages: ``tensorpar_memory`` of one pass (LoRA's adapters counted), under data parallelism
+    ``dp_memory``."""
+    tp, dp = cfg.tp, getattr(cfg, "dp", None) or 1
+    tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
+    lora = None if getattr(cfg, "lora_rank", None) is None else \
+        lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
+        {"r": cfg.lora_rank, "base_dtype": getattr(cfg, "base_dtype", "fp32")}
+    planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, cfg.sequence_parallel,
+                               "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
+                               "full" if cfg.recompute else "none", cfg.fused, rank=tp_r,
+                               optimizer=optimizer, dropout=dropout, device=device, lora=lora)
+    return dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned, rank=tp_r,
+                     dp_rank=s.get("dp_rank", 0), device=device, optimizer=optimizer)["total"]
 
 
 def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
