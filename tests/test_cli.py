@@ -41,11 +41,60 @@ def test_verify_under_torchrun():
     assert out.stdout.count("tensorpar verify: TP=2") == 1, out.stdout
 
 
+@pytest.mark.parametrize("flags", [
+    ["--pp", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "11"],
+    ["--pp", "4", "--tp", "1"],
+], ids=["pp2-tp2-sp", "pp4"])
+def test_verify_pipeline_passes(flags):
+    """``verify --pp``: one pipelined step equals the whole model on one rank (loss, every
+    gradient, the norm), and each pipeline rank's sends, receives and TP collectives are the
+    planner's count. 11 tokens over TP 2 under SP: the TP ranks send shards of 6 and 5 tokens.
+    At pp 4 the middle ranks send twice what the ends send, under the check mode (verify's
+    default), which numbers sends and collectives together on a group: the schedule's transfers
+    have their own group, or the loss's all-reduce after them would be called a mismatch."""
+    out = tensorpar_here("verify", *flags)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the loss, every gradient and every transfer match" in out.stdout
+    for name in ("grad blocks.0.attn.q_proj.weight", "grad lm_head.weight", "gradient norm",
+                 "pp send", "pp recv"):
+        assert name in out.stdout
+    if "--sequence-parallel" in flags:  # 2 micro-batch rows x 6 or 5 tokens x 64 x 4 bytes
+        assert "12288/10240 / 12288/10240" in out.stdout.replace("10240/12288", "12288/10240")
+    else:
+        sends = next(line for line in out.stdout.splitlines() if line.startswith("pp send "))
+        assert sends.split()[2:] == ["8", "/", "8", "16", "/", "16", "16", "/", "16", "8", "/",
+                                     "8"], sends
+    assert "MISMATCH" not in out.stdout
+
+
+def test_verify_pipeline_reports_a_mismatch():
+    """A gradient off, or one send more than the count, fails the report."""
+    from tensorpar.cli.verify_pipeline import PipelineCheck, expected_transfers, report_pipeline
+    from tensorpar.transformer.reference import BlockConfig
+
+    check = PipelineCheck(BlockConfig(), 3, 2, 1, 4, 1, False)
+
+    def rank(p, err=1e-7, extra=0):
+        pp = expected_transfers(check, p, 0)
+        counts = dict(pp["counts"], send=pp["counts"]["send"] + extra)
+        return {"errors": {"loss": 1e-7, "grad norm.weight": err}, "pp_rank": p, "tp_rank": 0,
+                "shapes": {"loss": (), "grad norm.weight": (64,)},
+                "counts": {"pp": {"counts": counts, "bytes": pp["bytes"]}, "tp": {}}}
+
+    assert report_pipeline([rank(0), rank(1)], check, write=lambda *a: None)
+    assert not report_pipeline([rank(0), rank(1, err=1e-3)], check, write=lambda *a: None)
+    assert not report_pipeline([rank(0, extra=1), rank(1)], check, write=lambda *a: None)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "4", "--num-heads", "2", "--num-kv-heads", "1", "--dim", "16"],
      "num_heads=2 cannot be split over 4 ranks"),
     (["--tp", "4", "--sequence-parallel", "--seq-len", "3"],
      "--seq-len 3 is shorter than --tp 4"),
+    (["--micro-batches", "4"], "--micro-batches and --n-layer are for a pipeline: give --pp N"),
+    (["--pp", "2", "--hf", "x"], "verify --hf with --pp: pipeline stages are built for"),
+    (["--pp", "2", "--micro-batches", "1"], "--pp 2 needs at least 2 micro-batches"),
+    (["--pp", "2", "--n-layer", "1"], "--n-layer 1 cannot be cut into 2 pipeline stages"),
 ])
 def test_verify_bad_sizes(flags, message):
     """Impossible sizes: one clear line and exit code 2, no traceback, no ranks started."""

@@ -8,6 +8,7 @@
     tensorpar export --ckpt runs/gpt --hf-out gpt-hf        a Hugging Face (Llama) folder
     tensorpar verify --tp 2 [--sequence-parallel]           parallel layers vs the dense model
     tensorpar verify --hf PATH --tp 2                       a HF model vs its dense self
+    tensorpar verify --pp 2 --tp 2                          a pipelined GPT step vs one device
     tensorpar generate --hf PATH --tp 2 --prompt "..."
     tensorpar plan --model llama-2-7b --tp 1,2,4,8 --dtype bf16 --device-memory 80GB
     tensorpar bench                                          tensorpar vs DTensor TP vs dense

@@ -209,18 +209,40 @@ def add_parser(sub) -> None:
                    "loaded tensor-parallel and compared layer by layer with the dense model "
                    "(default: tensorpar's own block)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--pp", type=int, default=1, help="instead: tensorpar's GPT cut into N "
+                   "pipeline stages (pp x tp ranks), one step of the trainer's schedule against "
+                   "the whole model on one rank, and each rank's sends and receives counted "
+                   "(default 1: the one-block check)")
+    p.add_argument("--pp-virtual", type=int, default=1,
+                   help="with --pp: stages per pipeline rank, interleaved (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="with --pp: micro-batches in the step (default 2 x --pp)")
+    p.add_argument("--n-layer", type=int, default=None,
+                   help="with --pp: the GPT's blocks (default 2 x pp x virtual - 1: a cut "
+                   "that is not even)")
     for f in dataclasses.fields(BlockConfig):
+        extra = " (with --pp: a micro-batch's)" if f.name == "batch_size" else ""
         p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
-                       help=f"{f.metadata['help']} (default {f.default})")
+                       help=f"{f.metadata['help']}{extra} (default {f.default})")
     p.set_defaults(func=run, check_collectives_by_default=True)
 
 
 def run(args) -> int:
     """``tensorpar verify``: 0 when every error is within tolerance and every count as
     expected, else 1."""
+    piped = args.pp != 1 or args.pp_virtual != 1
+    if not piped and (args.micro_batches is not None or args.n_layer is not None):
+        raise ValueError("--micro-batches and --n-layer are for a pipeline: give --pp N")
     if args.hf:
+        if piped:
+            raise ValueError("verify --hf with --pp: pipeline stages are built for tensorpar's "
+                             "GPT (train --pp refuses --hf too)")
         from tensorpar.cli.hf import run_verify_hf
 
         return 0 if run_verify_hf(args.hf, args.tp, args.seed) else 1
-    sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)}
-    return 0 if run_verify(args.tp, args.sequence_parallel, args.seed, BlockConfig(**sizes)) else 1
+    sizes = BlockConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)})
+    if piped:
+        from tensorpar.cli.verify_pipeline import pipeline_check, run_verify_pipeline
+
+        return 0 if run_verify_pipeline(pipeline_check(args, sizes), args.seed) else 1
+    return 0 if run_verify(args.tp, args.sequence_parallel, args.seed, sizes) else 1

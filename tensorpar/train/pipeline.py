@@ -43,6 +43,21 @@ from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.groups import tp_size
 
 
+def transfer_group(mesh) -> dist.ProcessGroup:
+    """This rank's pipeline ranks again, as a group for the schedule's sends and receives alone.
+
+    A middle stage sends and receives twice as many tensors as an end stage, and torch's check
+    mode (``--check-collectives``: its ProcessGroupWrapper) numbers point-to-point operations
+    and collectives in one sequence per group: on a group that carried both, the step's loss
+    all-reduce would then be found "mismatched" across pipeline ranks. The collectives over the
+    pipeline (the loss, the gradient norm, a checkpoint's agreement) stay on ``mesh["pp"]``.
+    Called on every rank alike (each group is created by all ranks)."""
+    pp = mesh["pp"].size()
+    ranks = mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist()  # each (dp, tp) pair's pipeline
+    group, _ = dist.new_subgroups_by_enumeration(ranks)
+    return group
+
+
 def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
     """ValueError, naming the numbers, for a pipeline the schedules refuse; before any rank."""
     if pp < 1 or virtual < 1:
@@ -127,6 +142,7 @@ class Schedule:
         )
 
         self.pp_group, self.tp_group = mesh["pp"].get_group(), mesh["tp"].get_group()
+        self.transfers = transfer_group(mesh)  # the stages' sends and receives
         self.stages, self.m = parts.stages, micro_batches
         self.first = any(s.first for s in parts.stages)
         self.last = any(s.last for s in parts.stages)
@@ -142,7 +158,7 @@ class Schedule:
         pipeline = [PipelineStage(module, s.index, s.count, device,
                                   input_args=(ids if s.first else hidden,),
                                   output_args=(logits if s.last else hidden,),
-                                  group=self.pp_group)
+                                  group=self.transfers)
                     for module, s in zip(modules, parts.stages, strict=True)]
         group = self.tp_group
         self.tokens = None  # the step's target count on this dp rank, set by ``step``

@@ -65,7 +65,9 @@ def test_stages_cut_the_blocks_as_tensor_split():
     pytest.param(1, 4, 1, {}, marks=pytest.mark.slow),
     pytest.param(2, 2, 2, {"dp_mode": "fsdp"}, marks=pytest.mark.slow),
     pytest.param(1, 2, 2, {"dp_mode": "ddp"}, marks=pytest.mark.slow),
-], ids=["tp1-pp2", "tp2-pp2", "tp1-pp2-v2", "tp1-pp4", "tp2-pp2-dp2-fsdp", "tp1-pp2-dp2-ddp"])
+    pytest.param(2, 2, 2, {"dp_mode": "ddp"}, marks=pytest.mark.slow),
+], ids=["tp1-pp2", "tp2-pp2", "tp1-pp2-v2", "tp1-pp4", "tp2-pp2-dp2-fsdp", "tp1-pp2-dp2-ddp",
+        "tp2-pp2-dp2-ddp"])
 def test_pipeline_trains_as_tp1(runs, tp, pp, dp, flags):
     """Losses and gradient norms of 3 steps equal TP=1's without a pipeline (1e-5 relative;
     the same micro-batches: the pipeline's are accumulation's)."""
