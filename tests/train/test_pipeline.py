@@ -121,17 +121,27 @@ def test_pipeline_keeps_the_masks_of_the_run_without_one(runs, tp, flags):
 def test_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
     """Stopped after step 2 at (tp 2, pp 2), resumed at (tp 4, pp 1) and (tp 1, pp 4): step 3
     equals the uninterrupted run's (1e-5). The checkpoint is one manifest over both stages'
-    files, and exports as the whole model: every tensor of it, whole."""
+    files, and exports as the whole model: every tensor of it, whole; ``generate --ckpt`` at
+    TP=2 reads it and writes the greedy text of the exported weights on one device."""
+    import torch
     from safetensors.torch import load_file
 
     from tensorpar.checkpoint.export import export_dense
+    from tensorpar.gpt.generate import generate, generate_rank
     from tensorpar.gpt.model import GPT
+    from tensorpar.gpt.tokenizer import ByteTokenizer
 
     cut = tmp_path / "cut"
     ranks(4).run(_train, cut, None, None, tp=2, pp=2, steps=2, lr_decay_steps=STEPS)
     dense = load_file(export_dense(cut / "step-00000002", tmp_path / "dense.safetensors"))
-    whole = GPT(GPTConfig(**MODEL)).state_dict()
-    assert {k: v.shape for k, v in dense.items()} == {k: v.shape for k, v in whole.items()}
+    whole = GPT(GPTConfig(**MODEL))
+    assert {k: v.shape for k, v in dense.items()} == \
+        {k: v.shape for k, v in whole.state_dict().items()}
+    whole.load_state_dict(dense)
+    tok = ByteTokenizer()
+    greedy = generate(whole, torch.tensor([tok.encode("def ")]), 12)[0].tolist()
+    texts = ranks(2).run(generate_rank, str(cut), ["def "], 12, 0.0, 0)[0]
+    assert texts == [tok.decode(greedy)]
     want = runs(1)[-1]
     for tp, pp in ((4, 1), (1, 4)):
         rows = ranks(tp * pp).run(_train, tmp_path / f"tp{tp}-pp{pp}", str(cut / "step-00000002"),
