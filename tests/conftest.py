@@ -57,7 +57,7 @@ SLOW = (
     "tests/core/test_torchrun_crash.py", "tests/bench/", "tests/planner/test_meter_profiled.py",
     "tests/planner/test_plan_modes.py", "tests/test_docs.py::test_python_block",
     "tests/test_cli.py::test_verify_under_torchrun",
-    "tests/hf/test_hf.py::test_cli_verify_and_generate_under_torchrun",
+    "tests/hf/test_hf.py::test_cli_generate_under_torchrun",
     "tests/core/test_check_collectives.py::test_lost_rank_under_torchrun",
     "tests/core/test_fused.py::test_compiled_",
     # more sizes and modes of what the fast tier checks at one or two

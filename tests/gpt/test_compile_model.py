@@ -104,8 +104,21 @@ def _graph_ops_body(sp):
     return ops
 
 
+@pytest.fixture(scope="module")
+def graph_ops(ranks):
+    """``graph_ops(n, sp)``: rank 0's ``_graph_ops_body`` at TP=n, traced once per module."""
+    made = {}
+
+    def get(n, sp):
+        if (n, sp) not in made:
+            made[n, sp] = ranks(n).run(_graph_ops_body, sp)[0]
+        return made[n, sp]
+
+    return get
+
+
 @pytest.mark.parametrize("n,sp", [(1, False), (2, False), (2, True)])
-def test_compiled_column_backward_is_one_op(ranks, n, sp):
+def test_compiled_column_backward_is_one_op(graph_ops, n, sp):
     """Compiled, a fused column op's backward is one opaque op (``tensorpar::column_backward``)
     that reduces dx while it computes the weight gradients (under SP, gathering its input
     again while it computes dx), as in eager (``tests/core/test_fused.py``): the traced graph
@@ -113,17 +126,17 @@ def test_compiled_column_backward_is_one_op(ranks, n, sp):
     such op per column op (Q/K/V and gate/up in each block, the LM head), and without SP no
     functional collective (under SP the norms' regions keep theirs); at TP=1 there is nothing
     to reduce."""
-    ops = ranks(n).run(_graph_ops_body, sp)[0]["backward"]
+    ops = graph_ops(n, sp)["backward"]
     column_ops = ops.count("tensorpar.column_backward.default")
     assert column_ops == (2 * TINY["n_layer"] + 1 if n > 1 else 0), ops
     assert sp or not [op for op in ops if "c10d" in op], ops
 
 
-def test_compiled_rotary_table_is_made_once(ranks):
+def test_compiled_rotary_table_is_made_once(graph_ops):
     """The rotary table is one op in the compiled forward (``tensorpar::rotary_table``), made
     once for every block: inlined, inductor computed float64 cosines and sines again for each
     element it rotated, in every block and again in backward."""
-    ops = ranks(2).run(_graph_ops_body, True)[0]
+    ops = graph_ops(2, True)
     assert ops["forward"].count("tensorpar.rotary_table.default") == 1, ops["forward"]
     trig = [op for op in ops["forward"] + ops["backward"]
             if op.startswith(("aten.cos", "aten.sin"))]

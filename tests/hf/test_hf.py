@@ -200,24 +200,19 @@ def test_cli_refusals(hf_dirs):
     assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
 
 
-def test_cli_verify_and_generate_under_torchrun(hf_dirs):
-    """``verify --hf`` and ``generate --hf`` as torchrun's 2 ranks: each rank judges and exits
-    alike, and rank 0 alone prints: verify's per-layer table, which passes (its greedy tokens equal
-    the dense model's), and generate's token ids."""
+def test_cli_generate_under_torchrun(hf_dirs):
+    """``generate --hf`` as torchrun's 2 ranks: each rank loads its shard of the model from the
+    folder and exits alike, and rank 0 alone prints the token ids. (``verify --hf`` takes the
+    same path, ``run_ranks`` and rank 0's ``say``, which ``tests/test_cli.py`` runs under
+    torchrun for ``verify``.)"""
     import subprocess
     import sys
 
     from tests_common import cli_env
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "tensorpar"]
-    verify = ("layer 0", "layer 1", "logits", "greedy tokens (12 new)", "identical",
-              "rank 1: parameters", "all outputs, gradients and greedy tokens match")
-    for cmd, once in ((["verify", "--hf", hf_dirs / "qwen3", "--tp", 2], verify),
-                      (["generate", "--hf", hf_dirs / "gpt2", "--tp", 2, "--prompt-ids",
-                        "5,6,7", "--max-new-tokens", 4], ("5 6 7 ",))):
-        out = subprocess.run([*torchrun, *map(str, cmd)], capture_output=True, text=True,
-                             timeout=300, env=cli_env())
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert all(out.stdout.count(text) == 1 for text in once), out.stdout
-    assert out.stdout.startswith("5 6 7 "), out.stdout
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "tensorpar", "generate", "--hf", str(hf_dirs / "gpt2"), "--tp", "2",
+           "--prompt-ids", "5,6,7", "--max-new-tokens", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("5 6 7 ") == 1 and out.stdout.startswith("5 6 7 "), out.stdout

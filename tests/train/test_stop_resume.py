@@ -26,7 +26,6 @@ from tests_common import (
     importing_torch,
     ranks_met,
     read_metrics,
-    tensorpar_cli,
     tensorpar_here,
     wait_for,
 )
@@ -37,8 +36,8 @@ STEPS = 80  # tiny steps of about 20 ms: the signal tests send theirs 35-55 step
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("whole")
-    out = tensorpar_cli("train", "--tp", 2, "--steps", STEPS, "--save-every", 20, "--out", run,
-                        *TINY_GPT)
+    out = tensorpar_here("train", "--tp", 2, "--steps", STEPS, "--save-every", 20, "--out", run,
+                         *TINY_GPT)
     assert out.returncode == 0, out.stderr
     return read_metrics(run), run
 
@@ -95,7 +94,7 @@ def test_preemption_saves_the_step_and_resumes_exactly(tmp_path, uninterrupted):
     name = signal.Signals(signum).name
     assert f"stopped by {name} after step {last}; saved {tmp_path}/step-{last:08d}" in err, err
     assert f"resume with: tensorpar train --resume --out {tmp_path}" in err
-    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
+    out = tensorpar_here("train", "--resume", "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     _same(read_metrics(tmp_path), uninterrupted[0])
 
@@ -116,7 +115,7 @@ def test_ctrl_c_stops_at_once_and_says_what_is_kept(tmp_path, uninterrupted):
     assert f"interrupted (Ctrl-C) after step {last}; last checkpoint {ckpt} (step {kept}){lost}; " \
            f"resume with: tensorpar train --resume --out {tmp_path}" in err, err
     assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
-    out = tensorpar_cli("train", "--resume", "--out", tmp_path)
+    out = tensorpar_here("train", "--resume", "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     _same(read_metrics(tmp_path), uninterrupted[0])
 
@@ -250,7 +249,7 @@ def test_resume_edge_cases(tmp_path, uninterrupted):
     out = tensorpar_here("train", "--out", stale, *TINY_GPT)
     assert out.returncode == 2 and "holds the metrics.jsonl of an earlier run" in out.stderr
     assert (stale / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
-    out = tensorpar_cli("train", "--resume", "--tp", 1, "--steps", 2, "--out", stale, *TINY_GPT)
+    out = tensorpar_here("train", "--resume", "--tp", 1, "--steps", 2, "--out", stale, *TINY_GPT)
     assert out.returncode == 0 and "no checkpoint in" in out.stderr, out.stderr
     assert [r["step"] for r in read_metrics(stale)] == [1, 2]
 

@@ -22,7 +22,8 @@ def _rank_of(pid: int) -> int:
 def test_a_stop_under_torchrun_ends_every_rank_alike(tmp_path):
     """SIGUSR1 to rank 1 alone (a scheduler's warning, as ``--signal`` sends it): the ranks agree
     to stop, save the step, and both exit 138, which torchrun's report shows for each rank; rank 0
-    says the one line. Before, ranks other than 0 ended with status 0 after a stop."""
+    says the one line. Before, ranks other than 0 ended with status 0 after a stop. The run
+    under torchrun writes what a spawned one does: a metrics row per step, each rank's file."""
     proc = subprocess.Popen([*TORCHRUN, "--tp", "2", "--steps", "400", "--save-every", "50",
                              "--out", str(tmp_path), *TINY_GPT],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -41,6 +42,8 @@ def test_a_stop_under_torchrun_ends_every_rank_alike(tmp_path):
             proc.kill()
     last = read_metrics(tmp_path)[-1]["step"]
     assert 5 <= last < 400, err
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, last + 1))
+    assert (tmp_path / f"step-{last:08d}" / "rank01-of02.safetensors").is_file()
     assert err.count(f"tensorpar train: stopped by SIGUSR1 after step {last}; saved "
                      f"{tmp_path}/step-{last:08d}") == 1, err
     assert err.count("exitcode  : 138") == 2, err  # torchrun's report: one entry per rank

@@ -1,7 +1,8 @@
 """``tensorpar train``, ``generate`` and ``export`` end to end, as a user runs them: spawned
-ranks and torchrun, a real kill and ``--resume``, resharding, clear errors. The first run of each
-command is a new process; runs that only compare with it (TP=1, the resume after the kill, the
-dense export) go through the same entry in this process (``tensorpar_here``), 5 s less each."""
+ranks and torchrun, a real kill and ``--resume``, resharding, clear errors. The first run is a
+new process; runs that only compare with it (TP=1, the resume after the kill, generate, the
+dense export) go through the same entry in this process (``tensorpar_here``), 5 s less each.
+Training under torchrun: tests/train/test_torchrun_train.py and tests/dp/test_multinode.py."""
 
 import json
 import os
@@ -78,11 +79,11 @@ def test_kill_then_resume(trained, tmp_path):
 def test_generate_same_text_at_any_tp(trained):
     """Sampled text from the TP=2 checkpoint is identical at TP=1 and 2 as the CLI prints it
     (greedy, top-k, top-p and batches at TP=1 to 4: tests/gpt/test_generate.py); the prompt
-    comes first on stdout."""
+    comes first on stdout. (A new process runs generate in tests/hf/test_hf_generate.py.)"""
     temperature = "0.8"
     texts = []
-    for tp, run in ((1, tensorpar_here), (2, _tensorpar)):  # TP=1 in this process (5 s less)
-        out = run("generate", "--ckpt", trained[0], "--tp", tp, "--prompt", "The ",
+    for tp in (1, 2):
+        out = tensorpar_here("generate", "--ckpt", trained[0], "--tp", tp, "--prompt", "The ",
                   "--max-new-tokens", 24, "--temperature", temperature, "--seed", 3)
         assert out.returncode == 0, out.stderr
         texts.append(out.stdout)
@@ -98,16 +99,6 @@ def test_export_dense(trained, tmp_path):
     assert weights["blocks.0.mlp.gate.weight"].shape == (96, 32)  # 8/3 * 32, rounded up to 32
     assert weights["blocks.0.attn.k_proj.weight"].shape == (8, 32)  # one KV head of 8
     assert all(t.dtype == torch.float32 for t in weights.values())
-
-
-def test_under_torchrun(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "tensorpar", "train", "--tp", "2",
-                          "--steps", "3", "--out", str(tmp_path), *TINY_GPT],
-                         capture_output=True, text=True, timeout=180, env=cli_env())
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
-    assert (tmp_path / "step-00000003" / "rank01-of02.safetensors").is_file()
 
 
 @pytest.mark.parametrize("args,message", [
