@@ -37,19 +37,28 @@ def _assert_same_curve(a, b, tol, what):
 
 
 @pytest.fixture(scope="module")
-def reference(ranks, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp1")
-    return out, _curve(ranks, 1, str(out), 1)
+def runs(ranks, tmp_path_factory):
+    """``runs(n, sp=False, dropout=0.0)``: (directory, metrics rows) of that uninterrupted run,
+    made once for the module (the resume tests copy the directory)."""
+    made = {}
+
+    def get(n, sp=False, dropout=0.0):
+        if (n, sp, dropout) not in made:
+            out = tmp_path_factory.mktemp(f"tp{n}-sp{int(sp)}-dropout{dropout}")
+            made[n, sp, dropout] = out, _curve(ranks, n, str(out), n, sp, dropout=dropout)
+        return made[n, sp, dropout]
+
+    return get
 
 
 @pytest.mark.parametrize("n,sp", [(2, False), (4, False), (2, True), (3, True)])
-def test_loss_curve_equal_across_tp(ranks, tmp_path, reference, n, sp):
+def test_loss_curve_equal_across_tp(runs, n, sp):
     """24 AdamW steps (fp32): loss and global gradient norm at every step agree with TP=1 to a
     relative 5e-6 (~10x the largest measured, 4.9e-7: the gradient norm at TP=3 with SP;
     2026-11-27, torch 2.13 CPU), and the loss falls. At TP=3 with SP the 32 tokens split
     unevenly (11, 11, 10)."""
-    rows = _curve(ranks, n, str(tmp_path), n, sp)
-    _assert_same_curve(rows, reference[1], 5e-6, f"TP={n} sp={sp}")
+    rows = runs(n, sp)[1]
+    _assert_same_curve(rows, runs(1)[1], 5e-6, f"TP={n} sp={sp}")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.4
 
 
@@ -65,12 +74,13 @@ def _interrupt(src, dst):
 
 @pytest.mark.parametrize("saved_at,resumed_at,sp,dropout", [(2, 2, False, 0.1), (2, 4, False, 0.0),
                                                             (2, 1, True, 0.0)])
-def test_resume_repeats_uninterrupted_run(ranks, tmp_path, saved_at, resumed_at, sp, dropout):
+def test_resume_repeats_uninterrupted_run(ranks, runs, tmp_path, saved_at, resumed_at, sp,
+                                         dropout):
     """Kill after step 16's checkpoint, resume (at the same or another TP size): metrics.jsonl
     then reads step by step like the uninterrupted run (dropout masks included, at the same TP
     size: they derive from (seed, step))."""
-    full = _curve(ranks, saved_at, str(tmp_path / "full"), saved_at, sp, dropout=dropout)
-    ckpt = _interrupt(tmp_path / "full", tmp_path / "resumed")
+    run, full = runs(saved_at, sp, dropout)  # the curve tests' run where they have it
+    ckpt = _interrupt(run, tmp_path / "resumed")
     assert ckpt.name == "step-00000016"
     resumed = _curve(ranks, resumed_at, str(tmp_path / "resumed"), resumed_at, sp, str(ckpt),
                      dropout=dropout)
