@@ -74,13 +74,14 @@ def eager(ranks, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])
 def test_compiled_training_follows_eager(ranks, tmp_path, eager, tp):
-    """4 AdamW steps (fp32) under torch.compile: the same losses as eager, bit for bit;
+    """4 AdamW steps (fp32) at TP=2 under torch.compile: the same losses as eager, bit for bit;
     every step but the measured one (the second, under the collective counter and the memory
     meter) runs the compiled graph, the steps after it too; the checkpoint names the parameters
     as the eager run's does (no ``_orig_mod.``); resumed eagerly from its step 2, it repeats
-    its steps 3-4."""
+    its steps 3-4. (TP=1 compiled: under DDP below, and the model alone in
+    tests/gpt/test_compile_model.py.)"""
     losses, graphs, calls = ranks(tp).run(_train, str(tmp_path / "c"), tp, True)[0]
     assert graphs >= 1 and calls == STEPS - 1, (graphs, calls)
     assert losses == eager[tp][1], (losses, eager[tp][1])
