@@ -3,12 +3,13 @@ flag the docs name exists.
 
 Every ```python block of README.md and docs/*.md is a whole program whose first line says how
 to run it (``# NAME.py: run with `COMMAND` ``); it is saved as NAME.py in an empty directory and
-run with that command (``torchrun`` as ``python -m torch.distributed.run``). Every line of a
-```bash block either runs here, in order, or is in ``NOT_RUN`` with the reason; a ``tensorpar``
-line runs through ``cli.main`` in this process (``_run``), others as processes. A line that runs
-keeps its words; only flags that make it small are added (``SMALL``), step counts are divided by
-``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and placeholder paths
-(``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
+run with that command (``torchrun`` as ``python -m torch.distributed.run``; ``python NAME.py``
+in this process, as ``__main__``, its ranks forked from the session's server: ``_python_here``).
+Every line of a ```bash block either runs here, in order, or is in ``NOT_RUN`` with the reason;
+a ``tensorpar`` line runs through ``cli.main`` in this process (``_run``), others as processes.
+A line that runs keeps its words; only flags that make it small are added (``SMALL``), step
+counts are divided by ``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and
+placeholder paths (``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
 repository. The README's lines run in a directory of their own; the docs pages' in one directory
 shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an earlier one
 trained (the planner's page plans the run the training page wrote).
@@ -187,8 +188,40 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _python_here(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python SCRIPT`` run in this process, as ``__main__`` (``runpy``), in ``cwd``: what it
+    prints and its exit status, as a process run gives them. The ranks it starts (``tp.launch``)
+    fork from the session's server, which has imported torch and transformers (conftest.py),
+    instead of a new interpreter and a new server importing them again (4-8 s a program)."""
+    import contextlib
+    import io
+    import runpy
+    import traceback
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, path = sys.argv, list(sys.path)
+    try:
+        sys.argv, sys.path[0:0] = [script], [str(cwd)]
+        with (contextlib.chdir(cwd), contextlib.redirect_stdout(out),
+              contextlib.redirect_stderr(err)):
+            try:
+                # by its full path: a rank imports it from there (multiprocessing's main fixup)
+                runpy.run_path(str(cwd / script), run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # as a process would: the traceback on stderr, exit status 1
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return subprocess.CompletedProcess([sys.executable, script], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def _run(argv: list[str], cwd: Path, what: str) -> None:
-    if argv[1:3] == ["-m", "tensorpar"]:
+    if len(argv) == 2 and argv[1].endswith(".py"):  # python NAME.py
+        out = _python_here(argv[1], cwd)
+    elif argv[1:3] == ["-m", "tensorpar"]:
         # ``tensorpar ARGS`` through the command's entry (``cli.main``) in this process, its
         # ranks forked from the session's fork server, which has imported what they need
         # (conftest.py): the 3-5 s a new Python spends importing torch and tensorpar, and its

@@ -21,8 +21,7 @@ from tensorpar.runtime.groups import tp_rank
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.optim import make_optimizer
 
-from tests_common import TINY_GPT, cli_env, leftovers, live_processes
-from tests_common import tensorpar_cli as _tensorpar
+from tests_common import TINY_GPT, cli_env, leftovers, live_processes, tensorpar_here
 
 TINY = {"vocab_size": 50, "n_layer": 1, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 40}
 
@@ -74,7 +73,8 @@ def saved(tmp_path_factory):
     """A TP=2 run of 2 steps, its checkpoint at step 2, and a file size limit between its two
     shards' sizes (TINY_GPT: rank 0's file is 127 KB, rank 1's 119 KB)."""
     run = tmp_path_factory.mktemp("saved")
-    out = _tensorpar("train", "--tp", 2, "--steps", 2, "--save-every", 2, "--out", run, *TINY_GPT)
+    out = tensorpar_here("train", "--tp", 2, "--steps", 2, "--save-every", 2, "--out", run,
+                         *TINY_GPT)
     assert out.returncode == 0, out.stderr
     sizes = sorted((run / "step-00000002" / f"rank{r:02d}-of02.safetensors").stat().st_size
                    for r in range(2))
