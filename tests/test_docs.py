@@ -9,10 +9,10 @@ Every line of a ```bash block either runs here, in order, or is in ``NOT_RUN`` w
 a ``tensorpar`` line runs through ``cli.main`` in this process (``_run``), others as processes.
 A line that runs keeps its words; only flags that make it small are added (``SMALL``), step
 counts are divided by ``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and
-placeholder paths (``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
-repository. The README's lines run in a directory of their own; the docs pages' in one directory
-shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an earlier one
-trained (the planner's page plans the run the training page wrote).
+placeholder paths (``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never
+into the repository. The README's lines run in a directory of their own; the docs pages' in one
+directory shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an
+earlier one trained (the planner's page plans the run the training page wrote).
 """
 
 import os
