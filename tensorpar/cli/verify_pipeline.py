@@ -27,10 +27,9 @@ from torch.distributed import ProcessGroup
 from tensorpar.cli.verify import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.gpt.stages import GPTStage, describe_split, rank_stages, stage_blocks
+from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
-from tensorpar.parallel.sharding import shard_sizes
-from tensorpar.planner.pipeline import p2p, rank_tp_comm
+from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
@@ -85,28 +84,21 @@ class PipelineCheck:
 
 def expected_transfers(check: PipelineCheck, pp_rank: int, tp_rank: int) -> dict:
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) sends, receives and all-reduces
-    over pp in the step: {"counts": {kind: n}, "bytes": {"send": b}}; it receives as many
-    tensors as it sends, and all-reduces two fp32 scalars (the step's loss, the gradient
-    norm's sum of squares)."""
+    over pp in the step (``planner.pipeline.step_transfers``)."""
     s = check.sizes
-    sent = p2p(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size, s.seq_len,
-               s.dim, check.tp, check.sequence_parallel)
-    n = sent["activations"] + sent["gradients"]
-    tokens = shard_sizes(s.seq_len, check.tp)[tp_rank] if check.sequence_parallel else s.seq_len
-    return {"counts": {"send": n, "recv": n, "all_reduce": 2},
-            "bytes": {"send": n * s.batch_size * tokens * s.dim * 4}}
+    return step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
+                          s.seq_len, s.dim, check.tp, check.sequence_parallel, tp_rank)
 
 
 def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
     """The TP collectives of pipeline rank ``pp_rank``'s stages in the step."""
     if check.tp == 1:
         return {}
-    count = check.pp * check.virtual
-    mine = rank_stages(check.pp, check.virtual, pp_rank)
-    layers = sum(len(stage_blocks(check.n_layer, count)[s]) for s in mine)
-    return rank_tp_comm(gpt_shape(check.model), check.tp, layers, 0 in mine, count - 1 in mine,
-                        check.sizes.batch_size, check.sizes.seq_len, check.micro_batches,
-                        check.sequence_parallel, "fp32", "none", False)["counts"]
+    part = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)[2]
+    return rank_tp_comm(gpt_shape(check.model), check.tp, len(part["blocks"]), part["embed"],
+                        part["head"], check.sizes.batch_size, check.sizes.seq_len,
+                        check.micro_batches, check.sequence_parallel, "fp32", "none",
+                        False)["counts"]
 
 
 def verify_pipeline_rank(check: PipelineCheck, seed: int,
@@ -130,13 +122,9 @@ def verify_pipeline_rank(check: PipelineCheck, seed: int,
     loss = whole(ids, targets)
     loss.backward()
 
-    count = check.pp * check.virtual
-    ranges = stage_blocks(check.n_layer, count)
-    mine = rank_stages(check.pp, check.virtual, pp_rank)
-    part = GPT(cfg, tp_group, check.sequence_parallel, seed=seed, device=device,
-               blocks=[i for st in mine for i in ranges[st]], embed=0 in mine,
-               head=count - 1 in mine)
-    stages = [GPTStage(part, st, count, ranges[st]) for st in mine]
+    mine, ranges, held = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)
+    part = GPT(cfg, tp_group, check.sequence_parallel, seed=seed, device=device, **held)
+    stages = [GPTStage(part, st, len(ranges), ranges[st]) for st in mine]
     schedule = Schedule(check.train_config(), PipelineParts(part, stages), stages, mesh, device,
                         check.micro_batches, s.vocab_size, torch.float32)
     tokens = torch.tensor(float(targets.numel()), device=device)
@@ -188,27 +176,28 @@ def report_pipeline(results: list[dict], check: PipelineCheck, write=print) -> b
     rows = [("pp", k, "counts") for k in PP_KINDS] + [("pp", "send", "bytes")]
     rows += [("tp", k, "counts") for k in TP_KINDS] if check.tp > 1 else []
     write("\nper step, each pipeline rank (measured / analytic)")
-    write(f"{'':<22}" + "".join(f"{f'pp rank {p}':>26}" for p in range(check.pp)))
+    write(f"{'':<22}" + "".join(f"  {f'pp rank {p}':>26}" for p in range(check.pp)))
+    expected = [_expected(check, r["pp_rank"], r["tp_rank"]) for r in results]  # once a rank
     for label, kind, what in rows:
         line, good = f"{f'{label} {kind}' + (' bytes' if what == 'bytes' else ''):<22}", True
         for p in range(check.pp):  # every TP rank of pipeline rank p against its own count
             pairs = [(r["counts"][label].get(what, {}).get(kind, 0),
-                      _expected(check, label, what, kind, p, r["tp_rank"]))
-                     for r in results if r["pp_rank"] == p]
+                      want[label][what].get(kind, 0))
+                     for r, want in zip(results, expected, strict=True) if r["pp_rank"] == p]
             good &= all(got == want for got, want in pairs)
             got, want = (sorted({pair[i] for pair in pairs}) for i in (0, 1))
-            line += f"{'/'.join(map(str, got)) + ' / ' + '/'.join(map(str, want)):>26}"
+            line += f"  {'/'.join(map(str, got)) + ' / ' + '/'.join(map(str, want)):>26}"
         ok &= good
         write(line + ("" if good else "  MISMATCH"))
     write("\nthe loss, every gradient and every transfer match" if ok else "\nMISMATCH found")
     return ok
 
 
-def _expected(check: PipelineCheck, label: str, what: str, kind: str, pp_rank: int,
-              tp_rank: int) -> int:
-    if label == "pp":
-        return expected_transfers(check, pp_rank, tp_rank)[what].get(kind, 0)
-    return expected_tp(check, pp_rank).get(kind, 0)
+def _expected(check: PipelineCheck, pp_rank: int, tp_rank: int) -> dict:
+    """The analytic counts of one rank, as its measured ``counts``: {"pp": {"counts": ...,
+    "bytes": ...}, "tp": {"counts": ...}}."""
+    return {"pp": expected_transfers(check, pp_rank, tp_rank),
+            "tp": {"counts": expected_tp(check, pp_rank)}}
 
 
 def run_verify_pipeline(check: PipelineCheck, seed: int) -> bool:

@@ -33,7 +33,19 @@ from torch import nn
 from tensorpar.gpt.model import GPT, BlockDict
 from tensorpar.planner.pipeline import rank_stages, stage_blocks
 
-__all__ = ["GPTStage", "describe_split", "rank_stages", "stage_blocks"]
+__all__ = ["GPTStage", "describe_split", "rank_part", "rank_stages", "stage_blocks"]
+
+
+def rank_part(n_layer: int, pp: int, virtual: int, rank: int) -> tuple[list[int], list[range],
+                                                                        dict]:
+    """Pipeline rank ``rank``'s stages, every stage's blocks, and the rank's part of the GPT as
+    ``GPT(..., **part)`` takes it: {"blocks": [...], "embed": bool, "head": bool}."""
+    count = pp * virtual
+    ranges = stage_blocks(n_layer, count)
+    mine = rank_stages(pp, virtual, rank)
+    part = {"blocks": [i for s in mine for i in ranges[s]], "embed": 0 in mine,
+            "head": count - 1 in mine}
+    return mine, ranges, part
 
 
 def describe_split(n_layer: int, pp: int, virtual: int = 1) -> str:

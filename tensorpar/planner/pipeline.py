@@ -180,16 +180,28 @@ def schedule_ops(pp: int, virtual: int, micro_batches: int, rank: int) -> list[t
 
 
 def p2p(pp: int, virtual: int, micro_batches: int, rank: int, micro: int, seq: int,
-        dim: int, tp: int, sequence_parallel: bool) -> dict:
+        dim: int, tp: int, sequence_parallel: bool, tp_rank: int = 0) -> dict:
     """What pipeline rank ``rank`` sends in a step: "activations" (to the next stage) and
-    "gradients" (to the one before), "bytes_each" ((micro, T, D) fp32; T/tp tokens under SP,
-    the largest shard) and "bytes", their total."""
-    tokens = shard_sizes(seq, tp)[0] if sequence_parallel else seq
+    "gradients" (to the one before), "bytes_each" ((micro, T, D) fp32; under SP the tokens of
+    TP rank ``tp_rank``'s shard, by default the largest) and "bytes", their total."""
+    tokens = shard_sizes(seq, tp)[tp_rank] if sequence_parallel else seq
     each = micro * tokens * dim * ACTIVATION_BYTES
     activations = micro_batches * (virtual - (rank == pp - 1)) if pp > 1 else 0
     gradients = micro_batches * (virtual - (rank == 0)) if pp > 1 else 0
     return {"activations": activations, "gradients": gradients, "bytes_each": each,
             "bytes": (activations + gradients) * each}
+
+
+def step_transfers(pp: int, virtual: int, micro_batches: int, rank: int, micro: int, seq: int,
+                   dim: int, tp: int, sequence_parallel: bool, tp_rank: int = 0) -> dict:
+    """What pipeline rank ``rank`` (TP rank ``tp_rank``) moves over the pipeline in a training
+    step, as ``CollectiveCounter`` counts it: {"counts": {kind: calls}, "bytes": {kind: payload}}.
+    It receives as many tensors as it sends (``p2p``), and all-reduces two fp32 scalars: the
+    step's loss and the gradient norm's sum of squares."""
+    sent = p2p(pp, virtual, micro_batches, rank, micro, seq, dim, tp, sequence_parallel, tp_rank)
+    n = sent["activations"] + sent["gradients"]
+    return {"counts": {"send": n, "recv": n, "all_reduce": 2},
+            "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
 
 
 def micro_batch_pieces(shape: ModelShape, tp: int, micro: int, seq: int, dtype: str,

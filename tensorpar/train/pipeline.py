@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorpar.gpt.stages import GPTStage, rank_stages, stage_blocks
+from tensorpar.gpt.stages import GPTStage, rank_part
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.groups import tp_size
@@ -93,13 +93,9 @@ class PipelineParts:
 
 def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int):
     """This rank's part of the GPT and its stages; with the recipe's per-step callback."""
-    count = cfg.pp * cfg.pp_virtual
-    ranges = stage_blocks(recipe.model_cfg.n_layer, count)
-    mine = rank_stages(cfg.pp, cfg.pp_virtual, pp_rank)
-    blocks = [i for s in mine for i in ranges[s]]
-    net, at_step = recipe.build(cfg, group, dp_rank, device, blocks=blocks, embed=0 in mine,
-                                head=count - 1 in mine)
-    stages = [GPTStage(net, s, count, ranges[s]) for s in mine]
+    mine, ranges, part = rank_part(recipe.model_cfg.n_layer, cfg.pp, cfg.pp_virtual, pp_rank)
+    net, at_step = recipe.build(cfg, group, dp_rank, device, **part)
+    stages = [GPTStage(net, s, len(ranges), ranges[s]) for s in mine]
     return PipelineParts(net, stages), at_step
 
 

@@ -21,7 +21,7 @@ from tensorpar.gpt.stages import describe_split
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
-from tensorpar.planner.pipeline import p2p, plan_pipeline
+from tensorpar.planner.pipeline import plan_pipeline, step_transfers
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
 
@@ -405,12 +405,8 @@ def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
     (B/m, T, D) activations out and as many gradients in, T/tp tokens a rank under sequence
     parallelism; and what it all-reduces over the pipeline."""
     rows = cfg.batch_size // (getattr(cfg, "dp", None) or 1) // micro_batches
-    sent = p2p(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows, cfg.seq_len,
-               shape.dim, cfg.tp, cfg.sequence_parallel)
-    n = sent["activations"] + sent["gradients"]  # rank 0 receives as many as it sends
-    # and two fp32 scalars all-reduced: the step's loss, the gradient norm's sum of squares
-    return {"counts": {"send": n, "recv": n, "all_reduce": 2},
-            "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
+    return step_transfers(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows,
+                          cfg.seq_len, shape.dim, cfg.tp, cfg.sequence_parallel)
 
 
 def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:
