@@ -74,6 +74,10 @@ class TrainConfig:
         "help": "with chat or instruction examples (--data FILE.jsonl) and --hf: several "
                 "examples in each sequence, positions restarting at each and attention "
                 "confined to it, instead of one padded example a sequence"})
+    skip_bad_examples: bool = dataclasses.field(default=False, metadata={
+        "help": "with examples (--data or --val-data FILE.jsonl): skip a malformed record (no "
+                "content, an unknown role, no answer) and count it in the summary, instead of "
+                "stopping at its line"})
     lora_rank: int | None = dataclasses.field(default=None, metadata={
         "help": "with --hf: train LoRA adapters of this rank on the blocks' projections, split "
                 "with them over --tp, the model frozen; only the adapters are in the optimizer, "

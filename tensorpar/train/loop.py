@@ -115,7 +115,8 @@ def validation_data(cfg: TrainConfig, tokenizer) -> ValidationWindows | Validati
     if cfg.val_data is None:
         return None
     if is_chat_file(cfg.val_data):
-        examples = read_examples(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
+        examples = read_examples(cfg.val_data, tokenizer, cfg.seq_len, "--val-data",
+                                 cfg.skip_bad_examples)
         return ValidationExamples(examples, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
                                   pad_id(tokenizer))
     return ValidationWindows(read_corpus(cfg.val_data, tokenizer, "--val-data").tokens,
@@ -139,7 +140,8 @@ class Run:
         tokenizer = recipe.tokenizer()
         self.data_note = None  # what the summary says of chat or instruction examples
         if is_chat_file(cfg.data):  # examples, trained on their answers (chat.py)
-            examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
+            examples = read_examples(cfg.data, tokenizer, cfg.seq_len,
+                                     skip_bad=cfg.skip_bad_examples)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
                                           pad_id(tokenizer), cfg.pack)

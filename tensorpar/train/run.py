@@ -30,7 +30,7 @@ from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import check_corpus
+from tensorpar.train.data import check_corpus, overlap_warning
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import resume_notes, saved_settings
 from tensorpar.train.loop import train_model_rank
@@ -126,14 +126,24 @@ def _check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> No
     recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    if cfg.pack and cfg.data is None:
+        raise ValueError("--pack packs chat or instruction examples into sequences: add --data "
+                         "FILE.jsonl (without --data the run trains on text, Python's help "
+                         "topics)")
     if cfg.pack and not is_chat_file(cfg.data):
         raise ValueError(f"--pack packs chat or instruction examples: --data {cfg.data} is not "
-                         "a JSON-lines file of {\"messages\"} or {\"prompt\", \"completion\"}")
+                         "a JSON-lines file (.jsonl) of examples")
     tokenizer = recipe.tokenizer()  # missing, short or unreadable data fails here, once
-    check_corpus(cfg.data, tokenizer, cfg.seq_len)
-    if cfg.val_data is not None:
-        check_corpus(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
-    elif cfg.eval_every is not None or cfg.eval_batches is not None:
+    for flag, path in (("--data", cfg.data), ("--val-data", cfg.val_data)):
+        if flag == "--data" or path is not None:
+            examples = check_corpus(path, tokenizer, cfg.seq_len, flag, cfg.skip_bad_examples)
+            if examples is not None and examples.skipped:
+                _say(f"note: {flag}: skipping {len(examples.skipped)} malformed example"
+                     f"{'s' * (len(examples.skipped) != 1)} (--skip-bad-examples); the first: "
+                     f"{examples.skipped[0]}")
+    if warning := overlap_warning(cfg.data, cfg.val_data):
+        _say(f"warning: {warning}")
+    if cfg.val_data is None and (cfg.eval_every is not None or cfg.eval_batches is not None):
         raise ValueError("--eval-every and --eval-batches go with --val-data (the validation "
                          "text)")
     if resume_from is not None:
