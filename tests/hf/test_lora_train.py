@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+import hf_runs  # noqa: E402
 from hf_runs import TRAIN, resolve, train  # noqa: E402
 
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
@@ -262,3 +263,32 @@ def test_generate_from_a_full_fine_tune(ranks, models, tmp_path):
                           "--max-new-tokens", "8")
     assert said.returncode == 0, said.stderr
     assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
+
+
+def test_a_mismatched_lora_init_or_resume_is_one_line_before_any_rank(runs, models, tmp_path):
+    """--lora-init with PEFT's adapter for a model of another width, a training run or a missing
+    folder, and --resume of a rank-4 LoRA run with --lora-rank 8 or other --lora-targets: one
+    line, exit status 2, no rank started."""
+    wide = transformers.LlamaConfig(**{**hf_runs.SIZES, "hidden_size": 48})
+    adapter = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(wide),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    adapter.save_pretrained(tmp_path / "wide")
+    run = runs("llama", 2)[0]
+    cases = [(("--hf", models["llama"], "--lora-init", tmp_path / "wide", "--out", tmp_path / "a"),
+              f"--lora-init {tmp_path / 'wide'}: model.layers.0.self_attn.q_proj.lora_A is (4, 48),"
+              " the model needs (4, 32) (rank 4, model.layers.0.self_attn.q_proj 32 -> 32): an "
+              "adapter made for a model of another size"),
+             (("--hf", models["llama"], "--lora-init", run, "--out", tmp_path / "b"),
+              f"--lora-init {run} is a training run, not a PEFT adapter folder: write its "
+              f"adapters with tensorpar export --ckpt {run} --peft-out DIR"),
+             (("--hf", models["llama"], "--lora-init", tmp_path / "none", "--out", tmp_path / "c"),
+              f"--lora-init {tmp_path / 'none'}: no such folder"),
+             (("--resume", "--out", run, "--lora-rank", 8),
+              f"--lora-rank 8: the run in {run} trains adapters of rank 4"),
+             (("--resume", "--out", run, "--lora-targets", "q_proj"),
+              f"--lora-targets q_proj: the run in {run} adapts every projection")]
+    for args, said in cases:
+        r = tensorpar_here("train", "--tp", 1, *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+    assert not any((tmp_path / d).exists() for d in "abc")
