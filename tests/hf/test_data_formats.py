@@ -78,9 +78,18 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_a_malformed_record_is_one_line_naming_it(model, tmp_path, case):
-    """Each malformed record stops the run before any rank starts, in one line naming the file,
-    the line and what was expected (exit status 2, no traceback)."""
+def test_a_malformed_record_is_named_by_its_line(model, tmp_path, case):
+    """Each malformed record is refused naming the file, the line and what was expected."""
+    record, said = BAD[case]
+    data = _write(tmp_path / "data.jsonl", {"messages": CHAT}, record)
+    with pytest.raises(ValueError) as e:
+        read_examples(data, HFTokenizer(model), 64)
+    assert f"--data {data} {said}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", ["no content", "role typo"])
+def test_a_malformed_record_stops_train_in_one_line(model, tmp_path, case):
+    """train refuses the file before any rank starts: one line, exit status 2, no traceback."""
     record, said = BAD[case]
     data = _write(tmp_path / "data.jsonl", {"messages": CHAT}, record)
     r = tensorpar_here("train", "--hf", model, "--tp", 1, "--data", data, "--seq-len", 32,
