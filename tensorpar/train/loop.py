@@ -62,7 +62,7 @@ from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.pipeline import Schedule, build_parts, shard_stages
-from tensorpar.train.report import RunReport
+from tensorpar.train.report import RunReport, start_line
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
@@ -84,7 +84,8 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     with StopRequest(group, device_for(group)) as stop, ExitStack() as scope:
         run = Run(cfg, recipe, resume_from, group, scope)
-        report = scope.enter_context(closing(RunReport(run.out, run.start, cfg, run.lead)))
+        report = scope.enter_context(closing(RunReport(run.out, run.start, cfg, run.lead,
+                                                       run.intro())))
         measure = StepMeasure(run.start, cfg.steps, run.counted, run.device, run.ddp)
         skipped = run.agree(report.skipped())  # rank 0 read them: every rank counts alike
         stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
@@ -293,6 +294,15 @@ class Run:
         if self.mesh is not None:
             dist.all_reduce(total, group=dp_group(self.mesh))
         return (total[0] / total[1]).item()
+
+    def intro(self) -> str:
+        """The run's first line (``report.start_line``): the model, the data and the rest."""
+        cfg, recipe = self.cfg, self.recipe
+        model = "tensorpar's GPT" if recipe.kind == "gpt" else getattr(recipe, "origin", "")
+        if cfg.lora_rank is not None:
+            model += f" (LoRA rank {cfg.lora_rank})"
+        source = self.source if self.data_note is None else f"{self.source}, {self.data_note}"
+        return start_line(cfg, model, source, self.start)
 
     def save(self, step: int) -> None:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
