@@ -207,6 +207,19 @@ def check_pipeline_flags(cfg: TrainConfig) -> None:
         raise ValueError("--pp pipelines tensorpar's GPT; LoRA fine-tunes a Hugging Face model")
 
 
+def pipeline_micro_batch(cfg: TrainConfig) -> int | None:
+    """The micro-batch size ``--pp`` takes when none is given: the step's sequences of a
+    data-parallel copy in 2 x pp micro-batches (pp when 2 x pp does not divide them; a multiple
+    of pp for interleaved stages, which torch's schedule runs in rounds of pp), so that 1F1B
+    keeps every stage busy; None when no such count divides them (``check_pipeline`` then says
+    what is needed)."""
+    per_copy = cfg.batch_size // (cfg.dp or 1)
+    for count in (2 * cfg.pp, cfg.pp):
+        if count <= per_copy and per_copy % count == 0:
+            return per_copy // count
+    return None
+
+
 def passes(cfg: TrainConfig) -> int:
     """Forward and backward passes per optimizer step (1 without --micro-batch-size)."""
     per_rank = cfg.batch_size // (cfg.dp or 1)

@@ -29,7 +29,7 @@ from tensorpar.runtime.groups import pick_backend, rank_device_type, wanted_devi
 from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import check_compile_device, tf32_note
-from tensorpar.train.config import TrainConfig
+from tensorpar.train.config import TrainConfig, passes, pipeline_micro_batch
 from tensorpar.train.data import check_corpus, overlap_warning
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import resume_notes, saved_settings
@@ -98,6 +98,11 @@ def resolve_run(train_args: dict, recipe_for: Callable) -> tuple[TrainConfig, ob
         _say(f"note: keeping the run's learning-rate schedule (cosine decay to "
              f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
              "change it")
+    if cfg.pp > 1 and cfg.micro_batch_size is None and cfg.dp and cfg.batch_size % cfg.dp == 0 \
+            and (size := pipeline_micro_batch(cfg)) is not None:
+        cfg.micro_batch_size = size
+        _say(f"note: --pp {cfg.pp}: {passes(cfg)} micro-batches of {size} sequence"
+             f"{'s' * (size != 1)} a step (--micro-batch-size {size}; pass it to choose)")
     resume_from = None if ckpt is None else str(ckpt)
     _check_before_ranks(cfg, recipe, resume_from)
     return cfg, recipe, resume_from

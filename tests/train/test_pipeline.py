@@ -167,3 +167,24 @@ def test_pipeline_flags_are_checked_before_any_rank(tmp_path):
     check("--pp-virtual 2: the interleaved schedule runs the 5 micro-batches", tp=1, pp=2,
           pp_virtual=2, batch_size=5, micro_batch_size=1)
     check("add --no-tie-embeddings", model={"tie_embeddings": True}, tp=1, pp=2)
+
+
+def test_pipeline_micro_batches_chosen_when_not_given(tmp_path, capsys):
+    """Without --micro-batch-size, --pp takes 2 x pp micro-batches (pp when 2 x pp does not
+    divide the batch of a data-parallel copy) and says so in one line; none dividing it: the
+    pipeline's own refusal."""
+    from tensorpar.train.run import resolve
+
+    def chosen(**flags):
+        args = {"out": str(tmp_path / "x"), "tp": 1, "micro_batch_size": None} | flags
+        return resolve(args, MODEL | {"tie_embeddings": False})[0].micro_batch_size
+
+    assert chosen(pp=2, batch_size=8) == 2
+    assert capsys.readouterr().err == ("tensorpar train: note: --pp 2: 4 micro-batches of 2 "
+                                       "sequences a step (--micro-batch-size 2; pass it to "
+                                       "choose)\n")
+    assert chosen(pp=2, batch_size=6) == 3  # 2 micro-batches: 4 does not divide 6
+    assert chosen(pp=2, batch_size=16, dp=2) == 2
+    assert chosen(pp=2, batch_size=8, micro_batch_size=4) == 4  # given: kept
+    with pytest.raises(ValueError, match="--pp 4 needs at least 4 micro-batches per step"):
+        chosen(pp=4, batch_size=3)
