@@ -8,6 +8,8 @@ model (``--hf``, ``cli/hf.py``)::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint or a HF model")
@@ -38,6 +40,10 @@ def add_parser(sub) -> None:
                    help="sample among the most likely tokens whose probabilities sum to p; "
                    "1: all (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered by the model's chat template "
+                   "with the generation prompt; prints the reply alone, without special tokens "
+                   "(a Hugging Face model: --hf, or a run of train --hf, LoRA too) (default off)")
     p.set_defaults(func=run)
 
 
@@ -47,14 +53,28 @@ def prompts_of(args) -> list[str] | None:
         return None
     prompts = list(args.prompt or [])
     if args.prompt_file is not None:
-        try:
-            text = open(args.prompt_file, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt-file {args.prompt_file}: {e}") from None
+        text = _read_prompts(args.prompt_file)
         prompts += [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise ValueError(f"--prompt-file {args.prompt_file} holds no prompt")
     return prompts
+
+
+def _read_prompts(path: str) -> str:
+    """The text of --prompt-file, or one line on why it cannot be read."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--prompt-file {path} is a folder: expected a UTF-8 file of prompts, "
+                         "one a line")
+    if not p.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                         f"at offset {e.start:,})") from None
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: {e.strerror or e}") from None
 
 
 def run(args) -> int:
@@ -63,7 +83,7 @@ def run(args) -> int:
 
         return run_generate_hf(args.hf, args.tp, prompts_of(args), args.prompt_ids,
                                args.max_new_tokens, args.temperature, args.seed,
-                               top_k=args.top_k, top_p=args.top_p)
+                               top_k=args.top_k, top_p=args.top_p, chat=args.chat)
     from tensorpar.checkpoint.format import model_kind
     from tensorpar.checkpoint.load import CheckpointReader
     from tensorpar.gpt.generate import run_generate
@@ -74,7 +94,11 @@ def run(args) -> int:
 
         return run_generate_hf(None, args.tp, prompts, args.prompt_ids, args.max_new_tokens,
                                args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p,
-                               ckpt=args.ckpt)
+                               ckpt=args.ckpt, chat=args.chat)
+    if args.chat:
+        raise ValueError(f"--chat renders prompts with a Hugging Face model's chat template: "
+                         f"{args.ckpt} is tensorpar's GPT (generate --ckpt of a run of train "
+                         "--hf, or --hf PATH)")
     if prompts is None:
         raise ValueError("--prompt or --prompt-file is required with --ckpt")
     return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,
