@@ -181,7 +181,9 @@ class HFRecipe:
 
     def manifest(self) -> dict:
         return {"model_kind": self.kind, "config": self.config, "tokenizer": HFTokenizer.name,
-                "hf": {"source": self.origin, "files": HF_FILES, "plan": self.plan}}
+                # the source's absolute path: a LoRA run's base, wherever generate or export run
+                "hf": {"source": str(Path(self.origin).resolve()), "files": HF_FILES,
+                       "plan": self.plan}}
 
     def shape(self) -> ModelShape | None:
         """The planner's view of config.json (``tensorpar plan --config``), None if it has none."""

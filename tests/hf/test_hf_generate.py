@@ -106,16 +106,23 @@ def test_chat_reply_is_transformers_greedy_on_the_template(models, tmp_path):
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():  # the end-of-text the likeliest token after a few: a reply that ends
-        model.lm_head.weight[tok.eos_token_id] = 0.3 * model.model.embed_tokens.weight[
-            tok("s")["input_ids"][0]]
-    model.save_pretrained(path)
     prompts = ["What is a class?", "Say hi"]
+
+    def rendered(prompt):
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=True,
+                                       return_tensors="pt")["input_ids"]
+
+    with torch.no_grad():  # the end-of-text the model's third reply token: a reply that ends
+        ids = rendered(prompts[0])
+        third = model.generate(ids, max_new_tokens=3, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0, -1]
+        model.lm_head.weight[tok.eos_token_id] = 2 * model.lm_head.weight[third]
+    model.generation_config.eos_token_id = tok.eos_token_id  # where both stop
+    model.save_pretrained(path)
     want, ended = [], 0
     for prompt in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                      add_generation_prompt=True, return_dict=True,
-                                      return_tensors="pt")["input_ids"]
+        ids = rendered(prompt)
         out = model.generate(ids, max_new_tokens=10, do_sample=False,
                              pad_token_id=tok.eos_token_id)
         want.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))

@@ -146,7 +146,8 @@ def _tensorpar_logits(run, base, ids, group=None):
 def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     """export --peft-out: PEFT loads it on the base with no missing or unexpected adapter key,
     and its logits equal tensorpar's at TP=2 (1e-5), its greedy text generate --ckpt's at TP=1
-    and 2; export --hf-out: each adapted weight is base + (alpha / r) B A, and transformers'
+    and 2, its base_model_name_or_path absolute; export --hf-out (no progress bar): each adapted
+    weight is base + (alpha / r) B A, and transformers'
     logits equal PEFT's."""
     run = runs(family, 2)[0]
     done = tensorpar_here("export", "--ckpt", str(run), "--peft-out", str(tmp_path / "peft"))
@@ -154,6 +155,7 @@ def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["fan_in_fan_out"] == (family == "gpt2")
+    assert config["base_model_name_or_path"] == str(models[family].resolve())  # absolute
     base = transformers.AutoModelForCausalLM.from_pretrained(models[family])
     model = peft.PeftModel.from_pretrained(base, tmp_path / "peft")
     from safetensors.torch import load_file
@@ -168,7 +170,7 @@ def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     mine = ranks(2).run(_tensorpar_logits, run, models[family], ids)[0]
     assert (mine - want).abs().max() <= 1e-5 * want.abs().max()
     done = tensorpar_here("export", "--ckpt", str(run), "--hf-out", str(tmp_path / "merged"))
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # no progress bar
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         got = merged.eval()(input_ids=ids).logits
