@@ -147,8 +147,7 @@ def test_peft_folder_and_merged_model(ranks, runs, models, tmp_path, family):
     """export --peft-out: PEFT loads it on the base with no missing or unexpected adapter key,
     and its logits equal tensorpar's at TP=2 (1e-5), its greedy text generate --ckpt's at TP=1
     and 2, its base_model_name_or_path absolute; export --hf-out (no progress bar): each adapted
-    weight is base + (alpha / r) B A, and transformers'
-    logits equal PEFT's."""
+    weight is base + (alpha / r) B A, and transformers' logits equal PEFT's."""
     run = runs(family, 2)[0]
     done = tensorpar_here("export", "--ckpt", str(run), "--peft-out", str(tmp_path / "peft"))
     assert done.returncode == 0, done.stderr
