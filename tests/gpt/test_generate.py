@@ -16,7 +16,7 @@ from tensorpar.cli.main import main
 from tensorpar.gpt.generate import format_completions, generate, generate_rank, left_pad
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, kept_tokens, pick_token
-from tensorpar.parallel.layout import Layout
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.parallel.mappings import gather_from_tp
 from tensorpar.parallel.sharding import shard_range
 from tensorpar.runtime.counting import CollectiveCounter
@@ -214,7 +214,7 @@ def ckpt(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
     run = tmp_path_factory.mktemp("gen")
-    save_checkpoint(run, 1, model, Layout.gather(model),
+    save_checkpoint(run, 1, model, ShardOwnership.gather(model),
                     meta={"config": dataclasses.asdict(cfg), "tokenizer": "bytes"})
     return run
 
