@@ -21,12 +21,12 @@ MAY_IMPORT = {
     "ranks": {"runtime"},
     "checkpoint": CORE,
     "planner": CORE,
-    "dp": CORE | {"ranks"},
+    "mesh": CORE | {"ranks"},
     "gpt": CORE | {"ranks", "checkpoint", "planner"},
-    "hf": CORE | {"ranks", "checkpoint", "planner", "dp"},
-    "train": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf"},
-    "bench": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf", "train"},
-    "cli": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf", "train", "bench"},
+    "hf": CORE | {"ranks", "checkpoint", "planner", "mesh"},
+    "train": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf"},
+    "bench": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf", "train"},
+    "cli": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf", "train", "bench"},
 }
 ENTRY = {"__init__.py", "__main__.py"}  # the only files at the top of the package
 
@@ -99,7 +99,7 @@ def test_import_tensorpar_loads_torch_only():
 
 # what the layers must never load: starting ranks, signal handling, failure reports, check mode
 APPLICATION = ("tensorpar.ranks", "tensorpar.train", "tensorpar.cli", "tensorpar.checkpoint",
-               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.dp")
+               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.mesh")
 
 
 def test_the_layers_load_no_application_module():

@@ -163,7 +163,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
     communication, so a bad checkpoint raises the same error on every rank. A model wrapped by
-    FSDP2 (``dp/wrap.py``) loads too: each rank keeps its data-parallel piece of
+    FSDP2 (``mesh/data_parallel.py``) loads too: each rank keeps its data-parallel piece of
     what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
     compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
     ``part``: ``model`` is a pipeline rank's part of the saved model (its own tensors are read,

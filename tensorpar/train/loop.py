@@ -37,8 +37,8 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
+from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
@@ -76,7 +76,7 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
     what the run measured (on every rank).
 
     group: every rank of the run (tp x dp of them; default the whole world). With ``cfg.dp`` > 1
-    they form a ("dp", "tp") mesh (``dp/mesh.py``) and each TP group trains on its slice of
+    they form a ("dp", "tp") mesh (``mesh/mesh.py``) and each TP group trains on its slice of
     every batch.
 
     A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in

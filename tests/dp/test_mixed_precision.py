@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from tensorpar.dp.mesh import init_parallel
-from tensorpar.dp.wrap import data_parallel
+from tensorpar.mesh.mesh import init_parallel
+from tensorpar.mesh.data_parallel import data_parallel
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_

@@ -1,5 +1,5 @@
 """The data-parallel planner against measurement: TP x DP with FSDP2 and DDP on real gloo ranks
-(``tensorpar.dp``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
+(``tensorpar.mesh``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
 on the dp group and on the tp group equal to CollectiveCounter's, exactly."""
 
 import gc
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.dp.mesh import init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, inner
+from tensorpar.mesh.mesh import init_parallel
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
