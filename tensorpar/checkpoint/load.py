@@ -21,6 +21,7 @@ from tensorpar.checkpoint.format import (
     CheckpointError,
     checkpointed,
     find_checkpoint,
+    is_dense_export,
     sha256_of,
 )
 from tensorpar.parallel.sharding import ShardSpec, dense_shape
@@ -34,6 +35,11 @@ class CheckpointReader:
     def __init__(self, path: str | Path, check_hashes: bool = True):
         self.check_hashes = check_hashes
         found = find_checkpoint(path)
+        if found is None and is_dense_export(path):
+            raise CheckpointError(f"{path} is an export (a dense safetensors file written by "
+                                  "tensorpar export), not a checkpoint: give --ckpt the run "
+                                  "directory it came from, or generate --hf a folder written by "
+                                  "tensorpar export --hf-out")
         if found is None:
             raise CheckpointError(f"no checkpoint in {path} (expected manifest.json or "
                                   "step-*/manifest.json)")

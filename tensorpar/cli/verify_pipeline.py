@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tensorpar.cli.verify import TOLERANCE, check_config, dense_shard, max_rel_error
+from tensorpar.cli.compare import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
-from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
 from tensorpar.gpt.model import GPTConfig
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
+from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name

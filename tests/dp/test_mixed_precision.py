@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from tensorpar.mesh.mesh import init_parallel
-from tensorpar.mesh.data_parallel import data_parallel
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
+from tensorpar.mesh.data_parallel import data_parallel
+from tensorpar.mesh.mesh import init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm

@@ -13,8 +13,8 @@ from tensorpar.checkpoint.format import CheckpointError, find_checkpoint, list_c
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.parallel.mappings import gather_from_tp
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.optim import make_optimizer
 

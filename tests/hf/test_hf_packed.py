@@ -15,7 +15,7 @@ from tensorpar.checkpoint.export import export_dense  # noqa: E402
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
 from tensorpar.checkpoint.load import load_checkpoint  # noqa: E402
 from tensorpar.checkpoint.save import save_checkpoint  # noqa: E402
-from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.cli.compare import dense_shard  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import is_conv1d  # noqa: E402
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_  # noqa: E402

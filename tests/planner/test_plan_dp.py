@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.mesh.mesh import init_parallel
-from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
+from tensorpar.mesh.mesh import init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import ddp_buckets, dp_comm, dp_memory, fsdp_elements
