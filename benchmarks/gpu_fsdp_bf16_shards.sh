@@ -2,7 +2,8 @@
 # On a lent GPU machine, from the repository root: (1) the peak memory of `train --dtype bf16`
 # under FSDP2 before (autocast over fp32 gathered weights) and after (MixedPrecisionPolicy), every
 # rank on the one GPU over gloo (--device cuda); (2) `prepare` and `train --data DIR` on the GPU:
-# the share of step time spent waiting for data. $1: a tokenizer folder; $2: the old mesh/data_parallel.py (was dp/wrap.py).
+# the share of step time spent waiting for data. $1: a tokenizer folder; $2: the old
+# mesh/data_parallel.py (was dp/wrap.py).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
