@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tensorpar.cli.hf import generate_hf_rank  # noqa: E402
+from tensorpar.cli.generate import generate_hf_rank  # noqa: E402
 from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 
