@@ -23,7 +23,7 @@ import torch
 from tensorpar.gpt.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
 from tensorpar.runtime.seeds import derive_seed
 from tensorpar.train.chat import Examples, is_chat_file, read_examples
-from tensorpar.train.formats import example_keys
+from tensorpar.train.formats import check_not_json_examples, example_keys
 from tensorpar.train.shards import TokenShards, ids_hash, update_ids
 
 EXPECTED = "expected a UTF-8 text file or a folder of token shards written by tensorpar prepare"
@@ -93,6 +93,7 @@ def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data"
     ``skip_bad``), and returned."""
     if is_chat_file(path):
         return read_examples(path, tokenizer, seq_len, flag, skip_bad)
+    check_not_json_examples(path, flag)
     if path is not None and Path(path).is_dir():
         n = len(open_shards(path, tokenizer, flag))
         enough = n >= seq_len + 1

@@ -15,7 +15,8 @@ Four forms are read; two are converted where the mapping is the usual one:
 A record in none of these forms, or one that breaks its form's rules, raises ``BadExample``
 naming the line and what was expected; ``train --skip-bad-examples`` skips such records instead,
 and the summary counts them. A file of ``{"text"}`` documents is not examples: ``tensorpar
-prepare`` turns it into token shards.
+prepare`` turns it into token shards. A ``.json`` file holding examples (a list, as Alpaca's
+own file) is refused rather than read as text: written one a line as ``.jsonl`` it is read.
 """
 
 from __future__ import annotations
@@ -160,6 +161,25 @@ def _sharegpt(turns, where: str) -> tuple:
                              f"{', '.join(list(SHAREGPT_ROLES)[:-1])} or system")
         messages.append({"role": SHAREGPT_ROLES[speaker], "content": t.get("value")})
     return _messages(messages, where)
+
+
+def check_not_json_examples(path: str | None, flag: str = "--data") -> None:
+    """A ``.json`` file that holds a list of examples (Alpaca's own ``alpaca_data.json``, ...)
+    is refused rather than trained on as text: one line saying to write it as JSON lines."""
+    if path is None or not str(path).lower().endswith(".json") or not Path(path).is_file():
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # text that is no JSON: text it is
+    first = data[0] if isinstance(data, list) and data else data
+    try:
+        read_record(first, "")
+    except BadExample:
+        return
+    raise ValueError(f"{flag} {path} is JSON, not text: it holds examples; write them one a line "
+                     f"as a .jsonl file ({FORMS}), which train reads as examples")
 
 
 def example_keys(path: str, flag: str = "--data") -> set[str]:

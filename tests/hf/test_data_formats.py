@@ -101,12 +101,20 @@ def test_a_malformed_record_stops_train_in_one_line(model, tmp_path, case):
 
 def test_documents_and_pack_without_data_are_refused_plainly(model, tmp_path):
     """A file of {"text"} documents is not trained on as JSON text: its refusal points to
-    tensorpar prepare; --pack without --data says --data is missing."""
+    tensorpar prepare; a .json list of examples is not text either; --pack without --data says
+    --data is missing."""
     docs = _write(tmp_path / "docs.jsonl", {"text": "one document"})
     r = tensorpar_here("train", "--hf", model, "--tp", 1, "--data", docs, "--out", tmp_path / "a")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert 'line 1: a {"text"} document, not an example' in r.stderr
     assert "tensorpar prepare" in r.stderr
+    alpaca = tmp_path / "alpaca_data.json"
+    alpaca.write_text(json.dumps([{"instruction": "Define:", "input": "", "output": "x"}]))
+    r = tensorpar_here("train", "--hf", model, "--tp", 1, "--data", alpaca, "--out",
+                       tmp_path / "c")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert f"--data {alpaca} is JSON, not text: it holds examples; write them one a line" in \
+        r.stderr
     r = tensorpar_here("train", "--hf", model, "--tp", 1, "--pack", "--out", tmp_path / "b")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "--pack packs chat or instruction examples into sequences: add --data" in r.stderr
