@@ -301,7 +301,10 @@ class Run:
         model = "tensorpar's GPT" if recipe.kind == "gpt" else getattr(recipe, "origin", "")
         if cfg.lora_rank is not None:
             model += f" (LoRA rank {cfg.lora_rank})"
-        source = self.source if self.data_note is None else f"{self.source}, {self.data_note}"
+        examples = getattr(self.batches, "examples", None)  # chat or instruction examples
+        n = 0 if examples is None else len(examples.ids)
+        source = self.source if examples is None else \
+            f"{self.source} ({n:,} example{'s' * (n != 1)})"
         return start_line(cfg, model, source, self.start)
 
     def save(self, step: int) -> None:
