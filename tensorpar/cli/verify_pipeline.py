@@ -29,13 +29,14 @@ from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.stages import check_pipeline
 from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.torchrun import say
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.pipeline import PipelineParts, Schedule, check_pipeline
+from tensorpar.train.pipeline import PipelineParts, Schedule
 from tensorpar.transformer.reference import BlockConfig
 
 PP_KINDS = ("send", "recv", "all_reduce")  # the transfers; the loss and the norm summed over pp

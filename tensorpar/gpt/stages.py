@@ -31,15 +31,16 @@ import torch
 from torch import nn
 
 from tensorpar.gpt.model import GPT, BlockDict
-from tensorpar.planner.pipeline import rank_stages, stage_blocks
+from tensorpar.parallel.stages import check_pipeline, rank_stages, stage_blocks
 
-__all__ = ["GPTStage", "describe_split", "rank_part", "rank_stages", "stage_blocks"]
+__all__ = ["GPTStage", "describe_split", "rank_part"]
 
 
 def rank_part(n_layer: int, pp: int, virtual: int, rank: int) -> tuple[list[int], list[range],
                                                                         dict]:
     """Pipeline rank ``rank``'s stages, every stage's blocks, and the rank's part of the GPT as
     ``GPT(..., **part)`` takes it: {"blocks": [...], "embed": bool, "head": bool}."""
+    check_pipeline(pp, virtual, n_layer)
     count = pp * virtual
     ranges = stage_blocks(n_layer, count)
     mine = rank_stages(pp, virtual, rank)

@@ -77,7 +77,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.parallel.sharding import shard_range, shard_sizes
+from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.parallel.stages import check_pipeline, rank_stages, stage_blocks
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import (
     dp_comm,
@@ -98,48 +99,6 @@ GPUS_PER_NODE = 8
 DEVICE_FLOPS = 400e12
 NODE_BYTES_S = 450e9
 NETWORK_BYTES_S = 50e9
-
-
-def stage_blocks(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each of ``stages`` stages: consecutive, as ``torch.tensor_split`` cuts
-    ``n_layer`` (sizes differ by at most one, the larger first)."""
-    return [range(*shard_range(n_layer, stages, s)) for s in range(stages)]
-
-
-def rank_stages(pp: int, virtual: int, rank: int) -> list[int]:
-    """The stages pipeline rank ``rank`` runs: rank, rank + pp, ... (torch's loop placement)."""
-    return [rank + k * pp for k in range(virtual)]
-
-
-def check_pipeline(shape: ModelShape, pp: int, virtual: int, micro_batches: int,
-                   per_copy: int) -> None:
-    """ValueError, naming the flags and numbers, for a pipeline the trainer or torch's schedules
-    refuse: ``per_copy`` sequences per dp copy, split into ``micro_batches``."""
-    for flag, value in (("--pp", pp), ("--pp-virtual", virtual),
-                        ("--micro-batches", micro_batches)):
-        if value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
-    if per_copy % micro_batches:
-        raise ValueError(f"--micro-batches {micro_batches} does not divide the {per_copy} "
-                         "sequences of each data-parallel copy (--batch / --dp)")
-    if pp == 1:
-        if virtual > 1:
-            raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
-        return
-    if shape.tie_embeddings:
-        raise ValueError(f"--pp {pp}: {shape.name} ties its head to its embedding, which "
-                         "--pp puts on different stages (tensorpar train refuses it too)")
-    if pp * virtual > shape.n_layer:
-        raise ValueError(f"--pp {pp} x --pp-virtual {virtual} = {pp * virtual} stages, but "
-                         f"{shape.name} has {shape.n_layer} blocks: each stage needs one")
-    if micro_batches < pp:
-        raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step (1F1B keeps "
-                         f"every stage busy only then), got --micro-batches {micro_batches}")
-    rounds = max(1, micro_batches // pp)
-    if virtual > 1 and micro_batches % rounds:
-        raise ValueError(f"--pp-virtual {virtual}: torch's interleaved schedule runs the "
-                         f"{micro_batches} micro-batches in {rounds} rounds; make "
-                         f"--micro-batches a multiple of --pp {pp}")
 
 
 def bubble(pp: int, virtual: int, micro_batches: int) -> float:
@@ -496,7 +455,13 @@ def plan_pipeline(shape: ModelShape, tp: int, pp: int, batch: int, seq: int,
     on its tp, pp and dp groups: ring bytes for the collectives), and the layout's numbers.
     ``batch`` is the step's, split over dp copies and then into ``micro_batches``."""
     check_step(dtype, recompute, batch, dp, dp_mode)
-    check_pipeline(shape, pp, virtual, micro_batches, batch // dp)
+    if micro_batches >= 1 and (batch // dp) % micro_batches:
+        raise ValueError(f"--micro-batches {micro_batches} does not divide the {batch // dp} "
+                         "sequences of each data-parallel copy (--batch / --dp)")
+    if pp > 1 and shape.tie_embeddings:
+        raise ValueError(f"--pp {pp}: {shape.name} ties its head to its embedding, which "
+                         "--pp puts on different stages (tensorpar train refuses it too)")
+    check_pipeline(pp, virtual, shape.n_layer, micro_batches)
     head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
     if sequence_parallel and seq < tp:
         raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "

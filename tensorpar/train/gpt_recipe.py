@@ -48,11 +48,11 @@ from tensorpar.gpt.tokenizer import (
     same_tokenizer,
 )
 from tensorpar.parallel.dropout import TensorParallelRNG
+from tensorpar.parallel.stages import check_pipeline
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import passes
-from tensorpar.train.pipeline import check_pipeline
 from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
 

@@ -58,29 +58,6 @@ def transfer_group(mesh) -> dist.ProcessGroup:
     return group
 
 
-def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
-    """ValueError, naming the numbers, for a pipeline the schedules refuse; before any rank."""
-    if pp < 1 or virtual < 1:
-        raise ValueError(f"--pp {pp} and --pp-virtual {virtual} must be >= 1")
-    if pp == 1:
-        if virtual > 1:
-            raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
-        return
-    if pp * virtual > n_layer:
-        raise ValueError(f"--n-layer {n_layer} cannot be cut into {pp * virtual} pipeline "
-                         "stages (--pp x --pp-virtual): each stage needs a block")
-    if micro_batches < pp:
-        raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step to keep every "
-                         f"stage busy (1F1B), but the step has {micro_batches}: lower "
-                         "--micro-batch-size (micro-batches = --batch-size / --dp / "
-                         "--micro-batch-size)")
-    rounds = max(1, micro_batches // pp)
-    if virtual > 1 and micro_batches % rounds:
-        raise ValueError(f"--pp-virtual {virtual}: the interleaved schedule runs the "
-                         f"{micro_batches} micro-batches in rounds of --pp {pp}; make them a "
-                         f"multiple of {pp}")
-
-
 @dataclass
 class PipelineParts:
     """What a pipeline rank holds: ``net``, its part of the GPT (every parameter under its name

@@ -20,8 +20,8 @@ from tensorpar.planner.pipeline import (
     rank_memory,
     schedule_ops,
     search_layouts,
-    stage_blocks,
 )
+from tensorpar.parallel.stages import stage_blocks
 from tensorpar.planner.shapes import preset
 
 LLAMA7, LLAMA70 = preset("llama-2-7b"), preset("llama-2-70b")
@@ -234,9 +234,9 @@ def test_cli_json_search(capsys):
     (["--pp-virtual", "2"], "--pp-virtual 2 interleaves pipeline stages: give --pp"),
     (["--pp", "4", "--micro-batches", "2"], "--pp 4 needs at least 4 micro-batches"),
     (["--pp", "8", "--pp-virtual", "5", "--micro-batches", "8"],
-     "--pp 8 x --pp-virtual 5 = 40 stages, but llama-2-7b has 32 blocks"),
+     "--n-layer 32 cannot be cut into 40 pipeline stages (--pp 8 x --pp-virtual 5)"),
     (["--pp", "4", "--pp-virtual", "2", "--micro-batches", "9"],
-     "torch's interleaved schedule runs the 9 micro-batches in 2 rounds"),
+     "the interleaved schedule runs the 9 micro-batches in 2 rounds"),
     (["--pp", "2", "--batch", "8", "--micro-batches", "3"],
      "--micro-batches 3 does not divide the 8 sequences of each data-parallel copy"),
     (["--pp", "2", "--tp", "1,2"], "--pp plans one layout; give one TP size"),

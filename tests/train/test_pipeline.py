@@ -6,7 +6,8 @@ the flags it cannot take are one line before any rank."""
 import pytest
 
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.gpt.stages import describe_split, rank_stages, stage_blocks
+from tensorpar.gpt.stages import describe_split
+from tensorpar.parallel.stages import rank_stages, stage_blocks
 from tensorpar.planner.pipeline import p2p
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
