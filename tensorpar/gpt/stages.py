@@ -60,13 +60,13 @@ def describe_split(n_layer: int, pp: int, virtual: int = 1) -> str:
 class GPTStage(nn.Module):
     """Stage ``index`` of ``count`` of a GPT, over ``gpt`` (this rank's part of the model)
     holding its ``blocks``: the embedding first if it is the first stage, the norm and head
-    after if it is the last."""
+    after if it is the last (a tied head: the embedding table, a copy of the first stage's)."""
 
     def __init__(self, gpt: GPT, index: int, count: int, blocks: range):
         super().__init__()
         self.index, self.count = index, count
         self.first, self.last = index == 0, index == count - 1
-        if self.first:
+        if self.first or (self.last and gpt.lm_head is None):  # a tied head: the table
             self.embed = gpt.embed
         self.blocks = BlockDict({str(i): gpt.blocks[i] for i in blocks})
         if self.last:

@@ -59,3 +59,17 @@ def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int | Non
         raise ValueError(f"--pp-virtual {virtual}: the interleaved schedule runs the "
                          f"{micro_batches} micro-batches in {rounds} rounds; make them a "
                          f"multiple of --pp {pp} ({MICRO_BATCHES})")
+
+
+def mark_stage_copy(p) -> None:
+    """Mark ``p`` as a pipeline stage's copy of a parameter another stage holds too (the last
+    stage's copy of a tied embedding table, its head): the other stage's is the one the gradient
+    norm counts and a checkpoint saves; the trainer keeps both equal (their gradients summed
+    over the embedding group before the optimizer steps). FSDP2 replaces parameters: mark
+    again after it."""
+    p.stage_copy = True
+
+
+def is_stage_copy(p) -> bool:
+    """Whether ``p`` is a stage's copy of a parameter another stage holds (``mark_stage_copy``)."""
+    return getattr(p, "stage_copy", False)

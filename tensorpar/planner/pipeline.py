@@ -458,9 +458,6 @@ def plan_pipeline(shape: ModelShape, tp: int, pp: int, batch: int, seq: int,
     if micro_batches >= 1 and (batch // dp) % micro_batches:
         raise ValueError(f"--micro-batches {micro_batches} does not divide the {batch // dp} "
                          "sequences of each data-parallel copy (--batch / --dp)")
-    if pp > 1 and shape.tie_embeddings:
-        raise ValueError(f"--pp {pp}: {shape.name} ties its head to its embedding, which "
-                         "--pp puts on different stages (tensorpar train refuses it too)")
     check_pipeline(pp, virtual, shape.n_layer, micro_batches)
     head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
     if sequence_parallel and seq < tp:

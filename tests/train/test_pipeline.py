@@ -42,8 +42,8 @@ def runs(ranks, tmp_path_factory):
     return get
 
 
-def _same(rows, ref, what, tol=1e-5):
-    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+def _same(rows, ref, what, tol=1e-5, steps=STEPS):
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, steps + 1))
     for a, b in zip(rows, ref, strict=True):
         for key in ("loss", "grad_norm"):
             err = abs(a[key] - b[key]) / abs(b[key])
@@ -73,6 +73,27 @@ def test_pipeline_trains_as_tp1(runs, tp, pp, dp, flags):
     """Losses and gradient norms of 3 steps equal TP=1's without a pipeline (1e-5 relative;
     the same micro-batches: the pipeline's are accumulation's)."""
     _same(runs(tp, pp, dp, **flags), runs(1), f"tp{tp} pp{pp} dp{dp} {flags}")
+
+
+TIED = {"tie_embeddings": True}  # the default GPT: its head is its embedding table
+SIX = {"steps": 6, "save_every": 6}
+
+
+@pytest.mark.parametrize("tp,pp,dp,flags", [
+    (1, 2, 1, {}),
+    pytest.param(2, 2, 1, {}, marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, {}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 1, {"pp_virtual": 2}, marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, {"dp_mode": "fsdp"}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, {"dp_mode": "ddp"}, marks=pytest.mark.slow),
+], ids=["tp1-pp2", "tp2-pp2", "tp1-pp4", "tp1-pp2-v2", "tp2-pp2-dp2-fsdp", "tp1-pp2-dp2-ddp"])
+def test_tied_pipeline_trains_as_one_rank(runs, tp, pp, dp, flags):
+    """The default GPT, its head tied to its embedding, under a pipeline: the first and the last
+    stage each hold the table, their gradients summed over the two once a step (the table
+    counted once in the gradient norm). 6 steps of 4 micro-batches: losses and gradient norms
+    equal one rank's without a pipeline (1e-5 relative), so the copies stay equal."""
+    _same(runs(tp, pp, dp, model=TIED, **SIX, **flags), runs(1, model=TIED, **SIX),
+          f"tied tp{tp} pp{pp} dp{dp} {flags}", steps=6)
 
 
 def test_point_to_point_transfers_are_counted(ranks, tmp_path):
