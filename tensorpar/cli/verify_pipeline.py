@@ -30,7 +30,7 @@ from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
 from tensorpar.parallel.stages import check_pipeline
-from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
+from tensorpar.planner.pipeline import add_transfers, rank_tp_comm, step_transfers, tied_sync
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
@@ -59,10 +59,9 @@ class PipelineCheck:
 
     @property
     def model(self) -> GPTConfig:
-        s = self.sizes  # an untied head: the embedding and the head sit on different stages
+        s = self.sizes  # the default GPT: its head tied to the embedding (first, last stage)
         return GPTConfig(vocab_size=s.vocab_size, n_layer=self.n_layer, dim=s.dim,
-                         n_head=s.num_heads, n_kv_head=s.num_kv_heads, hidden_dim=s.hidden_dim,
-                         tie_embeddings=False)
+                         n_head=s.num_heads, n_kv_head=s.num_kv_heads, hidden_dim=s.hidden_dim)
 
     @property
     def batch(self) -> int:
@@ -87,8 +86,10 @@ def expected_transfers(check: PipelineCheck, pp_rank: int, tp_rank: int) -> dict
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) sends, receives and all-reduces
     over pp in the step (``planner.pipeline.step_transfers``)."""
     s = check.sizes
-    return step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
+    sent = step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
                           s.seq_len, s.dim, check.tp, check.sequence_parallel, tp_rank)
+    return add_transfers(sent, tied_sync(gpt_shape(check.model), check.tp, check.pp, pp_rank,
+                                         tp_rank))
 
 
 def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
@@ -132,7 +133,7 @@ def verify_pipeline_rank(check: PipelineCheck, seed: int,
     layout = Layout.gather(part, tp_group)
     schedule.step(ids, targets, tokens)  # the first step sets up its transfers (not counted)
     part.zero_grad()
-    counter = CollectiveCounter({"pp": [pp_group, schedule.transfers], "tp": tp_group})
+    counter = CollectiveCounter({"pp": schedule.groups(), "tp": tp_group})
     with counter:  # a steady step, as the trainer's summary counts it, and its gradient norm
         loss_pp = schedule.step(ids, targets, tokens)
         norm = clip_grad_norm_(part, layout, float("inf"), tp_group, pp_group=pp_group)
@@ -174,7 +175,8 @@ def report_pipeline(results: list[dict], check: PipelineCheck, write=print) -> b
         shape = str(results[0]["shapes"][name])
         write(f"{name:<{width}}{shape:<16}{err:>12.2e}  "
               f"{'ok' if err <= TOLERANCE else 'MISMATCH'}")
-    rows = [("pp", k, "counts") for k in PP_KINDS] + [("pp", "send", "bytes")]
+    rows = [("pp", k, "counts") for k in PP_KINDS] + [("pp", k, "bytes")
+                                                      for k in ("send", "all_reduce")]
     rows += [("tp", k, "counts") for k in TP_KINDS] if check.tp > 1 else []
     write("\nper step, each pipeline rank (measured / analytic)")
     write(f"{'':<22}" + "".join(f"  {f'pp rank {p}':>26}" for p in range(check.pp)))

@@ -31,8 +31,8 @@ micro-batch (``layouts.step_memory`` at its batch; ``micro_batch_pieces``):
 - weights, gradients, AdamW states: those of the rank's blocks, plus the embedding (and a
   learned position table) on the rank of stage 0, the final norm and the head on the rank of
   stage S - 1 (``stage_tensors``); under FSDP2 each rank's 1/dp share, as
-  ``data_parallel.py`` counts it. A tied head cannot be cut from its embedding (the trainer
-  refuses ``--pp`` with tied embeddings, and so does the planner).
+  ``data_parallel.py`` counts it. A tied head is a copy of the embedding table on the rank of
+  stage S - 1 (weights, gradients and AdamW states there too).
 - activations, per micro-batch of a stage: its blocks' kept tensors (``block``), the
   embedding's output, ids and mask on stage 0 (``embedding``), the final norm's, head's and
   loss's on stage S - 1 (``tail``), and once per rank the rotary tables (``rope``).
@@ -61,7 +61,8 @@ P = 1 with one micro-batch is ``layouts.plan_memory``'s row itself.
 forward and one gradient backward, (micro, T, D) fp32 each (T/tp tokens under sequence
 parallelism: each TP rank sends its own shard to the same TP rank of the next stage); a step
 makes 2·m·(S - 1) sends; rank k sends m·(V - [k = P-1]) activations and m·(V - [k = 0])
-gradients.
+gradients. A tied table adds, on the first and the last rank, one all-reduce of its gradient
+(the rank's shard of it) over the two (``tied_sync``).
 
 **Search** (``search_layouts``): every tp <= 8 that divides the devices and the query heads, every
 pp that divides the rest with P·V <= L, dp the rest; the batch split over dp, the micro-batches
@@ -163,6 +164,25 @@ def step_transfers(pp: int, virtual: int, micro_batches: int, rank: int, micro: 
             "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
 
 
+def tied_sync(shape: ModelShape, tp: int, pp: int, rank: int, tp_rank: int = 0, dp: int = 1,
+              fsdp: bool = False, grad_bytes: int = 4) -> dict:
+    """The tied table's gradient sum on pipeline rank ``rank`` (TP rank ``tp_rank``, dp rank 0)
+    in a step, as ``step_transfers`` counts: one all-reduce over the embedding group (the first
+    and the last pipeline rank) of its (vocab / tp, D) shard's gradient, its dp rank's chunk of
+    rows under FSDP2; nothing on a middle rank, for an untied head or without a pipeline."""
+    if pp == 1 or not shape.tie_embeddings or rank not in (0, pp - 1):
+        return {"counts": {}, "bytes": {}}
+    rows = shard_sizes(shape.vocab_size, tp)[tp_rank]
+    rows = -(-rows // dp) if fsdp else rows  # FSDP2's first chunk
+    return {"counts": {"all_reduce": 1}, "bytes": {"all_reduce": rows * shape.dim * grad_bytes}}
+
+
+def add_transfers(a: dict, b: dict) -> dict:
+    """Two counts ({"counts": {kind: calls}, "bytes": {kind: payload}}) added."""
+    return {k: {kind: a[k].get(kind, 0) + b[k].get(kind, 0) for kind in a[k].keys() | b[k].keys()}
+            for k in ("counts", "bytes")}
+
+
 def micro_batch_pieces(shape: ModelShape, tp: int, micro: int, seq: int, dtype: str,
                        sequence_parallel: bool, recompute: str, optimizer: str, dropout: bool,
                        device: str, fsdp_bf16: bool) -> dict:
@@ -198,10 +218,12 @@ def micro_batch_pieces(shape: ModelShape, tp: int, micro: int, seq: int, dtype: 
 def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool) -> dict:
     """TP rank 0's parameter tensors (name, dim 0, elements per row) of a pipeline rank: "root"
     (the embedding and a position table if it holds stage 0, the final norm and the head if it
-    holds the last) and "block" (one block's, as ``data_parallel.tensor_shapes``)."""
+    holds the last: a tied head is a copy of the embedding table) and "block" (one block's, as ``data_parallel.tensor_shapes``)."""
     t = tensor_shapes(shape, tp, 0)
+    tied = last and shape.tie_embeddings  # the last stage's head: a copy of the table
     root = [x for x in t["root"] if (first and x[0].startswith(("embed.", "pos.")))
-            or (last and x[0].startswith(("norm.", "lm_head.")))]
+            or (last and x[0].startswith(("norm.", "lm_head.")))
+            or (tied and not first and x[0].startswith("embed."))]
     return {"root": root, "block": t["block"]}
 
 
@@ -486,7 +508,9 @@ def plan_pipeline(shape: ModelShape, tp: int, pp: int, batch: int, seq: int,
         sent = p2p(pp, virtual, micro_batches, rank, micro, seq, shape.dim, tp,
                    sequence_parallel)
         sends.append(sent)
-        comm.append({"tp": sum(tp_c["ring_bytes"].values()), "pp": sent["bytes"],
+        tied = tied_sync(shape, tp, pp, rank, 0, dp, dp > 1 and dp_mode == "fsdp",
+                         _dtype_bytes(dtype)[0])["bytes"].get("all_reduce", 0)
+        comm.append({"tp": sum(tp_c["ring_bytes"].values()), "pp": sent["bytes"] + tied,
                      "dp": sum(dp_c["ring_bytes"].values()), "tp_counts": tp_c["counts"],
                      "dp_counts": dp_c["counts"]})
     worst = max(stages, key=lambda r: r["total"])

@@ -21,7 +21,12 @@ from tensorpar.gpt.stages import describe_split
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
-from tensorpar.planner.pipeline import plan_pipeline, step_transfers
+from tensorpar.planner.pipeline import (
+    add_transfers,
+    plan_pipeline,
+    step_transfers,
+    tied_sync,
+)
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.output import human_bytes, write_atomically
 
@@ -403,10 +408,13 @@ def _planned_peak(cfg, shape: ModelShape, s: dict, r: int, micro: int, optimizer
 def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
     """What pipeline rank 0 sends and receives in a step (``planner.pipeline.p2p``): fp32
     (B/m, T, D) activations out and as many gradients in, T/tp tokens a rank under sequence
-    parallelism; and what it all-reduces over the pipeline."""
-    rows = cfg.batch_size // (getattr(cfg, "dp", None) or 1) // micro_batches
-    return step_transfers(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows,
+    parallelism; and what it all-reduces over the pipeline (a tied table's gradient too)."""
+    dp = getattr(cfg, "dp", None) or 1
+    rows = cfg.batch_size // dp // micro_batches
+    sent = step_transfers(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows,
                           cfg.seq_len, shape.dim, cfg.tp, cfg.sequence_parallel)
+    return add_transfers(sent, tied_sync(shape, cfg.tp, cfg.pp, 0, dp=dp,
+                                         fsdp=dp > 1 and cfg.dp_mode == "fsdp"))
 
 
 def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:
