@@ -4,6 +4,7 @@ adding up to the whole model's (and P = 1 being ``plan_memory``'s row), the firs
 micro-batches in flight, the search on llama-2-70b, and ``tensorpar plan --pp`` / ``--devices``."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -250,10 +251,17 @@ def test_pipeline_mistakes_are_one_line(capsys, flags, message):
     assert err.startswith("tensorpar plan: ") and err.count("\n") == 1 and message in err, err
 
 
-def test_tied_embeddings_refuse_a_pipeline():
-    """A head tied to its embedding cannot be split from it over stages (the trainer refuses
-    --pp with tied embeddings): the planner says so; the search keeps pp = 1 for it."""
-    with pytest.raises(ValueError, match="gpt2 ties its head to its embedding"):
-        plan_pipeline(preset("gpt2"), 1, 2, 4, 64, 4)
-    out = search_layouts(preset("gpt2"), 4, 4, 64, 80e9)
-    assert {r["pp"] for r in out["layouts"]} == {1}
+def test_tied_embeddings_pipeline():
+    """A head tied to its embedding under a pipeline: the last stage holds a copy of the table
+    in place of an untied head (the same weights, gradients and AdamW states), and the first
+    and last ranks each all-reduce its gradient once a step (bf16: 2 bytes an element); the
+    search plans pipelines for it."""
+    tied = preset("gpt2")
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    a, b = (plan_pipeline(s, 1, 2, 4, 64, 4) for s in (tied, untied))
+    for key in ("params_per_rank", "weights", "grads", "optimizer"):
+        assert [r[key] for r in a["stages"]] == [r[key] for r in b["stages"]], key
+    table = 2 * tied.vocab_size * tied.dim
+    assert [x["pp"] - y["pp"] for x, y in zip(a["comm"], b["comm"], strict=True)] == [table] * 2
+    out = search_layouts(tied, 4, 4, 64, 80e9)
+    assert {r["pp"] for r in out["layouts"]} > {1}
