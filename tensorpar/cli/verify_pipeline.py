@@ -1,13 +1,16 @@
 """``tensorpar verify --pp N``: one pipelined step of the GPT against the whole model on one
 device, number by number, and the transfers each rank made against the analytic count.
 
-Every rank builds the whole GPT at TP=1 (its own one-rank group) and runs forward and backward on
+The GPT is the default one, its head tied to its embedding (the table on the first and the
+last stage, its gradient summed over the two). Every rank builds the whole GPT at TP=1 (its own
+one-rank group) and runs forward and backward on
 the step's batch: the reference. Then its part of the pipelined model, the stages of its
 pipeline rank (``gpt/stages.py``) split over its TP group, runs the same batch under the
 trainer's schedule (``train/pipeline.py``: torch's 1F1B, or the interleaved schedule with
 ``--pp-virtual``) in ``--micro-batches`` micro-batches. The report gives the loss's error and
 every gradient's (each rank against its slice of the reference), then, for each pipeline rank,
-the sends and receives of the step against ``planner.pipeline.p2p`` and the TP collectives
+the sends, receives and all-reduces of the step against ``planner.pipeline.p2p`` and
+``tied_sync``, and the TP collectives
 against ``planner.pipeline.rank_tp_comm``. Exits non-zero on any mismatch.
 
     python -m tensorpar verify --pp 2

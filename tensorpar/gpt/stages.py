@@ -17,7 +17,13 @@ and a resume at another pipeline size see the same tensors. Each stage is a ``GP
 module over the part's embedding, blocks, norm and head (the same module objects), whose forward
 is what ``PipelineStage`` runs for one micro-batch: token ids in on the first stage, the residual
 stream (B, T, D) between stages (under sequence parallelism this TP rank's (B, T_r, D) shard),
-this rank's logits (B, T, V_local) out of the last.
+this rank's logits (B, T, V_local) out of the last. The cut itself and what a pipeline may be
+are ``parallel/stages.py``'s.
+
+A tied head (the default GPT's) is the embedding table: the last stage's part holds a copy of
+it (``parallel.stages.mark_stage_copy``), drawn from the same name, so equal at the start; the
+trainer sums the two copies' gradients after each step's backward (``train/pipeline.py``), so
+they stay equal.
 
 Dropout: a stage counts the micro-batches it runs within a step and gives block i of
 micro-batch j the key number j · L + i + 1 of its stream, the number the whole model's forward

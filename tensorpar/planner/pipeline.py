@@ -218,7 +218,8 @@ def micro_batch_pieces(shape: ModelShape, tp: int, micro: int, seq: int, dtype: 
 def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool) -> dict:
     """TP rank 0's parameter tensors (name, dim 0, elements per row) of a pipeline rank: "root"
     (the embedding and a position table if it holds stage 0, the final norm and the head if it
-    holds the last: a tied head is a copy of the embedding table) and "block" (one block's, as ``data_parallel.tensor_shapes``)."""
+    holds the last: a tied head is a copy of the embedding table) and "block" (one block's, as
+    ``data_parallel.tensor_shapes``)."""
     t = tensor_shapes(shape, tp, 0)
     tied = last and shape.tie_embeddings  # the last stage's head: a copy of the table
     root = [x for x in t["root"] if (first and x[0].startswith(("embed.", "pos.")))

@@ -23,6 +23,13 @@ again for each would cost m - 1 all-gathers); the schedule reduce-scatters once,
 stage's last backward. DDP wraps each stage; the schedule holds its all-reduce back to the last
 backward.
 
+A tied head (the default GPT's): the first and the last stage each hold the embedding table
+(``gpt/stages.py``); after the schedule's last backward each holds a part of its gradient (the
+lookup's, the head's), summed by one all-reduce over the embedding group, the first and the last
+pipeline rank of this rank's (dp, tp) coordinate, before the gradient norm (which counts the
+table once, on the first stage) and the optimizer: both copies get the one table's gradient of
+the run without a pipeline and stay equal.
+
 Point to point: each stage boundary carries one activation forward and one gradient backward
 per micro-batch, (B/m, T, D) fp32 each (T / tp tokens under sequence parallelism), so a step
 sends 2 · m · (S - 1) tensors over its S = pp · V stages (``planner.pipeline.p2p``).

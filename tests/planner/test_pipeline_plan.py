@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tensorpar.cli import plan as plan_cli
+from tensorpar.parallel.stages import stage_blocks
 from tensorpar.planner.layouts import plan_memory, step_memory
 from tensorpar.planner.memory import rank_params
 from tensorpar.planner.pipeline import (
@@ -22,7 +23,6 @@ from tensorpar.planner.pipeline import (
     schedule_ops,
     search_layouts,
 )
-from tensorpar.parallel.stages import stage_blocks
 from tensorpar.planner.shapes import preset
 
 LLAMA7, LLAMA70 = preset("llama-2-7b"), preset("llama-2-70b")
