@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "checkpoint": CORE,
     "planner": CORE,
     "dp": CORE | {"ranks"},
-    "gpt": CORE | {"ranks", "checkpoint", "planner"},
+    "gpt": CORE | {"ranks", "checkpoint"},
     "hf": CORE | {"ranks", "checkpoint", "planner", "dp"},
     "train": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf"},
     "bench": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf", "train"},

@@ -29,7 +29,6 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.cli.verify import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
 from tensorpar.parallel.stages import check_pipeline
@@ -40,6 +39,7 @@ from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.torchrun import say
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.pipeline import PipelineParts, Schedule
+from tensorpar.train.shape import gpt_shape
 from tensorpar.transformer.reference import BlockConfig
 
 PP_KINDS = ("send", "recv", "all_reduce")  # the transfers; the loss and the norm summed over pp

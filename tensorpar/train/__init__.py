@@ -3,8 +3,8 @@ run's start (``run``: the flags merged with the run being resumed, the ranks sta
 ended), the loop (``loop``: one rank's steps, read top to bottom) and what it measures and
 writes around the loop (``measure``, ``report``), the data (``data``), AdamW (``optim``), how the
 step's math runs (``compute``: ``torch.compile``, TF32), older runs (``history``), and the
-recipes that tell it a model: tensorpar's GPT (``gpt_recipe``) and a Hugging Face causal LM
-(``hf_recipe``).
+recipes that tell it a model: tensorpar's GPT (``gpt_recipe``; ``shape`` describes it to the
+planner) and a Hugging Face causal LM (``hf_recipe``).
 
 Imports every package below the CLI and the benchmark.
 """

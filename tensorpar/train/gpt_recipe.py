@@ -38,7 +38,6 @@ from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.tokenizer import (
     RUN_TOKENIZER,
     ByteTokenizer,
@@ -53,6 +52,7 @@ from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import passes
+from tensorpar.train.shape import gpt_shape
 from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
 

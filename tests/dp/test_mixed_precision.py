@@ -10,12 +10,12 @@ import torch
 from tensorpar.dp.mesh import init_parallel
 from tensorpar.dp.wrap import data_parallel
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.dtensors import is_dtensor
+from tensorpar.train.shape import gpt_shape
 
 MODEL = {"vocab_size": 64, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2,
          "hidden_dim": 64}

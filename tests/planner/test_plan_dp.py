@@ -11,7 +11,6 @@ import torch.distributed as dist
 from tensorpar.dp.mesh import init_parallel
 from tensorpar.dp.wrap import data_parallel, dp_groups, inner
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.layout import Layout, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import ddp_buckets, dp_comm, dp_memory, fsdp_elements
@@ -21,6 +20,7 @@ from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.shapes import preset
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.train.optim import adamw
+from tensorpar.train.shape import gpt_shape
 
 SMALL = {"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}
 # uneven everywhere: the vocabulary over TP and each dim 0 over dp (FSDP2 pads), and at TP=2

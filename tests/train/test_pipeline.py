@@ -112,8 +112,8 @@ def test_tied_table_sum_is_counted(ranks, tmp_path):
     analytic count (``report.pipeline_p2p``): at (tp 2, pp 2) with sequence parallelism the
     sends and receives of the untied run, and one more all-reduce, over the embedding group, of
     its (256 / 2, 32) fp32 shard of the table's gradient."""
-    from tensorpar.gpt.shape import gpt_shape
     from tensorpar.train.report import pipeline_p2p
+    from tensorpar.train.shape import gpt_shape
 
     flags = {"tp": 2, "pp": 2, "sequence_parallel": True, "steps": 2}
     comm = ranks(4).run(_train, tmp_path, None, TIED, **flags)[0]["comm"]["pp"]
@@ -174,8 +174,8 @@ def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual,
     (``plan_pipeline``: its blocks, embedding or head, the micro-batches 1F1B or the interleaved
     order keeps in flight, the receive buffers), within 10%, at 1F1B and interleaved; a tied
     head's table (weights, gradient, AdamW) on the last stage too."""
-    from tensorpar.gpt.shape import gpt_shape
     from tensorpar.planner.pipeline import plan_pipeline
+    from tensorpar.train.shape import gpt_shape
 
     model = {"dim": 128, "n_head": 8, "hidden_dim": 256} | (TIED if tied else {})
     sizes = ranks(tp * 2).run(_train, tmp_path, None, model, tp=tp, pp=2, pp_virtual=virtual,
