@@ -24,6 +24,8 @@ from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memor
 from tensorpar.planner.pipeline import (
     add_transfers,
     plan_pipeline,
+    rank_dp_comm,
+    rank_tp_comm,
     step_transfers,
     tied_sync,
 )
@@ -364,10 +366,12 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         table.add_row(f"rank {r}{where}", line)
     # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
     bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"
-    if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
-        minimum = None if shape is None or pp > 1 else predicted_comm(
+    if comm["counts"]:  # with pipeline stages, rank 0's: its blocks and the embedding
+        minimum = None if shape is None else predicted_comm(
             shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n,
-            bf16_params=bf16_params)
+            bf16_params=bf16_params) if pp == 1 else rank_tp_comm(
+            shape, tp, stages[0]["layers"], True, False, micro, cfg.seq_len, n, sp, cfg.dtype,
+            recompute, bf16_params)
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
             table.add_row("analytic count (payload)", _by_source(minimum, sp))
@@ -376,7 +380,10 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
         expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0,
-                                                      passes=n, bf16_params=bf16_params)
+                                                      passes=n, bf16_params=bf16_params) \
+            if pp == 1 else rank_dp_comm(  # pipeline rank 0: its stages' blocks, the embedding
+                shape, tp, dp, cfg.dp_mode, stages[0]["layers"], True, False, n,
+                "bf16-autocast" if cfg.dtype == "bf16" else "fp32", pp)
         _collective_rows(table, "dp ", comm["dp"], expected)
         if expected is not None:
             table.add_row("dp analytic count (payload)", " + ".join(

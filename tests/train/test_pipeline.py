@@ -111,17 +111,29 @@ def test_tied_table_sum_is_counted(ranks, tmp_path):
     """A tied run's pipeline traffic on rank 0 (the first stage, TP rank 0) is the summary's
     analytic count (``report.pipeline_p2p``): at (tp 2, pp 2) with sequence parallelism the
     sends and receives of the untied run, and one more all-reduce, over the embedding group, of
-    its (256 / 2, 32) fp32 shard of the table's gradient."""
-    from tensorpar.train.report import pipeline_p2p
+    its (256 / 2, 32) fp32 shard of the table's gradient. The summary finds every collective
+    of the step, TP and pipeline, equal to the analytic count."""
+    import io
+
+    from rich.console import Console
+
+    from tensorpar.train.report import pipeline_p2p, summary
     from tensorpar.train.shape import gpt_shape
 
     flags = {"tp": 2, "pp": 2, "sequence_parallel": True, "steps": 2}
-    comm = ranks(4).run(_train, tmp_path, None, TIED, **flags)[0]["comm"]["pp"]
+    got = ranks(4).run(_train, tmp_path, None, TIED, **flags)[0]
+    comm = got["comm"]["pp"]
     assert comm["counts"] == {"send": 4, "recv": 4, "all_reduce": 3}, comm
     assert comm["bytes"]["all_reduce"] == 8 + 128 * 32 * 4, comm
     cfg = TrainConfig(out=str(tmp_path), **(FLAGS | flags))
-    want = pipeline_p2p(cfg, gpt_shape(GPTConfig(**(MODEL | TIED))), 4)
-    assert {k: comm[k] for k in ("counts", "bytes")} == want
+    shape = gpt_shape(GPTConfig(**(MODEL | TIED)))
+    assert {k: comm[k] for k in ("counts", "bytes")} == pipeline_p2p(cfg, shape, 4)
+    out = io.StringIO()
+    Console(file=out, width=400).print(summary(got["rows"], got["sizes"], got["comm"], cfg,
+                                               shape))
+    counted = [line for line in out.getvalue().splitlines() if " per step " in line]
+    assert len(counted) == 6 and all("= the analytic count" in line for line in counted), \
+        out.getvalue()
 
 
 @pytest.mark.slow
