@@ -4,6 +4,6 @@ data parallelism over FSDP2 or DDP (``data_parallel``), a layout's row and wheth
 (``layouts``), the measured peak (``meter``) and the tables (``report``). ``tensorpar plan`` is
 ``tensorpar/cli/plan.py``.
 
-Imports the core only: it reasons about a ``ModelShape``, never a model class (tensorpar's GPT
-describes itself in ``tensorpar/gpt/shape.py``).
+Imports the core only: it reasons about a ``ModelShape``, never a model class (the trainer
+describes tensorpar's GPT in ``tensorpar/train/shape.py``).
 """
