@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
-from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
-from tensorpar.gpt.tokenizer import (
+from tensorpar.data.chat import is_chat_file
+from tensorpar.data.shards import TOKENIZER_DIR, is_shard_folder
+from tensorpar.data.tokenizer import (
     RUN_TOKENIZER,
     ByteTokenizer,
     HFTokenizer,
@@ -47,13 +47,13 @@ from tensorpar.gpt.tokenizer import (
     run_tokenizer_dir,
     same_tokenizer,
 )
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
-from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import passes
 from tensorpar.train.pipeline import check_pipeline
-from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
 
 
 @dataclass

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
-from tensorpar.gpt.tokenizer import TOKENIZER_FILES, HFTokenizer
+from tensorpar.data.tokenizer import TOKENIZER_FILES, HFTokenizer
 from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.lora import (
     add_lora,

@@ -37,15 +37,7 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
-from tensorpar.gpt.model import GPTConfig
-from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
-from tensorpar.ranks.checking import naming_layers
-from tensorpar.ranks.signals import StopRequest, signal_name
-from tensorpar.runtime.dtensors import local_part
-from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
-from tensorpar.train.chat import (
+from tensorpar.data.chat import (
     IGNORE_INDEX,
     ExampleBatches,
     ValidationExamples,
@@ -54,9 +46,17 @@ from tensorpar.train.chat import (
     pad_id,
     read_examples,
 )
+from tensorpar.data.text import TokenBatches, ValidationWindows, read_corpus
+from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
+from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
+from tensorpar.gpt.model import GPTConfig
+from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
+from tensorpar.ranks.checking import naming_layers
+from tensorpar.ranks.signals import StopRequest, signal_name
+from tensorpar.runtime.dtensors import local_part
+from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
 from tensorpar.train.compute import tf32_matmuls
 from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
-from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
@@ -138,7 +138,7 @@ class Run:
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
         tokenizer = recipe.tokenizer()
         self.data_note = None  # what the summary says of chat or instruction examples
-        if is_chat_file(cfg.data):  # examples, trained on their answers (chat.py)
+        if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
             examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,

@@ -23,14 +23,14 @@ from pathlib import Path
 from tensorpar.checkpoint.format import find_checkpoint, model_kind
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.checkpoint.save import remove_unfinished
+from tensorpar.data.chat import is_chat_file
+from tensorpar.data.text import check_corpus
 from tensorpar.ranks.local import run_ranks
 from tensorpar.ranks.signals import STOP_SIGNALS, Interrupted, ignore_stops, signal_name
 from tensorpar.runtime.groups import pick_backend, rank_device_type, wanted_device
 from tensorpar.runtime.torchrun import speaks, under_torchrun
-from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import check_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import resume_notes, saved_settings
 from tensorpar.train.loop import train_model_rank

@@ -15,10 +15,10 @@ import transformers
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
+from tensorpar.data.text import default_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.hf.pretrained import from_pretrained
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import default_corpus
 from tensorpar.train.hf_recipe import resolve_hf
 from tensorpar.train.loop import train_model_rank
 

@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import torch
 
-from tensorpar.gpt.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
+from tensorpar.data.chat import is_chat_file, read_examples
+from tensorpar.data.shards import TokenShards, ids_hash, update_ids
+from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
 from tensorpar.runtime.seeds import derive_seed
-from tensorpar.train.chat import is_chat_file, read_examples
-from tensorpar.train.shards import TokenShards, ids_hash, update_ids
 
 EXPECTED = "expected a UTF-8 text file or a folder of token shards written by tensorpar prepare"
 
