@@ -21,7 +21,9 @@ A recipe travels to every rank (pickled), so it holds plain values only::
                                           by it (a pass of an accumulated step)
     manifest()                            what a checkpoint records of the model ("config", ...)
     shape(), dropout                       the model as the planner sees it (the summary's plan)
-    prepare(out)                          the lead rank, before the first step: files the run keeps
+    write_run_files(out)                  the lead rank, before the first step: the files the run
+                                          keeps beside its checkpoints (a tokenizer, a model's
+                                          config)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,8 +55,9 @@ from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.compute import loss_function
-from tensorpar.train.config import passes
+from tensorpar.train.config import TrainConfig, passes
 from tensorpar.train.pipeline import check_pipeline
+from tensorpar.train.resume import RunFlags, resolve_run
 
 
 @dataclass
@@ -146,7 +150,7 @@ class GPTRecipe:
     def dropout(self) -> bool:
         return self.model_cfg.dropout > 0
 
-    def prepare(self, out: Path) -> None:
+    def write_run_files(self, out: Path) -> None:
         """A copy of the tokenizer folder in ``out/tokenizer`` (atomically; a resumed run has it
         there already); nothing for bytes."""
         if self.tokenizer_dir is None:
@@ -158,3 +162,10 @@ class GPTRecipe:
         HFTokenizer(self.tokenizer_dir).save(tmp)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:
+    """``tensorpar train`` of the GPT (or ``--resume`` of a GPT run): the flags merged with the
+    run resumed (``resume.py``), the recipe from the model flags and ``--tokenizer``."""
+    return resolve_run(flags.train, partial(GPTRecipe.from_flags, flags.model, flags.tokenizer,
+                                            flags.train.get("data")))

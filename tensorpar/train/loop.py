@@ -195,7 +195,7 @@ class Run:
         self.out = Path(cfg.out)
         if self.lead:
             self.out.mkdir(parents=True, exist_ok=True)
-            recipe.prepare(self.out)
+            recipe.write_run_files(self.out)
         self.meta = recipe.manifest() | {
             "train": dataclasses.asdict(cfg),
             "data": {"source": self.source, "sha256_16": self.batches.digest,
