@@ -377,8 +377,8 @@ def batch_reads(folder: str, mode: str, batches: int = 60) -> dict:
     (mode cold, cold-normal or warm); milliseconds per batch, and the page cache's growth."""
     import mmap
 
+    from tensorpar.data.packing import TokenBatches
     from tensorpar.data.shards import TokenShards
-    from tensorpar.data.text import TokenBatches
 
     def cached_mib() -> float:
         line = next(x for x in Path("/proc/meminfo").read_text().splitlines()

@@ -37,16 +37,14 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.data.chat import (
-    IGNORE_INDEX,
+from tensorpar.data.chat import IGNORE_INDEX, describe_examples, is_chat_file, pad_id, read_examples
+from tensorpar.data.packing import (
     ExampleBatches,
+    TokenBatches,
     ValidationExamples,
-    describe_examples,
-    is_chat_file,
-    pad_id,
-    read_examples,
+    ValidationWindows,
 )
-from tensorpar.data.text import TokenBatches, ValidationWindows, read_corpus
+from tensorpar.data.text import read_corpus
 from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
 from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
 from tensorpar.gpt.model import GPTConfig
@@ -220,7 +218,7 @@ class Run:
         t0 = time.perf_counter()
         x, y, *packed = self.batches.batch(step)  # the whole step's batch, on every rank
         self.data_seconds = time.perf_counter() - t0  # the step's wait for its data
-        # --pack: each row's positions restart at every example (chat.ExampleBatches)
+        # --pack: each row's positions restart at every example (packing.ExampleBatches)
         pos = packed[0].to(self.device) if packed and cfg.pack else None
         at = {} if pos is None else {"position_ids": pos}
         if self.pipeline is not None:  # the passes are the pipeline's micro-batches

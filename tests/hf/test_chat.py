@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_runs import train  # noqa: E402
 
-from tensorpar.data.chat import ExampleBatches, describe_examples, read_examples  # noqa: E402
+from tensorpar.data.chat import describe_examples, read_examples  # noqa: E402
+from tensorpar.data.packing import ExampleBatches  # noqa: E402
 from tensorpar.data.tokenizer import HFTokenizer  # noqa: E402
 
 TURNS = ("{%- for m in messages %}{{ '<|' + m['role'] + '|>' }}"

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from tensorpar.data import prepare as prepare_module
+from tensorpar.data.packing import TokenBatches
 from tensorpar.data.prepare import prepare
 from tensorpar.data.shards import TokenShards
-from tensorpar.data.text import TokenBatches, check_corpus, default_corpus, digest_of
+from tensorpar.data.text import check_corpus, default_corpus, digest_of
 from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tensorpar.checkpoint.format import find_checkpoint
-from tensorpar.data.text import ByteTokenizer, TokenBatches, default_corpus, has_tokens
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.text import ByteTokenizer, default_corpus, has_tokens
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
