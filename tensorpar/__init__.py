@@ -6,7 +6,7 @@ The packages, and the one direction their imports flow (each imports only those 
     parallel     f/g collectives, column/row/vocab layers, loss, norms, dropout   | the core
     transformer  attention and MLP blocks, the dense reference                   /
     ranks        local ranks, torchrun's ranks, signals, failures, check mode
-    data         text, token shards and their writer (prepare), chat examples, tokenizers
+    data         text, token shards, their writer (prepare), chat examples, packing, tokenizers
     checkpoint   sharded checkpoints that load at any TP size
     planner      memory and communication per rank, the memory meter
     dp           the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
