@@ -2,6 +2,6 @@
 (``generate``, ``sampling``) and its description for the planner (``shape``); its tokenizers are
 ``tensorpar.data.tokenizer``.
 
-Imports the core, ``ranks``, ``data``, ``checkpoint`` and ``planner``; its trainer is
-``tensorpar.train``.
+Imports the core, ``data``, ``checkpoint`` and ``planner`` (the CLI starts generation's ranks);
+its trainer is ``tensorpar.train``.
 """
