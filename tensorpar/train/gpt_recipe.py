@@ -3,8 +3,10 @@
 The training loop (``loop.py``) and the run's start (``run.py``) know no model class: a recipe
 builds one rank's model, says how its loss is computed, which tokenizer reads the text, what a
 checkpoint's manifest records and how the planner sees the model. ``GPTRecipe`` is tensorpar's
-GPT; ``hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
-A recipe travels to every rank (pickled), so it holds plain values only::
+GPT; ``hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``). Each
+kind also has the function that resolves its run from the command line (``resolve_gpt``,
+``resolve_hf``: ``run.RECIPES``, by kind). A recipe travels to every rank (pickled), so it
+holds plain values only::
 
     kind                                  the manifest's model_kind ("gpt" records none)
     check(cfg)                            the launcher, before any rank: ValueError for a run the
