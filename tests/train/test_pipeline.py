@@ -224,9 +224,9 @@ def test_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
     from safetensors.torch import load_file
 
     from tensorpar.checkpoint.export import export_dense
+    from tensorpar.data.tokenizer import ByteTokenizer
     from tensorpar.gpt.generate import generate, generate_rank
     from tensorpar.gpt.model import GPT
-    from tensorpar.gpt.tokenizer import ByteTokenizer
 
     cut = tmp_path / "cut"
     ranks(4).run(_train, cut, None, None, tp=2, pp=2, steps=2, lr_decay_steps=STEPS)
