@@ -65,13 +65,13 @@ Checked against ``MemoryMeter`` and ``CollectiveCounter`` in ``tests/planner/tes
 
 from __future__ import annotations
 
-from tensorpar.planner.memory import rank_shapes, step_temporaries
+from tensorpar.planner.activations import rank_shapes
+from tensorpar.planner.memory import step_temporaries
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import DP_MODES, Budget, Step
 from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_layout
 
-# the names of ``tensorpar.dp.wrap.DP_MODES`` (the planner imports no engine)
-DP_MODES = ("fsdp", "ddp")
 # DistributedDataParallel's defaults: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, then
 # bucket_cap_mb=25 (MiB)
 DDP_FIRST_BUCKET = 2**20
@@ -226,52 +226,53 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
             "breakdown": rows}
 
 
-def dp_memory(shape: ModelShape, tp: int, dp: int, mode: str, mem: dict, param_bytes: int = 4,
-              state_bytes: int = 8, rank: int = 0, dp_rank: int = 0, device: str = "cpu",
-              optimizer: str = "fused") -> dict:
-    """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under data parallelism ``mode``.
+def dp_bytes(dtype: str) -> tuple[int, int]:
+    """Bytes per element of the stored weights and gradients, and of AdamW's states: 4 and 8
+    (fp32 and tensorpar's bf16, whose weights are fp32); 2 and 12 for Megatron-style bf16
+    (with the fp32 master weights)."""
+    return (2, 12) if dtype == "bf16" else (4, 8)
+
+
+def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budget:
+    """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under ``step``'s data parallelism
+    (``step.dp`` copies, ``step.dp_mode``).
 
     mem: the step without data parallelism for this rank's batch/dp sequences, as
-    ``memory.tensorpar_memory`` returns it (or ``layouts.plan_memory``'s Megatron-style bf16
-    version of it); its "dtype" "bf16-autocast" (tensorpar's bf16) under FSDP2 plans FSDP2's
-    bf16 gathered weights (module docstring). param_bytes: the width of the stored weights and
-    gradients (4: fp32 and tensorpar's bf16; 2: Megatron-style bf16); state_bytes: AdamW's per
-    element (8; Megatron-style bf16 12, with the fp32 master weights). device: "cpu" (gloo
-    copies a reduce-scatter's input) or "cuda". Returns tensorpar_memory's keys ("weights",
-    "grads", "optimizer", "activations", "peaks", "peak_extra", "peak_at", "total") for the
-    data-parallel step, and "dp_buffers": DDP's buckets, or the gathered weights and
-    reduce-scatter buffers at FSDP2's peak.
+    ``memory.tensorpar_memory`` returns it (or ``tp_plan.step_memory``'s Megatron-style bf16
+    version of it); its dtype "bf16-autocast" (tensorpar's bf16) under FSDP2 plans FSDP2's
+    bf16 gathered weights (module docstring). The stored weights and gradients are 4 B wide
+    (fp32 and tensorpar's bf16) or 2 (Megatron-style bf16), AdamW's states 8 B per element or
+    12 (``dp_bytes``). ``step.device``: "cpu" (gloo copies a reduce-scatter's input) or
+    "cuda". Returns the data-parallel step's budget, its "dp_buffers" DDP's buckets (held the
+    whole run), or the gathered weights and reduce-scatter buffers at FSDP2's peak.
     """
+    dp, mode = step.dp, step.dp_mode
     check_dp(dp, mode)
-    out = {k: mem[k] for k in ("weights", "grads", "optimizer", "activations")}
-    out |= {"dp": dp, "dp_mode": mode, "dp_buffers": 0}
     if dp == 1:
-        return out | {k: mem[k] for k in ("peaks", "peak_extra", "peak_at", "total")}
+        return mem.replace(dp_buffers=0, held=0)
+    shape, tp = step.shape, step.tp
+    param_bytes, state_bytes = dp_bytes(step.dtype)
     t = tensor_shapes(shape, tp, rank)
     if mode == "ddp":
         buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank))
-        peaks = dict(mem["peaks"])
-        where = max(peaks, key=peaks.get)
-        return out | {"dp_buffers": buckets, "peaks": peaks, "peak_extra": peaks[where],
-                      "peak_at": where,
-                      "total": mem["weights"] + mem["optimizer"] + buckets + peaks[where]}
+        return mem.replace(dp_buffers=buckets, held=buckets, peaks=dict(mem.peaks))
     root, block = fsdp_elements(t["root"], dp, dp_rank), fsdp_elements(t["block"], dp, dp_rank)
-    L, b, peaks = shape.n_layer, mem["blocks"], mem["peaks"]
-    between, inside, kept = b["between"], b["inside"], b["kept"]
+    L, b, peaks = shape.n_layer, mem.blocks, mem.peaks
+    between, inside, kept = b.between, b.inside, b.kept
     # gathered weights and unsharded gradients: bf16 under tensorpar's bf16 (FSDP2's
     # MixedPrecisionPolicy), whose activations then hold no autocast weight copies; the
     # reduce-scatter, its output and the stored gradients are fp32 (param_bytes)
-    mixed = mem.get("dtype") == "bf16-autocast"
+    mixed = mem.dtype == "bf16-autocast"
     if mixed:
-        copies = b["copies"]
-        between, inside, kept = (between - copies["between"], inside - copies["inside"],
-                                 kept - copies["kept"])
-        peaks = {k: v - mem["copies"].get(k, 0) for k, v in peaks.items()}
+        copies = mem.block_copies
+        between, inside, kept = (between - copies.between, inside - copies.inside,
+                                 kept - copies.kept)
+        peaks = {k: v - mem.copies.get(k, 0) for k, v in peaks.items()}
     gather = 2 if mixed else param_bytes
     Ur, Ub = gather * root["unsharded"], gather * block["unsharded"]  # gathered
     Rr, Rb = param_bytes * root["unsharded"], param_bytes * block["unsharded"]  # reduced
     Urs, Ubs = param_bytes * root["sharded"], param_bytes * block["sharded"]
-    cpu = device == "cpu"
+    cpu = step.device == "cpu"
     n_tensors = len(t["root"]) + L * len(t["block"])
     weights = grads = Urs + L * Ubs
     states = state_bytes * (root["local"] + L * block["local"]) + 4 * n_tensors
@@ -291,10 +292,10 @@ def dp_memory(shape: ModelShape, tp: int, dp: int, mode: str, mem: dict, param_b
     buf = 2 * Rr + (Urs if cpu else 0) + L * Ubs
     moments["root reduce-scatter"] = (buf, buf)
     largest = max(root["largest"], block["largest"])
-    step = grads + step_temporaries(optimizer, root["local"] + L * block["local"], largest)
-    moments["optimizer step"] = (step, grads)
+    step_bytes = grads + step_temporaries(step.optimizer, root["local"] + L * block["local"],
+                                          largest)
+    moments["optimizer step"] = (step_bytes, grads)
     peaks = {k: v for k, (v, _) in moments.items()}
     where = max(peaks, key=peaks.get)
-    return out | {"weights": weights, "grads": grads, "optimizer": states,
-                  "dp_buffers": moments[where][1], "peaks": peaks, "peak_extra": peaks[where],
-                  "peak_at": where, "total": weights + states + peaks[where]}
+    return mem.replace(weights=weights, grads=grads, optimizer=states,
+                       dp_buffers=moments[where][1], peaks=peaks, held=0)
