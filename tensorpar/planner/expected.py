@@ -28,13 +28,13 @@ class RunPlan:
     """The planner's numbers for a run: "peaks" (bytes, one per rank asked for, in order),
     "tp_comm" (rank 0's TP collectives of a step, ``comm.predicted_comm``; None with pipeline
     stages, where rank 0 holds the first stage only), "dp_comm" (TP rank 0's dp collectives,
-    ``data_parallel.dp_comm``; None without dp) and "pp" (pipeline rank 0's sends and
-    receives, ``pipeline.step_transfers``; None without stages)."""
+    ``data_parallel.dp_comm``) and "pp" (pipeline rank 0's sends, receives and all-reduces
+    over the pipeline, ``pipeline.step_transfers``)."""
 
     peaks: list[int]
     tp_comm: dict | None
-    dp_comm: dict | None
-    pp: dict | None
+    dp_comm: dict
+    pp: dict
 
 
 def plan_run(step: Step, places: list[RankPlace]) -> RunPlan:
@@ -53,9 +53,8 @@ def plan_run(step: Step, places: list[RankPlace]) -> RunPlan:
         step.shape, step.micro, step.seq, step.tp, step.sequence_parallel,
         "fp32" if step.dtype == "fp32" else "bf16", step.recompute, passes=step.micro_batches,
         bf16_params=bf16_params)
-    dp = None if step.dp == 1 else dp_comm(step.shape, step.tp, step.dp, step.dp_mode, rank=0,
-                                           passes=step.micro_batches, bf16_params=bf16_params)
-    pp = None if step.pp == 1 else step_transfers(
-        step.pp, step.virtual, step.micro_batches, 0, step.micro, step.seq, step.shape.dim,
-        step.tp, step.sequence_parallel)
+    dp = dp_comm(step.shape, step.tp, step.dp, step.dp_mode, rank=0, passes=step.micro_batches,
+                 bf16_params=bf16_params)
+    pp = step_transfers(step.pp, step.virtual, step.micro_batches, 0, step.micro, step.seq,
+                        step.shape.dim, step.tp, step.sequence_parallel)
     return RunPlan(peaks, tp_comm, dp, pp)
