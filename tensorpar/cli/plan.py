@@ -142,6 +142,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "as tensorpar train's: the step's --batch-size / (--dp x this) passes (or "
                    "pipeline micro-batches); instead of --micro-batches (default: one pass, "
                    "or with --pp one sequence each)")
+    _add_layout_flags(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the layout of ranks (dp, pp, the search), the kernels and the device, and
+    the outputs."""
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel copies of the TP-split model (the world is TP x DP "
                    "ranks); 1 is none (default 1)")
@@ -187,8 +195,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--split", action="store_true",
                    help="also compare the ways of splitting gelu(X W1) W2, by bytes moved "
                    "(default off)")
-    p.set_defaults(func=main)
-    return p
 
 
 def _preset(name: str):

@@ -66,10 +66,11 @@ Checked against ``MemoryMeter`` and ``CollectiveCounter`` in ``tests/planner/tes
 from __future__ import annotations
 
 from tensorpar.planner.activations import rank_shapes
+from tensorpar.planner.comm import totals
 from tensorpar.planner.memory import step_temporaries
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import DP_MODES, Budget, Step
-from tensorpar.runtime.counting import KINDS, ring_share
+from tensorpar.runtime.counting import ring_share
 from tensorpar.transformer.attention import head_layout
 
 # DistributedDataParallel's defaults: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, then
@@ -218,12 +219,7 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
                 buckets.count(size), size)
     if report_loss:
         add("loss (reported mean)", "step", "all_reduce", 1, 4)
-    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
-             for k in ("calls", "bytes", "ring_bytes")}
-    return {"counts": {k: v for k, v in total["calls"].items() if v},
-            "bytes": {k: v for k, v in total["bytes"].items() if v},
-            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},
-            "breakdown": rows}
+    return totals(rows)
 
 
 def dp_bytes(dtype: str) -> tuple[int, int]:

@@ -59,7 +59,7 @@ import dataclasses
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.planner.activations import rank_shapes
-from tensorpar.planner.comm import predicted_comm
+from tensorpar.planner.comm import predicted_comm, totals
 from tensorpar.planner.data_parallel import (
     dp_comm,
     fsdp_elements,
@@ -71,7 +71,7 @@ from tensorpar.planner.schedule import bubble, replay_peak, schedule_ops
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.planner.tp_plan import check_shape, check_step, plan_memory, step_memory
-from tensorpar.runtime.counting import KINDS, ring_share
+from tensorpar.runtime.counting import ring_share
 
 ACTIVATION_BYTES = 4  # the residual stream between stages: fp32, as the trainer declares it
 
@@ -321,15 +321,7 @@ def rank_tp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
             r = r | {"source": f"norm weight grads (x{2 * layers})", "calls": calls,
                      "bytes": calls * each, "ring_bytes": calls * ring}
         rows.append(r)
-    return _totals(rows)
-
-
-def _totals(rows: list[dict]) -> dict:
-    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
-             for k in ("calls", "bytes", "ring_bytes")}
-    return {"counts": {k: v for k, v in total["calls"].items() if v},
-            "bytes": {k: v for k, v in total["bytes"].items() if v},
-            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v}, "breakdown": rows}
+    return totals(rows)
 
 
 def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
@@ -371,7 +363,7 @@ def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
         for size, calls in _bucket_counts(t, layers, stored).items():
             add(f"gradient buckets of {size:,} B", "backward", "all_reduce", calls, size)
     add("loss (reported mean)", "step", "all_reduce", 1, 4)
-    return _totals(rows)
+    return totals(rows)
 
 
 def _bucket_counts(t: dict, layers: int, grad_bytes: int, first: int = 2**20,
