@@ -222,6 +222,28 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
     return totals(rows)
 
 
+def accumulated(step: Step, mem: Budget, rank: int = 0) -> Budget:
+    """``mem`` (one pass, ``memory.tensorpar_memory``) in a step of ``step.micro_batches``
+    passes without sharded gradients (no data parallelism, or DDP, which accumulates in
+    ``param.grad`` and all-reduces with the last pass): the gradients of the passes before the
+    last are held through its backward. The loss backward (and LoRA's final norm backward) hold
+    them besides what one pass has; a block's backward holds them all from its first moment,
+    the head's among them (a pass's own gradients of the head and of the blocks before are
+    added into them, not allocated), so the last block's backward is the largest. One pass:
+    ``mem`` itself."""
+    if step.micro_batches == 1:
+        return mem
+    head_grad = 0 if step.lora is not None else \
+        4 * rank_shapes(step.shape, step.tp, rank)["vocab"] * step.shape.dim
+    peaks = dict(mem.peaks)
+    for moment in ("loss backward", "final norm backward"):
+        if moment in peaks:
+            peaks[moment] += mem.grads
+    last_block = mem.blocks.between + mem.blocks.inside - head_grad + mem.grads
+    peaks["block backward"] = max(peaks["block backward"], last_block)
+    return mem.replace(peaks=peaks)
+
+
 def dp_bytes(dtype: str) -> tuple[int, int]:
     """Bytes per element of the stored weights and gradients, and of AdamW's states: 4 and 8
     (fp32 and tensorpar's bf16, whose weights are fp32); 2 and 12 for Megatron-style bf16
@@ -245,13 +267,13 @@ def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budge
     dp, mode = step.dp, step.dp_mode
     check_dp(dp, mode)
     if dp == 1:
-        return mem.replace(dp_buffers=0, held=0)
+        return accumulated(step, mem, rank).replace(dp_buffers=0, held=0)
     shape, tp = step.shape, step.tp
     param_bytes, state_bytes = dp_bytes(step.dtype)
     t = tensor_shapes(shape, tp, rank)
     if mode == "ddp":
         buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank))
-        return mem.replace(dp_buffers=buckets, held=buckets, peaks=dict(mem.peaks))
+        return accumulated(step, mem, rank).replace(dp_buffers=buckets, held=buckets)
     root, block = fsdp_elements(t["root"], dp, dp_rank), fsdp_elements(t["block"], dp, dp_rank)
     L, b, peaks = shape.n_layer, mem.blocks, mem.peaks
     between, inside, kept = b.between, b.inside, b.kept
@@ -272,18 +294,26 @@ def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budge
     n_tensors = len(t["root"]) + L * len(t["block"])
     weights = grads = Urs + L * Ubs
     states = state_bytes * (root["local"] + L * block["local"]) + 4 * n_tensors
+    # gradient accumulation: the passes before the last leave each block's gradients unsharded
+    # (fp32), held until its reduce-scatter in the last pass's backward (torch holds FSDP2's
+    # reduce-scatter back until then); the root's until its own
+    acc = step.micro_batches > 1
     # each moment: (bytes above sharded weights and states, of which data parallelism's buffers)
-    moments = {"loss backward": (peaks["loss backward"] + Ur + Ub, Ur + Ub)}
+    moments = {"loss backward": (peaks["loss backward"] + Ur + Ub + (Rr + L * Rb if acc else 0),
+                                 Ur + Ub)}
     for i in range(L - 1, -1, -1):
         later = L - 1 - i
         prefetched = Ub if i > 0 else 0
+        held = Rr + (i + 1) * Rb if acc else 0  # the root's, this block's and those below
         buf = Ur + Ub + prefetched + (Rb if later else 0) + later * Ubs
-        moments[f"block {i} backward"] = (between - later * kept + inside + buf, buf)
+        moments[f"block {i} backward"] = (between - later * kept + inside + buf + held, buf)
+        held = Rr + i * Rb if acc else 0
         buf = Ur + prefetched + 2 * Rb + (Ubs if cpu else 0) + later * Ubs
-        moments[f"block {i} reduce-scatter"] = (between - (later + 1) * kept + buf, buf)
+        moments[f"block {i} reduce-scatter"] = (between - (later + 1) * kept + buf + held, buf)
     embed = gather * t["root"][0][1] * t["root"][0][2]
     root_grads = gather * sum(d0 * row for _, d0, row in t["root"])
     buf = Ur + root_grads + (2 * embed if shape.tie_embeddings else 0) + Ub + L * Ubs
+    buf += Rr if acc else 0
     moments["embedding backward"] = (buf, buf)
     buf = 2 * Rr + (Urs if cpu else 0) + L * Ubs
     moments["root reduce-scatter"] = (buf, buf)
