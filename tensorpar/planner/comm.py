@@ -1,9 +1,9 @@
 """Communication of one training step, predicted: per kind and by source; and the MLP split.
 
-For tensorpar's GPT (``gpt/model.py``) the prediction is exact: it equals what ``CollectiveCounter``
-measures around forward, backward and ``layout.clip_grad_norm_`` (calls, payload bytes, ring bytes
-per rank), as ``tests/planner/test_plan.py`` checks. With N = B·T tokens, width D, TP size
-t > 1::
+For tensorpar's GPT (``gpt/model.py``) the prediction is exact: it equals what
+``CollectiveCounter`` measures around forward, backward and ``ownership.clip_grad_norm_`` (calls,
+payload bytes, ring bytes per rank), as ``tests/planner/test_plan.py`` checks. With N = B·T
+tokens, width D, TP size t > 1::
 
     per block   forward: attention g + MLP g      2 all-reduces of N·D   (Megatron: 2 per layer)
                 backward: attention f + MLP f     2 all-reduces of N·D

@@ -1,6 +1,6 @@
 """Data parallelism on top of TP, planned: per-rank memory and the dp group's communication.
 
-What ``tensorpar.dp.wrap`` builds: ``dp`` copies of the TP-sharded model, each step's
+What ``tensorpar.mesh.data_parallel`` builds: ``dp`` copies of the TP-sharded model, each step's
 batch split over them, gradients averaged over the "dp" group, by torch's own engines.
 
 **FSDP2** (``fully_shard`` each block, then the root: embedding, final norm, LM head). Each rank
@@ -35,10 +35,10 @@ backward between two blocks, ``blocks["between"]``)::
     optimizer step         the sharded gradients + the temporaries of the gradient norm and
                            AdamW (``memory.step_temporaries``) of the sharded tensors
 
-Under tensorpar's bf16 FSDP2 gathers bf16 copies of the fp32 shards (its ``MixedPrecisionPolicy``,
-``tensorpar.dp.wrap``) and the layers compute with them: the activations are autocast's (the
-same tensors kept, the residual stream's saved in fp32 by the norms) less autocast's bf16 weight
-copies, which nothing makes (``memory.tensorpar_memory``'s "copies", taken out of each moment).
+Under tensorpar's bf16 FSDP2 gathers bf16 copies of the fp32 shards (its
+``MixedPrecisionPolicy``, ``tensorpar.mesh.data_parallel``) and the layers compute with them: the
+activations are autocast's (the same tensors kept, the residual stream's saved in fp32 by the
+norms) less autocast's bf16 weight copies, which nothing makes (``memory.tensorpar_memory``'s "copies", taken out of each moment).
 U_r and U_b, the gathered weights and the unsharded gradients, are then 2 B per element; R_r and
 R_b, the reduce-scatter's input (the gradients cast to fp32), gloo's copy of it, its output and
 the stored gradients, 4 B. Measured (TP=1 and 2 x DP=2, d=256, 4 layers, B8 x T64): the step's
@@ -161,9 +161,9 @@ def ddp_buckets(shape: ModelShape, tp: int, rank: int = 0, grad_bytes: int = 4,
 
 def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
     """The K and V tensors of a block of which TP ``rank`` owns some rows but not all: a KV
-    head held by several ranks belongs to the lowest (``parallel.layout``), and this rank holds
+    head held by several ranks belongs to the lowest (``parallel.ownership``), and this rank holds
     both such a head and one of its own. Under FSDP2 the gradient norm gathers their gradients
-    over dp to cut its part (``layout.clip_grad_norm_``)."""
+    over dp to cut its part (``ownership.clip_grad_norm_``)."""
     ranges = [head_layout(shape.n_head, shape.n_kv_head, tp, r)[1] for r in range(rank + 1)]
     (k0, k1), lower = ranges[rank], max([0] + [stop for _, stop in ranges[:rank]])
     if not k0 < lower < k1:

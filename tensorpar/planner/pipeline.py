@@ -38,8 +38,8 @@ micro-batch (``tp_plan.step_memory`` at its batch; ``micro_batch_pieces``):
   the step (``reshard_after_forward=False``: a stage runs up to P forwards before its first
   backward), so a rank holds its stages' gathered weights for the whole step, and reduce-scatters
   each block's gradients after the last backward from one more block-sized buffer. Without a
-  pipeline (P = 1, accumulation only) ``tensorpar.dp.wrap`` gathers the root, a block and the next
-  one. DDP: its buckets, one more gradient-sized buffer for the whole run.
+  pipeline (P = 1, accumulation only) ``tensorpar.mesh.data_parallel`` gathers the root, a block
+  and the next one. DDP: its buckets, one more gradient-sized buffer for the whole run.
 - the optimizer step: the gradients (FSDP2's sharded) and AdamW's temporaries.
 
 P = 1 with one micro-batch is ``tp_plan.plan_memory``'s row itself.

@@ -21,7 +21,7 @@ DTYPES = ("fp32", "bf16", "bf16-autocast")
 RECOMPUTE = ("none", "selective", "full")
 # torch's AdamW implementations (train/optim.py picks fused), by the temporaries of their step
 ADAMW = ("fused", "foreach", "for-loop")
-# the names of ``tensorpar.dp.wrap.DP_MODES`` (the planner imports no engine)
+# the names of ``tensorpar.mesh.data_parallel.DP_MODES`` (the planner imports no engine)
 DP_MODES = ("fsdp", "ddp")
 
 
