@@ -38,7 +38,8 @@ backward between two blocks, ``blocks["between"]``)::
 Under tensorpar's bf16 FSDP2 gathers bf16 copies of the fp32 shards (its
 ``MixedPrecisionPolicy``, ``tensorpar.mesh.data_parallel``) and the layers compute with them: the
 activations are autocast's (the same tensors kept, the residual stream's saved in fp32 by the
-norms) less autocast's bf16 weight copies, which nothing makes (``memory.tensorpar_memory``'s "copies", taken out of each moment).
+norms) less autocast's bf16 weight copies, which nothing makes (``memory.tensorpar_memory``'s
+"copies", taken out of each moment).
 U_r and U_b, the gathered weights and the unsharded gradients, are then 2 B per element; R_r and
 R_b, the reduce-scatter's input (the gradients cast to fp32), gloo's copy of it, its output and
 the stored gradients, 4 B. Measured (TP=1 and 2 x DP=2, d=256, 4 layers, B8 x T64): the step's
