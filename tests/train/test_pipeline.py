@@ -95,8 +95,10 @@ def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual)
     model = {"dim": 128, "n_head": 8, "hidden_dim": 256}
     sizes = ranks(tp * 2).run(_train, tmp_path, None, model, tp=tp, pp=2, pp_virtual=virtual,
                               seq_len=32, steps=2)[0]["sizes"]
-    plan = plan_pipeline(gpt_shape(GPTConfig(**(MODEL | model))), tp, 2, 8, 32, 4, virtual,
-                         "fp32")
+    from tensorpar.planner.step import Step
+
+    plan = plan_pipeline(Step(gpt_shape(GPTConfig(**(MODEL | model))), tp, 8, 32, "fp32", pp=2,
+                              virtual=virtual, micro_batches=4))
     for s in sizes:
         want = plan["stages"][s["pp_rank"]]["total"] + s["data_bytes"]
         assert s["peak_memory"] == pytest.approx(want, rel=0.10), (s, want)
