@@ -33,6 +33,7 @@ from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.parallel.stages import check_pipeline
 from tensorpar.planner.pipeline import add_transfers, rank_tp_comm, step_transfers, tied_sync
+from tensorpar.planner.step import Step
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
@@ -70,6 +71,13 @@ class PipelineCheck:
     def batch(self) -> int:
         return self.sizes.batch_size * self.micro_batches
 
+    @property
+    def step(self) -> Step:
+        """The step as the planner sees it (fp32, one data-parallel copy)."""
+        return Step(gpt_shape(self.model), self.tp, self.batch, self.sizes.seq_len, "fp32",
+                    self.sequence_parallel, pp=self.pp, virtual=self.virtual,
+                    micro_batches=self.micro_batches)
+
     def check(self) -> None:
         """ValueError, naming the numbers, before any rank starts."""
         check_config(self.sizes, self.tp, self.sequence_parallel)
@@ -87,12 +95,12 @@ class PipelineCheck:
 
 def expected_transfers(check: PipelineCheck, pp_rank: int, tp_rank: int) -> dict:
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) sends, receives and all-reduces
-    over pp in the step (``planner.pipeline.step_transfers``)."""
+    over pp in the step (``planner.pipeline.step_transfers``, and ``tied_sync``: the tied
+    table's gradient sum)."""
     s = check.sizes
     sent = step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
                           s.seq_len, s.dim, check.tp, check.sequence_parallel, tp_rank)
-    return add_transfers(sent, tied_sync(gpt_shape(check.model), check.tp, check.pp, pp_rank,
-                                         tp_rank))
+    return add_transfers(sent, tied_sync(check.step, pp_rank, tp_rank))
 
 
 def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
@@ -100,10 +108,8 @@ def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
     if check.tp == 1:
         return {}
     part = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)[2]
-    return rank_tp_comm(gpt_shape(check.model), check.tp, len(part["blocks"]), part["embed"],
-                        part["head"], check.sizes.batch_size, check.sizes.seq_len,
-                        check.micro_batches, check.sequence_parallel, "fp32", "none",
-                        False)["counts"]
+    return rank_tp_comm(check.step, len(part["blocks"]), part["embed"],
+                        part["head"])["counts"]
 
 
 def verify_pipeline_rank(check: PipelineCheck, seed: int,

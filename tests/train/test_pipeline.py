@@ -109,7 +109,7 @@ def test_point_to_point_transfers_are_counted(ranks, tmp_path):
 @pytest.mark.slow
 def test_tied_table_sum_is_counted(ranks, tmp_path):
     """A tied run's pipeline traffic on rank 0 (the first stage, TP rank 0) is the summary's
-    analytic count (``report.pipeline_p2p``): at (tp 2, pp 2) with sequence parallelism the
+    analytic count (``planner.expected.plan_run``): at (tp 2, pp 2) with sequence parallelism the
     sends and receives of the untied run, and one more all-reduce, over the embedding group, of
     its (256 / 2, 32) fp32 shard of the table's gradient. The summary finds every collective
     of the step, TP and pipeline, equal to the analytic count."""
@@ -117,7 +117,9 @@ def test_tied_table_sum_is_counted(ranks, tmp_path):
 
     from rich.console import Console
 
-    from tensorpar.train.report import pipeline_p2p, summary
+    from tensorpar.planner.expected import plan_run
+    from tensorpar.planner.step import Step
+    from tensorpar.train.report import summary
     from tensorpar.train.shape import gpt_shape
 
     flags = {"tp": 2, "pp": 2, "sequence_parallel": True, "steps": 2}
@@ -127,7 +129,8 @@ def test_tied_table_sum_is_counted(ranks, tmp_path):
     assert comm["bytes"]["all_reduce"] == 8 + 128 * 32 * 4, comm
     cfg = TrainConfig(out=str(tmp_path), **(FLAGS | flags))
     shape = gpt_shape(GPTConfig(**(MODEL | TIED)))
-    assert {k: comm[k] for k in ("counts", "bytes")} == pipeline_p2p(cfg, shape, 4)
+    assert {k: comm[k] for k in ("counts", "bytes")} == \
+        plan_run(Step.from_train_config(cfg, shape), []).pp
     out = io.StringIO()
     Console(file=out, width=400).print(summary(got["rows"], got["sizes"], got["comm"], cfg,
                                                shape))
@@ -187,13 +190,14 @@ def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual,
     order keeps in flight, the receive buffers), within 10%, at 1F1B and interleaved; a tied
     head's table (weights, gradient, AdamW) on the last stage too."""
     from tensorpar.planner.pipeline import plan_pipeline
+    from tensorpar.planner.step import Step
     from tensorpar.train.shape import gpt_shape
 
     model = {"dim": 128, "n_head": 8, "hidden_dim": 256} | (TIED if tied else {})
     sizes = ranks(tp * 2).run(_train, tmp_path, None, model, tp=tp, pp=2, pp_virtual=virtual,
                               seq_len=32, steps=2)[0]["sizes"]
-    plan = plan_pipeline(gpt_shape(GPTConfig(**(MODEL | model))), tp, 2, 8, 32, 4, virtual,
-                         "fp32")
+    plan = plan_pipeline(Step(gpt_shape(GPTConfig(**(MODEL | model))), tp, 8, 32, "fp32", pp=2,
+                              virtual=virtual, micro_batches=4))
     for s in sizes:
         want = plan["stages"][s["pp_rank"]]["total"] + s["data_bytes"]
         assert s["peak_memory"] == pytest.approx(want, rel=0.10), (s, want)
