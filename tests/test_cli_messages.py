@@ -3,7 +3,7 @@ that cannot be read, counts in the singular."""
 
 import pytest
 
-from tensorpar.train.prepare import summary
+from tensorpar.data.prepare import summary
 
 from tests_common import tensorpar_here
 

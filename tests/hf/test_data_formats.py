@@ -1,4 +1,4 @@
-"""JSON-lines data is read as examples, never as text (``train/formats.py``): ShareGPT and Alpaca
+"""JSON-lines data is read as examples, never as text (``data/formats.py``): ShareGPT and Alpaca
 records are the messages they convert to; a malformed record is one line naming its line, before
 any rank starts, or with ``--skip-bad-examples`` skipped and counted; validation data that is
 the training data is warned of."""
@@ -10,9 +10,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tensorpar.gpt.tokenizer import HFTokenizer  # noqa: E402
-from tensorpar.train.chat import describe_examples, read_examples  # noqa: E402
-from tensorpar.train.data import overlap_warning  # noqa: E402
+from tensorpar.data.tokenizer import HFTokenizer  # noqa: E402
+from tensorpar.data.chat import describe_examples, read_examples  # noqa: E402
+from tensorpar.data.text import overlap_warning  # noqa: E402
 
 from tests_common import tensorpar_here  # noqa: E402
 
