@@ -169,10 +169,11 @@ def start_line(cfg, model: str, source: str, start: int) -> str:
     ranks = cfg.tp * dp * pp
     layout = f"--tp {cfg.tp} x --dp {dp}" + (f" x --pp {pp}" if pp > 1 else "")
     every = log_interval(start, cfg.steps)
+    lines = "a line every step" if every == 1 else \
+        f"a line at step {start + 1}, every {every} steps and the last"
     return (f"train {model} on {source}: {layout} ({ranks} rank{'s' * (ranks != 1)}), steps "
             f"{start + 1}-{cfg.steps}; outputs in {cfg.out} (metrics.jsonl, a checkpoint every "
-            f"{cfg.save_every} steps and at the end); a line at step {start + 1}, every "
-            f"{every} step{'s' * (every != 1)} and the last")
+            f"{cfg.save_every} steps and at the end); {lines}")
 
 
 class ProgressLine:
