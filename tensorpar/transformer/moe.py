@@ -373,8 +373,8 @@ class ParallelMoE(nn.Module):
 def moe_collective_counts(tp: int, ep: int, stats: int, shared: bool,
                           sequence_parallel: bool = False) -> dict[str, dict[str, int]]:
     """The collectives of one forward and one backward of ``ParallelMoE`` at TP size ``tp``,
-    EP size ``ep`` and ``stats`` ranks in the statistics group (under SP, ``seq_len`` given):
-    {"forward": {kind: calls}, "backward": {...}}.
+    EP size ``ep`` and ``stats`` ranks in the statistics group (under SP, ``seq_len`` given),
+    for an input that requires grad: {"forward": {kind: calls}, "backward": {...}}.
 
     EP: the counts' all-to-all, the rows' and their way back (forward), both reversed
     (backward). TP: the gathered outputs (forward) and input gradients (backward), one

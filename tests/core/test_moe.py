@@ -151,3 +151,109 @@ def test_sequence_parallel(ranks, layout):
     """Under sequence parallelism each TP rank routes its own sequence shard (T = 5 over 2:
     3 and 2 tokens): no token split or gather; the same numbers."""
     _run(ranks, "softmax-norm", layout, sp=True)
+
+
+def _hf_block(family: str, config: MoEConfig):
+    """transformers' own sparse MoE block of ``family`` with ``config``'s sizes."""
+    if family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        return MixtralSparseMoeBlock(MixtralConfig(
+            hidden_size=D, intermediate_size=H, num_local_experts=config.num_experts,
+            num_experts_per_tok=config.top_k))
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(
+        hidden_size=D, moe_intermediate_size=H, num_experts=config.num_experts,
+        num_experts_per_tok=config.top_k, norm_topk_prob=config.norm_topk_prob))
+
+
+@pytest.mark.parametrize("family,norm", [("mixtral", True), ("qwen3_moe", False),
+                                         ("qwen3_moe", True)])
+def test_transformers_blocks_agree(family, norm):
+    """transformers' MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock, given the reference's
+    weights, give its output and gradients; their ``load_balancing_loss_func`` gives the
+    layer's balancing loss (one process: every collective is the identity)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = MoEConfig(dim=D, hidden_dim=H, num_experts=6, top_k=2, norm_topk_prob=norm)
+    dense = _dense(config)
+    hf = _hf_block(family, config)
+    with torch.no_grad():
+        hf.gate.weight.copy_(dense.router.weight)
+        hf.experts.gate_up_proj.copy_(dense.experts.gate_up_proj)
+        hf.experts.down_proj.copy_(dense.experts.down_proj)
+    moe = _layer(dense, None, None, None)
+    x, g = torch.randn(3, 7, D), torch.randn(3, 7, D)
+    x_hf, x_moe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_hf = hf(x_hf)
+    balance_hf = load_balancing_loss_func((hf.gate(x_hf)[0],), config.num_experts, config.top_k)
+    ((y_hf * g).sum() + BALANCE_COEF * balance_hf).backward()
+    y, aux = moe(x_moe)
+    ((y * g).sum() + BALANCE_COEF * aux.balance_loss).backward()
+    errors: dict[str, float] = {}
+    _check("output", y, y_hf, errors)
+    _check("balance loss", aux.balance_loss, balance_hf, errors)
+    _check("input grad", x_moe.grad, x_hf.grad, errors)
+    _check("router grad", moe.router.weight.grad, hf.gate.weight.grad, errors)
+    _check("gate_up grad", moe.experts.gate_up_proj.grad, hf.experts.gate_up_proj.grad, errors)
+    _check("down grad", moe.experts.down_proj.grad, hf.experts.down_proj.grad, errors)
+
+
+def test_grouped_matmul_and_its_fallback_agree():
+    """fp32 rows go through torch._grouped_mm, fp64 through the loop over experts: the same
+    numbers (to fp32 rounding), experts left without rows included."""
+    from tensorpar.transformer.moe import grouped_linear
+
+    torch.manual_seed(0)
+    x, w = torch.randn(9, D), torch.randn(4, 2 * H, D)
+    counts = torch.tensor([3, 0, 6, 0])
+    expected = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    assert max_rel_error(grouped_linear(x, w, counts), expected) < 1e-6
+    assert max_rel_error(grouped_linear(x.double(), w.double(), counts), expected) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(num_experts=0, top_k=1), "num_experts=0; it must be at least 1"),
+    (dict(num_experts=4, top_k=0), "top_k=0; it must be at least 1"),
+    (dict(num_experts=4, top_k=5), "top_k=5 is more than num_experts=4"),
+    (dict(num_experts=4, top_k=2, router="relu"), "router='relu'"),
+    (dict(num_experts=4, top_k=2, shared_hidden_dim=-1), "shared_hidden_dim=-1"),
+], ids=["no-experts", "top-k-0", "top-k-above-experts", "router", "shared"])
+def test_config_refused_in_one_line(kwargs, words):
+    with pytest.raises(ValueError, match=words) as e:
+        MoEConfig(dim=D, hidden_dim=H, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def _refused_body(case: str):
+    """The refusal's message on this rank, and the collectives issued before it (none)."""
+    config = MoEConfig(dim=D, hidden_dim=H, num_experts=3, top_k=2)
+    pairs, _ = _groups(2)
+    try:
+        with CollectiveCounter() as counter:
+            if case == "experts":  # 3 experts over 4 EP ranks
+                ParallelMoE(config, tp_group=pairs, ep_group=None)
+            elif case == "overlap":  # the TP group (4 ranks) shares 2 with each EP pair
+                ParallelMoE(config, tp_group=None, ep_group=pairs)
+            else:
+                ParallelMoE(config, tp_group=pairs, ep_group=pairs)(torch.randn(2, 3, D + 1))
+    except ValueError as e:
+        return str(e), dict(counter.counts)
+    return None, dict(counter.counts)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("experts", "3 experts over 4 EP ranks"),
+    ("overlap", "share 2 ranks with the EP group"),
+    ("input", r"input shape \(2, 3, 17\); expected \(B, T, 16\)"),
+], ids=["experts", "overlap", "input"])
+def test_layer_refused_on_every_rank_before_any_collective(ranks, case, words):
+    """Every rank raises the same one line, having issued no collective (none hangs)."""
+    import re
+
+    for message, counts in ranks(4).run(_refused_body, case):
+        assert message is not None and re.search(words, message) and "\n" not in message, message
+        assert counts == {}
