@@ -311,7 +311,8 @@ class ParallelMoE(nn.Module):
         moe.router.weight = nn.Parameter(router_weight.detach().clone())
         moe.router.weight.tp_shard = ShardSpec(None)
         if config.router == "sigmoid":
-            moe.router.selection_bias = torch.zeros(config.num_experts)
+            moe.router.selection_bias = torch.zeros(config.num_experts,
+                                                    device=router_weight.device)
         start, stop = moe.expert_range
         for name, dense in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             p = nn.Parameter(dense.detach()[start:stop].clone())
