@@ -9,8 +9,9 @@
 - ``fused``: the overlapped column op and the in-place row reduction (opt-in performance)
 - ``expert_dispatch``: tokens to their experts and back (the all-to-all pair), split and
   gathered over TP
-- ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``grad_sync``: gradient sums for
-  parameters several ranks hold; ``layout``: who owns which slice, the global gradient norm
+- ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``stages``: the same over layers
+  (pipeline stages) and ``check_pipeline``; ``grad_sync``: gradient sums for parameters several
+  ranks hold; ``layout``: who owns which slice, the global gradient norm
 
 Part of the core: imports ``tensorpar.runtime`` only.
 """
