@@ -367,7 +367,7 @@ class ParallelMoE(nn.Module):
             done = self.experts(arrived[perm], recv.sum(0), gate_up, down)
             back = done[torch.argsort(perm)]  # grouped by source again
             out = combine_from_experts(back, send_sizes, recv_sizes, self.ep_group)
-        per_choice = out[torch.argsort(order)].view(n, k, -1)  # (n, k, D), in choice order
+        per_choice = out[torch.argsort(order)].view(n, k, x.shape[-1])  # (n, k, D), choice order
         return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
 
 

@@ -257,3 +257,24 @@ def test_layer_refused_on_every_rank_before_any_collective(ranks, case, words):
     for message, counts in ranks(4).run(_refused_body, case):
         assert message is not None and re.search(words, message) and "\n" not in message, message
         assert counts == {}
+
+
+def _one_token_body():
+    config = MoEConfig(dim=D, hidden_dim=H, **ROUTERS["softmax-norm"])
+    dense = _dense(config)
+    x = torch.randn(1, 1, D)
+    x_ref, x_moe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref, (balance, _, _) = dense(x_ref)
+    (y_ref.sum() + balance).backward()
+    y, aux = _layer(dense, None, None, None)(x_moe)
+    (y.sum() + aux.balance_loss).backward()
+    errors: dict[str, float] = {}
+    _check("output", y, y_ref, errors)
+    _check("input grad", x_moe.grad, x_ref.grad, errors)
+    _check("balance loss", aux.balance_loss, balance, errors)
+
+
+def test_fewer_tokens_than_tp_ranks(ranks):
+    """One token at TP 2 = EP 2: one rank routes it, the other routes none and still joins
+    every collective."""
+    ranks(2).run(_one_token_body)
