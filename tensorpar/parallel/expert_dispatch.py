@@ -1,11 +1,12 @@
 """Moving tokens to the experts that chose them and back: the autograd pairs of expert
 parallelism.
 
-Tokens are rows of a flat (N, D) tensor. Two pairs::
+Tokens are rows of a flat (N, D) tensor. The pairs::
 
-    dispatch_to_experts / combine_from_experts   forward: all-to-all   backward: all-to-all (reverse)
-    split_tokens   forward: split (rows)      backward: all-gather (rows)
-    gather_tokens  forward: all-gather (rows) backward: split (rows)
+    dispatch_to_experts   forward: all-to-all        backward: all-to-all (reverse)
+    combine_from_experts  forward: all-to-all        backward: all-to-all (reverse)
+    split_tokens          forward: split (rows)      backward: all-gather (rows)
+    gather_tokens         forward: all-gather (rows) backward: split (rows)
 
 A rank sends ``send_sizes[s]`` rows to rank s and receives ``recv_sizes[s]`` from it; the sizes
 differ from rank to rank (the router decides them), so every rank learns what it will receive

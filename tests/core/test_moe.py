@@ -25,10 +25,10 @@ BALANCE_COEF, Z_COEF = 0.1, 0.01
 TOL = 5e-6  # measured 5.7e-7 (the router weight's gradient, EP 2)
 ROUTERS = {  # Mixtral (renormalised, shared experts), Qwen3-MoE without renormalising,
     # DeepSeek-V3 (sigmoid, a selection bias, scaled weights); 6 experts: 2, 2, 1, 1 over 4 ranks
-    "softmax-norm": dict(num_experts=6, top_k=2, shared_hidden_dim=8),
-    "softmax": dict(num_experts=6, top_k=2, norm_topk_prob=False),
-    "sigmoid": dict(num_experts=6, top_k=3, router="sigmoid", route_scale=2.5,
-                    shared_hidden_dim=8),
+    "softmax-norm": {"num_experts": 6, "top_k": 2, "shared_hidden_dim": 8},
+    "softmax": {"num_experts": 6, "top_k": 2, "norm_topk_prob": False},
+    "sigmoid": {"num_experts": 6, "top_k": 3, "router": "sigmoid", "route_scale": 2.5,
+                    "shared_hidden_dim": 8},
 }
 LAYOUTS = {  # name: (ranks, tp, ep)
     "ep1": (1, 1, "data"), "ep2": (2, 1, "data"), "ep4": (4, 1, "data"),
@@ -216,11 +216,11 @@ def test_grouped_matmul_and_its_fallback_agree():
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(num_experts=0, top_k=1), "num_experts=0; it must be at least 1"),
-    (dict(num_experts=4, top_k=0), "top_k=0; it must be at least 1"),
-    (dict(num_experts=4, top_k=5), "top_k=5 is more than num_experts=4"),
-    (dict(num_experts=4, top_k=2, router="relu"), "router='relu'"),
-    (dict(num_experts=4, top_k=2, shared_hidden_dim=-1), "shared_hidden_dim=-1"),
+    ({"num_experts": 0, "top_k": 1}, "num_experts=0; it must be at least 1"),
+    ({"num_experts": 4, "top_k": 0}, "top_k=0; it must be at least 1"),
+    ({"num_experts": 4, "top_k": 5}, "top_k=5 is more than num_experts=4"),
+    ({"num_experts": 4, "top_k": 2, "router": "relu"}, "router='relu'"),
+    ({"num_experts": 4, "top_k": 2, "shared_hidden_dim": -1}, "shared_hidden_dim=-1"),
 ], ids=["no-experts", "top-k-0", "top-k-above-experts", "router", "shared"])
 def test_config_refused_in_one_line(kwargs, words):
     with pytest.raises(ValueError, match=words) as e:
