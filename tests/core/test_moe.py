@@ -28,7 +28,7 @@ ROUTERS = {  # Mixtral (renormalised, shared experts), Qwen3-MoE without renorma
     "softmax-norm": {"num_experts": 6, "top_k": 2, "shared_hidden_dim": 8},
     "softmax": {"num_experts": 6, "top_k": 2, "norm_topk_prob": False},
     "sigmoid": {"num_experts": 6, "top_k": 3, "router": "sigmoid", "route_scale": 2.5,
-                    "shared_hidden_dim": 8},
+                "shared_hidden_dim": 8},
 }
 LAYOUTS = {  # name: (ranks, tp, ep)
     "ep1": (1, 1, "data"), "ep2": (2, 1, "data"), "ep4": (4, 1, "data"),
