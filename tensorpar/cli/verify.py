@@ -180,7 +180,7 @@ def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
         raise ValueError(f"--tp must be >= 1, got {n}")
     head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
     if cfg.dim % cfg.num_heads:
-        raise ValueError(f"--dim {cfg.dim} does not divide by --num-heads {cfg.num_heads}")
+        raise ValueError(f"--dim {cfg.dim} does not divide by --n-head {cfg.num_heads}")
     for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):
         if value < n:
             raise ValueError(f"{flag} {value} cannot be split over --tp {n}")
@@ -196,6 +196,10 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     # under torchrun every rank judges (and exits) alike; rank 0 prints the tables
     return report(results, cfg, n, sequence_parallel, say)
 
+
+
+# the block's sizes under train's flag names (the dataclass's own names stay as aliases)
+TRAIN_NAMES = {"num_heads": "--n-head", "num_kv_heads": "--n-kv-head"}
 
 
 def add_parser(sub) -> None:
@@ -222,7 +226,9 @@ def add_parser(sub) -> None:
                    "that is not even)")
     for f in dataclasses.fields(BlockConfig):
         extra = " (with --pp: a micro-batch's)" if f.name == "batch_size" else ""
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
+        old = f"--{f.name.replace('_', '-')}"  # --num-heads: kept, an alias of train's name
+        names = [TRAIN_NAMES[f.name], old] if f.name in TRAIN_NAMES else [old]
+        p.add_argument(*names, type=int, default=f.default, dest=f.name,
                        help=f"{f.metadata['help']}{extra} (default {f.default})")
     p.set_defaults(func=run, check_collectives_by_default=True)
 
