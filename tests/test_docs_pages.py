@@ -9,7 +9,17 @@ import shlex
 import subprocess
 import sys
 
-from docs_source import DOCS, NOT_RUN, README, ROOT, bash_lines, env, page_name, tensorpar_at
+from docs_source import (
+    DOCS,
+    NOT_RUN,
+    README,
+    ROOT,
+    bash_lines,
+    env,
+    fenced_blocks,
+    page_name,
+    tensorpar_at,
+)
 
 # flags of other programs the docs name (torchrun, pip, pytest, make, tensorboard, git)
 OTHER_FLAGS = {"--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
@@ -108,7 +118,28 @@ def test_cli_reference_is_generated():
         "docs/cli.md is stale: run python docs/gen_cli.py"
     train = _command_parsers()["train"]
     text = (ROOT / "docs" / "cli.md").read_text()
-    assert all(f"`{f}`" in text for f in _flags_of(train)), "a train flag is missing"
+    missing = {f for f in _flags_of(train) - {"--help"} if f"`{f}`" not in text}
+    assert not missing, f"train flags missing: {sorted(missing)}"
+
+
+def test_quoted_code_is_the_code():
+    """A ```py block (code a page quotes, not a program to run) is the file it names word for
+    word: each of its paragraphs (lines between blank lines) is in the file named in the
+    sentence before the block (``tensorpar/...py``), as written."""
+    quoted = 0
+    for path in DOCS:
+        text = path.read_text()
+        for lang, start, body in fenced_blocks(path):
+            if lang != "py":
+                continue
+            before = "\n".join(text.splitlines()[max(0, start - 4):start - 1])
+            m = re.search(r"`(tensorpar/[\w/]+\.py)`", before)
+            assert m, f"{page_name(path)}:{start}: name the quoted file just before the block"
+            source = (ROOT / m[1]).read_text()
+            for part in re.split(r"\n\s*\n", body.strip("\n")):
+                assert part in source, f"{page_name(path)}:{start}: not in {m[1]}:\n{part}"
+                quoted += 1
+    assert quoted, "learn.md quotes f and g"
 
 
 def test_docs_site_builds_strictly(tmp_path):
