@@ -19,9 +19,9 @@ INTRO = """\
 Every `tensorpar` command and every flag, with its help as `tensorpar COMMAND --help` prints it.
 Generated from the parsers by `python docs/gen_cli.py` (the suite regenerates it and fails on
 any difference). `python -m tensorpar` is the same program. The train flags are the fields of
-the trainer's and the GPT's config dataclasses, one per field. A boolean flag `--x` has its
-`--no-x`, where listed. Every command also takes the flags of [every command](#every-command),
-before the command's name or after it.
+the trainer's and the GPT's config dataclasses, one per field. A boolean flag lists its
+negation (`--compile`, `--no-compile`) where it has one. Every command also takes the flags of
+[every command](#every-command), before the command's name or after it.
 """
 
 

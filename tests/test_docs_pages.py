@@ -142,6 +142,21 @@ def test_quoted_code_is_the_code():
     assert quoted, "learn.md quotes f and g"
 
 
+def test_cited_tests_exist_and_tested_footers_list_them():
+    """Every test file a page cites (``tests/...py``) exists; a page with a "Tested" footer lists
+    there every test file it cites anywhere."""
+    missing, unlisted = [], []
+    for path in DOCS:
+        text = path.read_text()
+        cited = set(re.findall(r"tests/[\w/]+\.py", text))
+        missing += [f"{page_name(path)}: {t}" for t in sorted(cited) if not (ROOT / t).is_file()]
+        if "\n## Tested\n" in text:
+            footer = set(re.findall(r"tests/[\w/]+\.py", text.split("\n## Tested\n")[1]))
+            unlisted += [f"{page_name(path)}: {t}" for t in sorted(cited - footer)]
+    assert not missing, f"cited test files that do not exist: {missing}"
+    assert not unlisted, f"cited but not in the page's Tested footer: {unlisted}"
+
+
 def test_docs_site_builds_strictly(tmp_path):
     """``mkdocs build --strict``: every page in the nav, every link resolving, the API reference
     generated from the docstrings without a warning."""
