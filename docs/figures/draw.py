@@ -309,8 +309,8 @@ def memory():
     bottom = [0.0] * len(MEMORY)
     for label, values, color in parts:
         ax.bar(xs, values, 0.6, bottom=bottom, color=color, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    for x, (_, _, peak) in zip(xs, MEMORY.values()):
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (_, _, peak) in zip(xs, MEMORY.values(), strict=True):
         ax.text(x, peak + 2, f"{peak:.1f}", ha="center", fontsize=9.5)
     ax.axhline(80, color=INK, lw=1)
     ax.axhline(72, color=INK, lw=1, ls="--")
