@@ -206,9 +206,9 @@ def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused
     """The trainer's step (forward, backward, gradient clipping, fused AdamW, zero_grad), twice;
     the second under MemoryMeter, against the planner's total (what ``tensorpar train`` prints
     as planned against measured)."""
-    from tensorpar.parallel.layout import Layout, clip_grad_norm_
+    from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
     from tensorpar.train.optim import adamw, implementation
-    layout = Layout.gather(model)
+    ownership = ShardOwnership.gather(model)
     opt = adamw(model.parameters(), lr=1e-4)
     for _ in range(2):
         with MemoryMeter(device) as mem:
@@ -216,7 +216,7 @@ def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused
                 loss = model(ids, ids)
             loss.backward()
             del loss
-            clip_grad_norm_(model, layout, 1.0)
+            clip_grad_norm_(model, ownership, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
     kw = {"device": device} if "device" in plan.tensorpar_memory.__code__.co_varnames else {}
@@ -226,7 +226,7 @@ def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused
     planned = plan.tensorpar_memory(shape, 1, args.batch, args.seq, False,
                                     "bf16-autocast" if bf16 else "fp32",
                                     "full" if recompute else "none", fused, optimizer=kind, **kw)
-    del opt, layout
+    del opt, ownership
     model.zero_grad(set_to_none=True)
     return (f"-- training step (AdamW {kind}, as tensorpar train): measured peak "
             f"{mib(mem.peak_bytes)}; planned {mib(planned['total'])} at {planned['peak_at']} "

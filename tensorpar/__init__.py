@@ -8,7 +8,7 @@ The packages, and the one direction their imports flow (each imports only those 
     ranks        local ranks, torchrun's ranks, signals, failures, check mode
     checkpoint   sharded checkpoints that load at any TP size
     planner      memory and communication per rank, the memory meter
-    dp           the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
+    mesh         the ("pp", "dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
     gpt          tensorpar's GPT, its tokenizers, generation
     hf           Hugging Face plans, parallelize, from_pretrained, LoRA, export
     train        the trainer: config, run, loop, data (text, shards, chat), recipes
@@ -42,7 +42,7 @@ _WHERE = {
     "CollectiveMismatch": "ranks.failures", "init_tensor_parallel": "runtime.groups",
     "tp_rank": "runtime.groups", "tp_size": "runtime.groups", "RankError": "ranks.local",
     "RankPool": "ranks.local", "launch": "ranks.local",
-    "data_parallel": "dp.wrap", "init_parallel": "dp.mesh",
+    "data_parallel": "mesh.data_parallel", "init_parallel": "mesh.mesh",
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
 }
 

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tensorpar.cli.verify import TOLERANCE, check_config, dense_shard, max_rel_error
+from tensorpar.cli.compare import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
@@ -128,13 +128,13 @@ def verify_pipeline_rank(check: PipelineCheck, seed: int,
     schedule = Schedule(check.train_config(), PipelineParts(part, stages), stages, mesh, device,
                         check.micro_batches, s.vocab_size, torch.float32)
     tokens = torch.tensor(float(targets.numel()), device=device)
-    layout = Layout.gather(part, tp_group)
+    ownership = ShardOwnership.gather(part, tp_group)
     schedule.step(ids, targets, tokens)  # the first step sets up its transfers (not counted)
     part.zero_grad()
     counter = CollectiveCounter({"pp": [pp_group, schedule.transfers], "tp": tp_group})
     with counter:  # a steady step, as the trainer's summary counts it, and its gradient norm
         loss_pp = schedule.step(ids, targets, tokens)
-        norm = clip_grad_norm_(part, layout, float("inf"), tp_group, pp_group=pp_group)
+        norm = clip_grad_norm_(part, ownership, float("inf"), tp_group, pp_group=pp_group)
 
     errors = {"loss": max_rel_error(loss_pp, loss)}
     reference = dict(whole.named_parameters())

@@ -64,7 +64,7 @@ from tensorpar.hf.lora import (
     frozen_in_bf16,
     read_peft,
 )
-from tensorpar.hf.parallelize import check_layout, has_dropout
+from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
@@ -122,7 +122,7 @@ class HFRecipe:
                              "which torch.compile does not trace")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
-            check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
+            check_plan_fits(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
 

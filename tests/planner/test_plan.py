@@ -11,7 +11,7 @@ import torch
 from tensorpar.cli import plan as plan_cli
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
@@ -45,7 +45,7 @@ def _measure(cases):
         pass
     for cfg_d, sp, bf16, recompute, optimizer in cases:
         model = GPT(GPTConfig(**cfg_d), None, sp, seed=0, recompute=recompute)
-        layout = Layout.gather(model)
+        ownership = ShardOwnership.gather(model)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS[optimizer])
         assert implementation(opt) == optimizer
         ids = torch.randint(0, cfg_d["vocab_size"], (B, T))
@@ -55,7 +55,7 @@ def _measure(cases):
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = model(ids, ids)
                 loss.backward()
-                clip_grad_norm_(model, layout, 1.0)
+                clip_grad_norm_(model, ownership, 1.0)
                 counted = {k: dict(getattr(comm, k)) for k in ("counts", "bytes", "ring_bytes")}
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -1,5 +1,5 @@
 """The data-parallel planner against measurement: TP x DP with FSDP2 and DDP on real gloo ranks
-(``tensorpar.dp``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
+(``tensorpar.mesh``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
 on the dp group and on the tp group equal to CollectiveCounter's, exactly."""
 
 import gc
@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.dp.mesh import init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, inner
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
+from tensorpar.mesh.mesh import init_parallel
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import ddp_buckets, dp_comm, dp_memory, fsdp_elements
 from tensorpar.planner.layouts import plan_memory
@@ -54,7 +54,7 @@ def _measure(tp, dp, cases):
         with MemoryMeter() as before:  # what earlier cases and tests left: not ours
             pass
         model = GPT(GPTConfig(**cfg_d), tp_group, sp, seed=0, recompute=recompute)
-        layout = Layout.gather(model, tp_group)
+        ownership = ShardOwnership.gather(model, tp_group)
         # the trainer's: under bf16 FSDP2 gathers bf16 weights (its MixedPrecisionPolicy)
         wrapped = data_parallel(model, mesh, mode, param_dtype=torch.bfloat16 if bf16 else None)
         opt = adamw(wrapped.parameters())
@@ -68,7 +68,7 @@ def _measure(tp, dp, cases):
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = wrapped(ids, ids)
                 loss.backward()
-                clip_grad_norm_(inner(wrapped), layout, 1.0, tp_group,
+                clip_grad_norm_(inner(wrapped), ownership, 1.0, tp_group,
                                 dp_group if mode == "fsdp" else None)
                 reported = loss.detach().clone()
                 dist.all_reduce(reported, group=dp_group)
@@ -83,7 +83,7 @@ def _measure(tp, dp, cases):
                     "comm": {group: {k: dict(v) for k, v in counted.items()}
                              for group, counted in comm.by_group.items()},
                     "buckets": buckets})
-        del wrapped, model, opt, layout, loss, reported  # the loss's graph holds the model
+        del wrapped, model, opt, ownership, loss, reported  # the loss's graph holds the model
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.shapes import shape_from_hf_config
@@ -51,18 +51,18 @@ def _lora_peaks(path, tp, cases):
             for p in model.parameters():
                 if not p.requires_grad:
                     p.normal_(0, 0.05)
-        forward, layout = recipe.loss_fn(model, cfg, group), Layout.gather(model, group)
+        forward, ownership = recipe.loss_fn(model, cfg, group), ShardOwnership.gather(model, group)
         opt = make_optimizer(model, cfg)
         for _ in range(2):
             with MemoryMeter() as mem:
                 with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
                     loss = forward(ids[:, :-1], ids[:, 1:])
                 loss.backward()
-                clip_grad_norm_(model, layout, 1.0, group)
+                clip_grad_norm_(model, ownership, 1.0, group)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         out.append(mem.peak_bytes - before.entry_bytes)
-        del model, forward, layout, opt, loss
+        del model, forward, ownership, opt, loss
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
@@ -30,7 +30,7 @@ def _measure(modes):
     for sp, dropout, bf16, recompute in modes:
         model = GPT(GPTConfig(**CFG, dropout=0.1 if dropout else 0.0), None, sp, seed=0,
                     recompute=recompute)
-        layout = Layout.gather(model)
+        ownership = ShardOwnership.gather(model)
         opt = torch.optim.AdamW(model.parameters(), fused=True)
         ids = torch.randint(0, CFG["vocab_size"], (B, T))
         for step in range(2):  # the second step: AdamW states exist, as in steady training
@@ -39,7 +39,7 @@ def _measure(modes):
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = model(ids, ids)
                 loss.backward()
-                clip_grad_norm_(model, layout, 1.0)
+                clip_grad_norm_(model, ownership, 1.0)
                 counted = {k: dict(getattr(comm, k)) for k in ("counts", "bytes", "ring_bytes")}
                 opt.step()
                 opt.zero_grad(set_to_none=True)
