@@ -22,7 +22,7 @@ for split in "--tp 1 --dp 2" "--tp 2 --dp 2"; do
 done
 echo "== shards on the GPU"
 python3 - <<'PY'
-from tensorpar.train.data import default_corpus
+from tensorpar.data.text import default_corpus
 import os
 os.makedirs("/tmp/corpus", exist_ok=True)
 t = default_corpus()

@@ -39,7 +39,7 @@ from docs_source import (
     tensorpar_at,
 )
 
-from tensorpar.train.data import default_corpus
+from tensorpar.data.text import default_corpus
 
 from tests_common import bpe_tokenizer, char_tokenizer, tensorpar_here
 

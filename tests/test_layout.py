@@ -19,14 +19,15 @@ MAY_IMPORT = {
     "parallel": {"runtime"},
     "transformer": {"runtime", "parallel"},
     "ranks": {"runtime"},
+    "data": {"runtime"},
     "checkpoint": CORE,
     "planner": CORE,
     "mesh": CORE | {"ranks"},
-    "gpt": CORE | {"checkpoint", "planner"},
-    "hf": CORE | {"ranks", "checkpoint", "planner", "mesh"},
-    "train": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf"},
-    "bench": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf", "train"},
-    "cli": CORE | {"ranks", "checkpoint", "planner", "mesh", "gpt", "hf", "train", "bench"},
+    "gpt": CORE | {"data", "checkpoint", "planner"},
+    "hf": CORE | {"ranks", "data", "checkpoint", "planner", "mesh"},
+    "train": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf"},
+    "bench": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf", "train"},
+    "cli": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf", "train", "bench"},
 }
 ENTRY = {"__init__.py", "__main__.py"}  # the only files at the top of the package
 
@@ -150,7 +151,8 @@ def test_import_tensorpar_loads_torch_only():
 
 # what the layers must never load: starting ranks, signal handling, failure reports, check mode
 APPLICATION = ("tensorpar.ranks", "tensorpar.train", "tensorpar.cli", "tensorpar.checkpoint",
-               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.mesh")
+               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.mesh",
+               "tensorpar.data")
 
 
 def test_the_layers_load_no_application_module():

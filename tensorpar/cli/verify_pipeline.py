@@ -30,6 +30,7 @@ from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
+from tensorpar.planner.step import Step
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
@@ -95,10 +96,10 @@ def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
     if check.tp == 1:
         return {}
     part = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)[2]
-    return rank_tp_comm(gpt_shape(check.model), check.tp, len(part["blocks"]), part["embed"],
-                        part["head"], check.sizes.batch_size, check.sizes.seq_len,
-                        check.micro_batches, check.sequence_parallel, "fp32", "none",
-                        False)["counts"]
+    step = Step(gpt_shape(check.model), check.tp,
+                check.sizes.batch_size * check.micro_batches, check.sizes.seq_len, "fp32",
+                check.sequence_parallel, micro_batches=check.micro_batches)
+    return rank_tp_comm(step, len(part["blocks"]), part["embed"], part["head"])["counts"]
 
 
 def verify_pipeline_rank(check: PipelineCheck, seed: int,

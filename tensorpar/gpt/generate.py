@@ -40,9 +40,9 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
+from tensorpar.data.tokenizer import run_tokenizer
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, pick_token
-from tensorpar.gpt.tokenizer import run_tokenizer
 from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.seeds import derive_seed
 

@@ -37,6 +37,14 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
+from tensorpar.data.chat import IGNORE_INDEX, describe_examples, is_chat_file, pad_id, read_examples
+from tensorpar.data.packing import (
+    ExampleBatches,
+    TokenBatches,
+    ValidationExamples,
+    ValidationWindows,
+)
+from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
 from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
@@ -45,18 +53,8 @@ from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
-from tensorpar.train.chat import (
-    IGNORE_INDEX,
-    ExampleBatches,
-    ValidationExamples,
-    describe_examples,
-    is_chat_file,
-    pad_id,
-    read_examples,
-)
 from tensorpar.train.compute import tf32_matmuls
 from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
-from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
@@ -138,7 +136,7 @@ class Run:
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
         tokenizer = recipe.tokenizer()
         self.data_note = None  # what the summary says of chat or instruction examples
-        if is_chat_file(cfg.data):  # examples, trained on their answers (chat.py)
+        if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
             examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
@@ -195,7 +193,7 @@ class Run:
         self.out = Path(cfg.out)
         if self.lead:
             self.out.mkdir(parents=True, exist_ok=True)
-            recipe.prepare(self.out)
+            recipe.write_run_files(self.out)
         self.meta = recipe.manifest() | {
             "train": dataclasses.asdict(cfg),
             "data": {"source": self.source, "sha256_16": self.batches.digest,
@@ -220,7 +218,7 @@ class Run:
         t0 = time.perf_counter()
         x, y, *packed = self.batches.batch(step)  # the whole step's batch, on every rank
         self.data_seconds = time.perf_counter() - t0  # the step's wait for its data
-        # --pack: each row's positions restart at every example (chat.ExampleBatches)
+        # --pack: each row's positions restart at every example (packing.ExampleBatches)
         pos = packed[0].to(self.device) if packed and cfg.pack else None
         at = {} if pos is None else {"position_ids": pos}
         if self.pipeline is not None:  # the passes are the pipeline's micro-batches

@@ -24,9 +24,9 @@ import torch
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.cli.main import main
+from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.gpt.generate import generate
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.tokenizer import ByteTokenizer
 from tensorpar.hf import export
 from tensorpar.parallel.ownership import ShardOwnership
 
