@@ -81,6 +81,16 @@ def test_the_flags_a_command_is_shown_with_are_its_own():
     assert not wrong, sorted(wrong)
 
 
+def test_verify_spells_the_head_flags_as_train():
+    """``verify --n-head`` and ``--n-kv-head`` are train's names for the same sizes; the
+    dataclass's ``--num-heads`` and ``--num-kv-heads`` stay as aliases."""
+    verify = _command_parsers()["verify"]
+    new = verify.parse_args(["--n-head", "4", "--n-kv-head", "1"])
+    old = verify.parse_args(["--num-heads", "4", "--num-kv-heads", "1"])
+    assert (new.num_heads, new.num_kv_heads) == (old.num_heads, old.num_kv_heads) == (4, 1)
+    assert {"--n-head", "--n-kv-head"} <= _flags_of(_command_parsers()["train"])
+
+
 def test_every_tensorpar_line_parses():
     """Every tensorpar line of the README's and the docs' bash blocks, its placeholders left as
     they are, is accepted by ``tensorpar``'s parser as written (the slow test_bash_line runs
