@@ -315,7 +315,7 @@ def resolve_hf(flags: RunFlags) -> tuple[TrainConfig, HFRecipe, str | None]:
     if cfg.lora_init is not None and resume_from is None:
         _adopt_peft_config(cfg)
         check_init(read_peft(cfg.lora_init)[1], cfg.lora_rank, lora_targets(cfg),
-                   _meta_model(recipe.source), cfg.lora_init)
+                   recipe.meta_model(), cfg.lora_init)
     if resume_from is not None:
         _check_same_lora(cfg, resume_from)
     if cfg.lora_rank is not None and cfg.lora_targets is not None:  # names in the blocks
