@@ -112,17 +112,16 @@ class Region:
         """Each column's (weight, bias), the shared rows' gradients summed in one all-reduce,
         and the adapted columns' B (``parallel/lora.py``)."""
         ws, bs = [c.weight for c in columns], [c.bias for c in columns]
-        shared = [i for i, c in enumerate(columns) if c.shared]
         b_lora = [c.lora_B.weight for c in adapted]
-        shared_b = [j for j, c in enumerate(adapted) if c.shared]
-        if shared:
-            summed = sum_shared_shard_grads([ws[i] for i in shared] + [bs[i] for i in shared]
-                                            + [b_lora[j] for j in shared_b],
-                                            self.group, columns[shared[0]].shard_spec)
-            for j, i in enumerate(shared):
-                ws[i], bs[i] = summed[j], summed[len(shared) + j]
-            for k, j in enumerate(shared_b):
-                b_lora[j] = summed[2 * len(shared) + k]
+        # (list, index) of each tensor of shared rows that trains (a frozen one needs no sum)
+        places = [(t, i) for t, cs in ((ws, columns), (bs, columns), (b_lora, adapted))
+                  for i, c in enumerate(cs)
+                  if c.shared and t[i] is not None and t[i].requires_grad]
+        if places:
+            spec = next(c for c in columns if c.shared).shard_spec
+            summed = sum_shared_shard_grads([t[i] for t, i in places], self.group, spec)
+            for (t, i), s in zip(places, summed, strict=True):
+                t[i] = s
         return ws, bs, b_lora
 
     def _products_of(self, columns: list[InRegionColumn], x: torch.Tensor,

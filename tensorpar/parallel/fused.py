@@ -232,7 +232,7 @@ def _input_grad(dys, weights, dtype, out: torch.Tensor | None = None) -> torch.T
         if dy.dtype == dtype:  # accumulate in place: no temporary
             dx_2d.addmm_(dy.reshape(-1, dy.shape[-1]), w)
         else:  # bf16 products summed in fp32, as the plain path's autograd sums them
-            dx.add_(torch.matmul(dy, w))
+            dx_2d.add_(torch.mm(dy.reshape(-1, dy.shape[-1]), w))
     return dx
 
 

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tensorpar.gpt.stages import describe_split
-from tensorpar.planner.comm import predicted_comm
+from tensorpar.planner.comm import lora_sites, predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
 from tensorpar.planner.pipeline import plan_pipeline, step_transfers
@@ -360,9 +360,12 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
     bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"
     if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
+        lora = None if shape is None or getattr(cfg, "lora_rank", None) is None else \
+            lora_sites(shape, cfg.lora_rank, cfg.lora_targets, cfg.lora_dropout > 0,
+                       input_grad=bool(cfg.recompute))
         minimum = None if shape is None or pp > 1 else predicted_comm(
             shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n,
-            bf16_params=bf16_params)
+            bf16_params=bf16_params, lora=lora)
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
             table.add_row("analytic count (payload)", _by_source(minimum, sp))

@@ -262,3 +262,63 @@ def test_generate_from_a_full_fine_tune(ranks, models, tmp_path):
                           "--max-new-tokens", "8")
     assert said.returncode == 0, said.stderr
     assert said.stdout == tok.decode(greedy[0]) + "\n", (said.stdout, tok.decode(greedy[0]))
+
+
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|' + m['role'] + '|>' }}"
+                 "{%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + eos_token }}"
+                 "{% endgeneration %}{%- else %}{{ m['content'] }}{%- endif %}{%- endfor %}")
+
+
+@pytest.fixture(scope="module")
+def chat_llama(models, tmp_path_factory):
+    """The tiny Llama with a chat template, and a file of conversations for it."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("lora-chat")
+    shutil.copytree(models["llama"], root / "model")
+    tok = transformers.AutoTokenizer.from_pretrained(root / "model")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(root / "model")
+    words = "the with statement class import def return yield lambda".split()
+    with open(root / "chat.jsonl", "w") as f:
+        for i in range(12):
+            messages = [{"role": "user", "content": " ".join(words[i % 9:])},
+                        {"role": "assistant", "content": " ".join(words[:(i % 5) + 2])}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("case", [
+    ("llama", 2, {}), ("llama", 2, {"sequence_parallel": True}), ("llama", 3, {}),
+    ("llama", 2, {"recompute": True}),
+    ("llama", 2, {"recompute": True, "sequence_parallel": True}), ("llama", 2, {"lora_dropout": 0.2}),
+    ("llama", 2, {"lora_dropout": 0.2, "sequence_parallel": True}),
+    ("llama", 2, {"dtype": "bf16"}), ("gpt2", 2, {}), ("chat", 2, {}),
+    ("chat", 2, {"pack": True, "sequence_parallel": True})])
+def test_summary_counts_lora_collectives_exactly(ranks, runs, models, chat_llama, case,
+                                                tmp_path):
+    """A LoRA run's summary: every collective of its measured step is the analytic count
+    (``planner.comm.lora_sites``), kind by kind, calls and bytes: on text, chat and packed chat
+    data, with and without sequence parallelism, with recompute, adapter dropout and bf16; at
+    TP=3, where the Llama's KV heads are shared by two ranks. Without SP, no adapter adds a
+    collective but the first block's A-gradient sum (z and dz ride the base's all-reduces)."""
+    from tensorpar.planner.comm import lora_sites, predicted_comm
+    from tensorpar.planner.shapes import shape_from_hf_config
+
+    family, tp, flags = case
+    if family == "chat":
+        result, _ = train(ranks, chat_llama / "model", tmp_path, tp, whole=True,
+                          **(LORA | flags | {"steps": 1, "seq_len": 48}),
+                          data=str(chat_llama / "chat.jsonl"))
+        seq = 48
+    else:
+        result, seq = runs(family, tp, **flags)[2], LORA["seq_len"]
+    path = models["llama" if family == "chat" else family]
+    shape = shape_from_hf_config(json.loads((path / "config.json").read_text()), family)
+    lora = lora_sites(shape, LORA["lora_rank"], None, "lora_dropout" in flags,
+                      input_grad=flags.get("recompute", False))
+    predicted = predicted_comm(shape, LORA["batch_size"], seq, tp,
+                               flags.get("sequence_parallel", False), flags.get("dtype", "fp32"),
+                               "full" if flags.get("recompute") else "none", lora=lora)
+    assert result["comm"]["counts"] == dict(predicted["counts"]), predicted["breakdown"]
+    assert result["comm"]["bytes"] == dict(predicted["bytes"]), predicted["breakdown"]
