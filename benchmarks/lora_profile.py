@@ -103,8 +103,9 @@ def _report(res: dict, args) -> None:
         return
     print("  categories, self CPU ms a step (rank 0): full / lora")
     cats = res["profile"]["full"]["categories_ms_per_step"]
+    lora_cats = res["profile"]["lora"]["categories_ms_per_step"]
     for c in cats:
-        print(f"    {c:26s} {cats[c]:9.1f} {res['profile']['lora']['categories_ms_per_step'][c]:9.1f}")
+        print(f"    {c:26s} {cats[c]:9.1f} {lora_cats[c]:9.1f}")
     full, lora = res["ops"]["full"], res["ops"]["lora"]
     names = sorted(set(full) | set(lora),
                    key=lambda n: -abs(lora.get(n, [0, 0])[0] - full.get(n, [0, 0])[0]))

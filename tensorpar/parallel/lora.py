@@ -34,9 +34,11 @@ So LoRA adds no collective without SP: z (r values a token) rides each row layer
 all-reduce and dz each column op's input-gradient all-reduce; only a column op whose input
 needs no gradient (the first block's attention) sums its A's gradients in one all-reduce of its
 own. Under SP it adds one all-reduce of the replicated factor's gradient per adapted op (A for
-a block's column op, B for each row layer), r/(B·T) of the activations' size. Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform,
-a = sqrt(5)) drawn dense from a generator seeded by the layer's name, B zeros; so every TP size
-starts from the same adapter.
+a block's column op, B for each row layer), r/(B·T) of the activations' size.
+
+Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform, a = sqrt(5)) drawn dense
+from a generator seeded by the layer's name, B zeros; so every TP size starts from the same
+adapter.
 
 Dropout (PEFT's ``lora_dropout``: ``B A dropout(x)``, a mask of its own per adapted layer)::
 
