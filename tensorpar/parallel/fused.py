@@ -27,6 +27,11 @@ The matmuls themselves stay separate: concatenating the weights into one GEMM wa
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
+LoRA's replicated factor A can be one more weight of the op (``partial``): each rank's gradient
+of its product is then a part of the whole, and travels in the input gradient's all-reduce,
+beside sum_i dy_i W_i, so that A's gradient comes out whole (``_grads_with_partials``,
+``parallel/lora.py``).
+
 Under ``torch.compile`` a traced backward would wait for each functional collective at once, so
 the backward is one custom op (``tensorpar::column_backward``) that runs the eager code above.
 
