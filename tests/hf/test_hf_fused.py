@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 
 from hf_split import assert_split  # noqa: E402
 
-from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.cli.compare import dense_shard  # noqa: E402
 from tensorpar.hf.fused_blocks import InRegionColumn  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tensorpar.cli.hf import generate_hf_rank  # noqa: E402
+from tensorpar.cli.generate import generate_hf_rank  # noqa: E402
 from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 
