@@ -182,8 +182,7 @@ class Run:
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
             ({} if dp == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
-            ({} if self.pp_group is None else {"pp": [self.pp_group,
-                                                      self.pipeline.transfers]})
+            ({} if self.pp_group is None else {"pp": self.pipeline.groups()})
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0

@@ -360,7 +360,7 @@ def _comm_rows(table: Table, comm: dict, plan: RunPlan | None, tp: int, sp: bool
     """The collectives of one measured step (``comm``: rank 0's TP ones, and its "dp" and "pp"
     ones), each against the planner's count (``plan``; None: the planner cannot describe the
     model)."""
-    if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
+    if comm["counts"]:  # with pipeline stages, rank 0's: its blocks and the embedding
         minimum = None if plan is None else plan.tp_comm
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
