@@ -71,7 +71,7 @@ class TrainConfig:
         "help": "with --val-data: the first K batches of --batch-size windows",
         "default": "all of them"})
     pack: bool = dataclasses.field(default=False, metadata={
-        "help": "with chat or instruction examples (--data FILE.jsonl) and --hf: several "
+        "help": "with chat or instruction examples (--data FILE.jsonl): several "
                 "examples in each sequence, positions restarting at each and attention "
                 "confined to it, instead of one padded example a sequence"})
     lora_rank: int | None = dataclasses.field(default=None, metadata={

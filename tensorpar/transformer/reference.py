@@ -82,7 +82,7 @@ class BlockConfig:
     num_heads: int = _doc(8, "query heads")
     num_kv_heads: int = _doc(2, "key/value heads (GQA; fewer than --tp shares them)")
     hidden_dim: int = _doc(172, "MLP hidden width")
-    seq_len: int = _doc(12, "tokens per sequence (must divide by --tp under SP)")
+    seq_len: int = _doc(12, "tokens per sequence (under SP at least --tp: shards may be uneven)")
     batch_size: int = _doc(2, "sequences per batch")
 
 
