@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.parallel.stages import rank_stages, stage_blocks
-from tensorpar.planner.comm import predicted_comm
+from tensorpar.planner.comm import lora_sites, predicted_comm
 from tensorpar.planner.data_parallel import dp_comm, dp_memory
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.pipeline import (
@@ -64,10 +64,14 @@ def plan_run(step: Step, places: list[RankPlace]) -> RunPlan:
     else:
         # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
         bf16_params = step.autocast and step.fsdp
+        # LoRA: transformers' checkpointing makes the embedding's output take a gradient
+        lora = None if step.lora is None else lora_sites(
+            step.shape, step.lora.rank, step.lora.targets, step.lora.dropout > 0,
+            input_grad=step.recompute == "full")
         tp_comm = predicted_comm(
             step.shape, step.micro, step.seq, step.tp, step.sequence_parallel,
             "fp32" if step.dtype == "fp32" else "bf16", step.recompute,
-            passes=step.micro_batches, bf16_params=bf16_params)
+            passes=step.micro_batches, bf16_params=bf16_params, lora=lora)
         dp = dp_comm(step.shape, step.tp, step.dp, step.dp_mode, rank=0,
                      passes=step.micro_batches, bf16_params=bf16_params)
     pp = step_transfers(step.pp, step.virtual, step.micro_batches, 0, step.micro, step.seq,
