@@ -32,9 +32,7 @@ confined to it (``packing.ExampleBatches``).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from tensorpar.data.formats import BadExample, is_json_lines, read_record, records
 

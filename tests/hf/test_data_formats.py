@@ -10,9 +10,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tensorpar.data.tokenizer import HFTokenizer  # noqa: E402
 from tensorpar.data.chat import describe_examples, read_examples  # noqa: E402
 from tensorpar.data.text import overlap_warning  # noqa: E402
+from tensorpar.data.tokenizer import HFTokenizer  # noqa: E402
 
 from tests_common import tensorpar_here  # noqa: E402
 
