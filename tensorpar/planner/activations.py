@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 # where the step runs: the saved tensors of RMSNorm and attention differ (``block_terms``)
 DEVICES = ("cpu", "cuda")
@@ -63,7 +63,7 @@ class PassSizes:
 
 def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
     """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
-    (h0, h1), (k0, k1), shared = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    (h0, h1), (k0, k1), shared = head_shards(shape.n_head, shape.n_kv_head, tp, rank)
     v0, v1 = shard_range(shape.vocab_size, tp, rank)
     f0, f1 = shard_range(shape.hidden_dim, tp, rank)
     return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 __all__ = ["ADAMW", "DTYPES", "RECOMPUTE", "rank_shapes", "rank_params", "lora_params",
            "tensorpar_memory"]
@@ -178,7 +178,7 @@ def converted_block_terms(shape: ModelShape, tp: int, rank: int, terms: dict, N:
       and whose (B, h, T, hd) output the o_proj input copies (measured on an H200: d=2048,
       16/8 heads, B8 x T1024: 768 MiB kept by a forward's attention).
     """
-    (h0, h1), (k0, k1), _ = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    (h0, h1), (k0, k1), _ = head_shards(shape.n_head, shape.n_kv_head, tp, rank)
     hd, hl, kvl = shape.head_dim, h1 - h0, k1 - k0
     group = shape.n_head // shape.n_kv_head
     kv_index = [h // group - k0 for h in range(h0, h1)]  # the local KV head of each query head
