@@ -2,14 +2,17 @@
 
 A ``ModelShape`` describes a decoder-only transformer by its sizes only (nothing is built). It
 comes from a preset (the published shapes of GPT-2 and Llama 2/3) or a Hugging Face
-``config.json`` dict (Llama, Mistral, Qwen2 and GPT-2 keys; plain json, no transformers).
-the trainer describes tensorpar's own GPT (``tensorpar/train/shape.py``): the planner knows no
+``config.json`` dict (Llama, Mistral, Qwen2 and GPT-2 keys, and the Mixture-of-Experts families:
+Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3; plain json, no transformers). MoE layers and
+latent attention are ``experts.py``'s. The trainer describes tensorpar's own GPT (``tensorpar/train/shape.py``): the planner knows no
 model class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tensorpar.planner.experts import Experts, LatentAttention, experts_from_hf, mla_from_hf
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class ModelShape:
     # a Hugging Face model's gradient checkpointing does; the GPT's stops at its last saved tensor
     # (the MLP's exit only with dropout: its mask, drawn after the exit, is saved last)
     recompute_block_exit: bool = False
+    moe: Experts | None = None  # the MoE layers (their MLP replaced); None: dense
+    mla: LatentAttention | None = None  # DeepSeek's latent attention instead of q, k, v
+    qk_norm: bool = False  # an RMSNorm of head_dim on q and on k (Qwen3)
+    o_bias: bool = False  # a bias on the output projection alone (GPT-OSS, with qkv_bias)
+    sinks: bool = False  # a learned attention sink per head (GPT-OSS)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -50,21 +58,53 @@ class ModelShape:
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"model {self.name}: norm {self.norm!r} must be 'rms' or 'layer'")
 
-    def params(self) -> int:
-        """Dense parameter count."""
-        D, hd, L = self.dim, self.head_dim, self.n_layer
+    def attention_params(self) -> int:
+        """One block's attention elements (its norm not included)."""
+        D, hd = self.dim, self.head_dim
         q, kv = self.n_head * hd, self.n_kv_head * hd
-        attn = D * (q + 2 * kv) + q * D
-        mlp = (3 if self.gated_mlp else 2) * D * self.hidden_dim
-        norm = D * (2 if self.norm == "layer" else 1)
+        if self.mla is not None:
+            attn = self.mla.params(D, self.n_head)
+        else:
+            attn = D * (q + 2 * kv) + q * D
         if self.bias:
             attn += q + 2 * kv + D
-            mlp += (2 if self.gated_mlp else 1) * self.hidden_dim + D
         elif self.qkv_bias:
-            attn += q + 2 * kv
+            attn += q + 2 * kv + (D if self.o_bias else 0)
+        return attn + (2 * hd if self.qk_norm else 0) + (self.n_head if self.sinks else 0)
+
+    def dense_mlp_params(self) -> int:
+        mlp = (3 if self.gated_mlp else 2) * self.dim * self.hidden_dim
+        if self.bias:
+            mlp += (2 if self.gated_mlp else 1) * self.hidden_dim + self.dim
+        return mlp
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Layer ``layer``'s MLP elements: the dense MLP's, or an MoE layer's router, routed
+        experts (``active``: only the top-k a token uses) and shared experts."""
+        m = self.moe
+        if m is None or not m.is_moe(layer):
+            return self.dense_mlp_params()
+        routed = (m.top_k if active else m.experts) * m.expert_params(self.dim)
+        return m.router_params(self.dim) + routed + m.shared_params(self.dim)
+
+    def expert_params(self) -> int:
+        """The routed experts' elements in all layers (what expert parallelism divides)."""
+        m = self.moe
+        return 0 if m is None else \
+            m.moe_layers(self.n_layer) * m.experts * m.expert_params(self.dim)
+
+    def params(self, active: bool = False, embedding: bool = True) -> int:
+        """Parameter count: all of them, or ``active`` (those one token's forward uses: the
+        top-k routed experts of each MoE layer, every other weight); ``embedding`` False leaves
+        the input embedding table out (the convention of GPT-OSS's and DeepSeek-V3's published
+        active counts; Mixtral's and Qwen's keep it)."""
+        D, L = self.dim, self.n_layer
+        norm = D * (2 if self.norm == "layer" else 1)
         head = 0 if self.tie_embeddings else self.vocab_size * D
-        return (self.vocab_size * D + self.learned_pos * D + L * (attn + mlp + 2 * norm)
-                + norm + head)
+        embed = self.vocab_size * D if embedding else 0
+        blocks = sum(self.mlp_params(i, active) for i in range(L)) + \
+            L * (self.attention_params() + 2 * norm)
+        return embed + self.learned_pos * D + blocks + norm + head
 
 
 def _gpt2(name, n_layer, dim, n_head):
@@ -91,6 +131,38 @@ PRESETS: dict[str, ModelShape] = {s.name: s for s in (
 )}
 
 
+# the Mixture-of-Experts presets: the keys of each model's published config.json on the Hugging
+# Face hub (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, openai/gpt-oss-120b,
+# deepseek-ai/DeepSeek-V3), read by shape_from_hf_config as any such file is
+MOE_CONFIGS: dict[str, dict] = {
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
+        "tie_word_embeddings": False},
+    "gpt-oss-120b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "attention_bias": True, "tie_word_embeddings": False},
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "tie_word_embeddings": False},
+}
+
+
 def preset(name: str) -> ModelShape:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
@@ -109,17 +181,26 @@ def shape_from_hf_config(d: dict, name: str) -> ModelShape:
                              bias=True, tie_embeddings=d.get("tie_word_embeddings", True),
                              learned_pos=d.get("n_positions", 1024), recompute_block_exit=True)
         heads = d["num_attention_heads"]
+        mla = mla_from_hf(d)
         return ModelShape(
             name, d["vocab_size"], d["num_hidden_layers"], d["hidden_size"], heads,
-            d.get("num_key_value_heads") or heads, d["intermediate_size"],
+            # latent attention: as many K and V heads as queries, of the q/k head width
+            heads if mla else d.get("num_key_value_heads") or heads, d["intermediate_size"],
             bias=bool(d.get("mlp_bias", False)) and bool(d.get("attention_bias", False)),
-            qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(d.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             # transformers' default differs by family: Gemma ties, Llama does not
             tie_embeddings=bool(d.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            head_dim=d.get("head_dim") or 0, sp_embedding_all_reduce=True,
-            recompute_block_exit=True)
+            head_dim=(mla.qk_nope + mla.qk_rope) if mla else d.get("head_dim") or 0,
+            sp_embedding_all_reduce=True, recompute_block_exit=True,
+            moe=experts_from_hf(d, d["num_hidden_layers"]), mla=mla,
+            qk_norm=model_type.startswith("qwen3"),
+            o_bias=model_type == "gpt_oss" and bool(d.get("attention_bias", False)),
+            sinks=model_type == "gpt_oss")
     except KeyError as e:
         raise ValueError(f"{name}: not a GPTConfig, tensorpar manifest or Hugging Face config "
                          f"(missing key {e})") from None
     except TypeError as e:  # a value of the wrong type (a string for a size, a null)
         raise ValueError(f"{name}: a value has the wrong type ({e})") from None
+
+
+PRESETS.update({name: shape_from_hf_config(d, name) for name, d in MOE_CONFIGS.items()})
