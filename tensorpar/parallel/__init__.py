@@ -8,7 +8,7 @@
 - ``norm``, ``dropout``: LayerNorm/RMSNorm and dropout on sequence shards, the RNG streams
 - ``fused``: the overlapped column op and the in-place row reduction (opt-in performance)
 - ``expert_dispatch``: tokens to their experts and back (the all-to-all pair), split and
-  gathered over TP
+  gathered over TP; ``folding``: the rule for EP ranks borrowed from the dp x tp ranks
 - ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``stages``: the same over layers
   (pipeline stages) and ``check_pipeline``; ``grad_sync``: gradient sums for parameters several
   ranks hold; ``ownership``: who owns which slice, the global gradient norm

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
+from tensorpar.planner.experts import moe_tensors
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.transformer.attention import head_shards
@@ -127,6 +128,8 @@ def block_terms(step: Step, rank: int = 0) -> dict:
     t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
     # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
     t["weight copies"] = block_copies(shape, s) if autocast else 0
+    if shape.moe is not None:  # an MoE layer instead of the MLP (every layer planned as one)
+        t |= moe_terms(step, rank, N, Ns, act)
     t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
     t["total"] = sum(t.values())
     return t
@@ -146,3 +149,28 @@ def paper_activations(shape: ModelShape, tp: int, batch: int, seq: int,
     else:
         per_layer = s * b * h * (34 + scores)
     return round(shape.n_layer * per_layer)
+
+
+def moe_terms(step: Step, rank: int, N: int, Ns: int, act: int) -> dict:
+    """An MoE layer's terms in place of the MLP's (an estimate from ``ParallelMoE``'s code, not
+    yet measured): each TP rank routes n tokens (its ``tensor_split`` share of the N, or under
+    SP its shard), so sends n·k rows and, routing even, receives as many; kept for backward are
+    the router's fp32 logits and scores (n x E each), the rows sent, the rows received in
+    expert order, SwiGLU's four (n·k, H_e) tensors, and the experts' outputs for the weighted
+    sum (n·k x D each, in autocast's dtype); the shared experts keep what the MLP keeps, at
+    their width. Under autocast the bf16 copies are of this EP rank's experts, the router and
+    the shared experts' TP share (``experts.moe_tensors``)."""
+    shape, tp, m = step.shape, step.tp, step.shape.moe
+    n = Ns if step.sequence_parallel and tp > 1 else shard_sizes(N, tp)[rank]
+    rows = n * m.top_k
+    shared = shard_sizes(m.shared_hidden, tp)[rank] if m.shared_hidden else 0
+    mlp_copies = (3 if shape.gated_mlp else 2) * shard_sizes(shape.hidden_dim, tp)[rank] * \
+        shape.dim * 2
+    copies = 0
+    if step.autocast:
+        moe = moe_tensors(shape, tp, rank, step.ep)
+        copies = block_copies(shape, rank_shapes(shape, tp, rank)) - mlp_copies + \
+            2 * sum(d * r for name, d, r in moe if not name.endswith("bias"))
+    return {"mlp": 4 * rows * m.hidden * act + 4 * N * shared * act,
+            "router": 2 * n * m.experts * 4, "expert rows": 3 * rows * shape.dim * act,
+            "weight copies": copies}

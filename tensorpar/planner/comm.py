@@ -156,24 +156,32 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
         r.exit_backward("embedding", 1, res_b)
     ride = {p: lora_riding(lora, p, N, out_b, res_b) if lora and not sp else (0, 0)
             for p in ("attention", "mlp")}
+    # an MoE model: the MLP's collectives in its dense layers, and in its MoE layers those of
+    # the shared experts (split as the MLP); the MoE layers' own are moe_comm's
+    count = {"attention": L, "mlp": L if shape.moe is None else
+             L - shape.moe.moe_layers(L) * (not shape.moe.shared_hidden)}
     for part in ("attention", "mlp"):
+        Lp = count[part]
         # LoRA: the first block's ops before its first adapter take no input gradient, and
         # without SP the adapters' z and dz ride the rows' and columns' all-reduces
         first = lora["first_block"][part] if lora else {"dx": True, "dy": True}
-        r.enter_region(f"{part} (x{L} blocks)", "forward", L)
-        r.exit_region(f"{part} (x{L} blocks)", "forward", L, out_b, ride[part][0])
-        r.enter_backward(f"{part} (x{L} blocks)", L - (not first["dx"]), ride[part][1])
+        r.enter_region(f"{part} (x{Lp} blocks)", "forward", Lp)
+        r.exit_region(f"{part} (x{Lp} blocks)", "forward", Lp, out_b, ride[part][0])
+        r.enter_backward(f"{part} (x{Lp} blocks)", Lp - (not first["dx"]), ride[part][1])
         if lora is None or (lora["columns"][part] and not lora["dropout"]):  # A's gradient
-            r.regather(f"{part} input re-gather (x{L} blocks)", L)
-        r.exit_backward(f"{part} (x{L} blocks)", L - (not first["dy"]), out_b)
+            r.regather(f"{part} input re-gather (x{Lp} blocks)", Lp)
+        r.exit_backward(f"{part} (x{Lp} blocks)", Lp - (not first["dy"]), out_b)
     if recompute == "full":
         r.enter_region("recompute: attention", "backward", L)
         r.exit_region("recompute: attention", "backward", L, out_b, ride["attention"][0])
-        r.enter_region("recompute: mlp entry", "backward", L)
+        r.enter_region("recompute: mlp entry", "backward", count["mlp"])
         # LoRA under SP: the row layer's last saved tensors (A's input, z) come before its
         # reduce-scatter, so the recompute stops short of it (measured on a Llama)
         if shape.recompute_block_exit and not (sp and lora is not None):
-            r.exit_region("recompute: mlp exit", "backward", L, out_b, ride["mlp"][0])
+            r.exit_region("recompute: mlp exit", "backward", count["mlp"], out_b,
+                          ride["mlp"][0])
+    if shape.moe is not None:
+        moe_tp_rows(r.add, shape, N, D, sp, recompute, res_b)
     r.enter_region("LM head f", "forward", 1)
     r.enter_backward("LM head f", 1)
     if lora is None:  # a frozen head: no weight gradient, nothing to gather again
@@ -193,6 +201,26 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     r.add("grad norm", "step", "all_reduce", 1, 4)
     minimum = 2 * L * N * D * (out_b + res_b)
     return totals(r.rows) | {"minimum_block_bytes": minimum if t > 1 else 0}
+
+
+def moe_tp_rows(add, shape: ModelShape, N: int, D: int, sp: bool, recompute: str,
+                res_b: int) -> None:
+    """An MoE layer's own TP collectives (``ParallelMoE``; its shared experts are the MLP's)
+    through ``add``: without SP each TP rank routes its share of the tokens, so the outputs are
+    all-gathered (forward, fp32: the routing weights are) and so are the input gradients
+    (backward); the router's weight gradient (E x D fp32) is summed over TP (backward). The
+    TP ranks are planned in one EP group (they hold different experts)."""
+    layers = shape.moe.moe_layers(shape.n_layer)
+    forward = 2 if recompute == "full" else 1
+    if not sp:
+        add(f"MoE outputs gathered (x{layers})", "forward", "all_gather", layers, N * D * 4)
+        if forward == 2:
+            add(f"recompute: MoE outputs gathered (x{layers})", "backward", "all_gather",
+                layers, N * D * 4)
+        add(f"MoE input grads gathered (x{layers})", "backward", "all_gather", layers,
+            N * D * res_b)
+    add(f"router grads (x{layers})", "backward", "all_reduce", layers,
+        shape.moe.experts * D * 4)
 
 
 def lora_sites(shape: ModelShape, r: int, targets: str | None = None,

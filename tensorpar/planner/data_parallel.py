@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from tensorpar.planner.activations import rank_shapes
 from tensorpar.planner.comm import totals
+from tensorpar.planner.experts import moe_tensors
 from tensorpar.planner.memory import step_temporaries
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import DP_MODES, Budget, Step
@@ -88,10 +89,12 @@ def check_dp(dp: int, mode: str) -> None:
         raise ValueError(f"--dp-mode {mode!r}: expected {' or '.join(DP_MODES)}")
 
 
-def tensor_shapes(shape: ModelShape, tp: int, rank: int = 0) -> dict[str, list[tuple]]:
+def tensor_shapes(shape: ModelShape, tp: int, rank: int = 0, ep: int = 1,
+                  ep_rank: int = 0) -> dict[str, list[tuple]]:
     """This TP rank's parameter tensors, (name, dim 0, elements per row), in the model's order:
     "root" (what ``fully_shard(model)`` holds: embedding, position table, final norm, LM head)
-    and "block" (one block's)."""
+    and "block" (one block's; an MoE model's: an MoE block, EP rank ``ep_rank``'s experts,
+    ``experts.moe_tensors``, also where a few layers keep a dense MLP)."""
     s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
     hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
     layer = shape.norm == "layer"
@@ -108,6 +111,8 @@ def tensor_shapes(shape: ModelShape, tp: int, rank: int = 0) -> dict[str, list[t
         linear("attn.v_proj", kvl * hd, D, qkv_bias) + linear("attn.o_proj", D, hl * hd, shape.bias)
     mlp = (linear("mlp.gate", H, D, shape.bias) if shape.gated_mlp else []) + \
         linear("mlp.up", H, D, shape.bias) + linear("mlp.down", D, H, shape.bias)
+    if shape.moe is not None:
+        mlp = moe_tensors(shape, tp, rank, ep, ep_rank)
     block = norm("attn_norm") + attention + norm("mlp_norm") + mlp
     root = [("embed.weight", s["vocab"], D)]
     root += [("pos.weight", shape.learned_pos, D)] if shape.learned_pos else []
@@ -131,12 +136,12 @@ def fsdp_elements(tensors: list[tuple], dp: int, dp_rank: int = 0) -> dict[str, 
     return out
 
 
-def ready_order(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
+def ready_order(shape: ModelShape, tp: int, rank: int = 0, ep: int = 1) -> list[tuple]:
     """The parameter tensors in the order their gradients are complete in backward (DDP's
     buckets follow it): the LM head, the final norm, each block from the last (its MLP from the
     output side, then attention), then the embedding (a tied head's too: a table used twice is
     complete once both uses have given their gradient)."""
-    t = tensor_shapes(shape, tp, rank)
+    t = tensor_shapes(shape, tp, rank, ep)
     root = {name.split(".")[0]: (name, d0, row) for name, d0, row in t["root"]}
     order = [root["lm_head"]] if "lm_head" in root else []
     order += [x for x in reversed(t["root"]) if x[0].startswith("norm.")]
@@ -147,12 +152,13 @@ def ready_order(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
 
 
 def ddp_buckets(shape: ModelShape, tp: int, rank: int = 0, grad_bytes: int = 4,
-                first: int = DDP_FIRST_BUCKET, cap: int = DDP_BUCKET_CAP) -> list[int]:
+                first: int = DDP_FIRST_BUCKET, cap: int = DDP_BUCKET_CAP,
+                ep: int = 1) -> list[int]:
     """Bytes of each of DDP's gradient buckets in a steady step (after its rebuild in the first
     step), in order: tensors in ``ready_order`` fill a bucket until it holds ``first`` bytes,
     then each next until ``cap``; the rest make the last."""
     buckets, size, limit = [], 0, first
-    for _, d0, row in ready_order(shape, tp, rank):
+    for _, d0, row in ready_order(shape, tp, rank, ep):
         size += d0 * row * grad_bytes
         if size >= limit:
             buckets.append(size)
@@ -175,7 +181,7 @@ def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
 
 def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes: int = 4,
             rank: int = 0, report_loss: bool = True, passes: int = 1,
-            bf16_params: bool = False) -> dict:
+            bf16_params: bool = False, ep: int = 1) -> dict:
     """Collectives TP ``rank`` issues on its dp group in one step, as ``comm.predicted_comm``
     returns the TP ones: {"counts", "bytes", "ring_bytes"} per kind (as ``CollectiveCounter``
     counts them), "breakdown" rows {source, phase, kind, calls, bytes, ring_bytes}. Nothing when
@@ -187,7 +193,8 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
     and backward passes of the step (gradient accumulation): FSDP2 gathers the weights again in
     each, while the gradients are reduced once, with the last. bf16_params: FSDP2 gathers bf16
     copies of the weights (tensorpar's bf16: its ``MixedPrecisionPolicy``); the gradients are
-    still reduced in ``param_bytes``. DDP: no effect."""
+    still reduced in ``param_bytes``. DDP: no effect. ep: an MoE model's routed experts split
+    over ep ranks (the rank's share travels; planned on the dp group)."""
     check_dp(dp, mode)
     width, gather = param_bytes, 2 if bf16_params else param_bytes
     L, rows = shape.n_layer, []
@@ -200,7 +207,7 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
                          "bytes": calls * payload,
                          "ring_bytes": calls * round(payload * ring_share(kind, dp))})
 
-    t = tensor_shapes(shape, tp, rank)
+    t = tensor_shapes(shape, tp, rank, ep)
     if mode == "fsdp":
         root = fsdp_elements(t["root"], dp)["unsharded"]
         block = fsdp_elements(t["block"], dp)["unsharded"]
@@ -214,7 +221,7 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
             add(f"grad norm: {name.split('.', 1)[1]} gathered (x{L})", "step", "all_gather", L,
                 width * fsdp_elements([(name, d0, row)], dp)["unsharded"])
     else:
-        buckets = ddp_buckets(shape, tp, rank, width)
+        buckets = ddp_buckets(shape, tp, rank, width, ep=ep)
         for size in sorted(set(buckets), reverse=True):
             add(f"gradient buckets of {size:,} B", "backward", "all_reduce",
                 buckets.count(size), size)
@@ -271,9 +278,10 @@ def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budge
         return accumulated(step, mem, rank).replace(dp_buffers=0, held=0)
     shape, tp = step.shape, step.tp
     param_bytes, state_bytes = dp_bytes(step.dtype)
-    t = tensor_shapes(shape, tp, rank)
+    t = tensor_shapes(shape, tp, rank, step.ep)
     if mode == "ddp":
-        buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank))
+        buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank,
+                                                                             step.ep))
         return accumulated(step, mem, rank).replace(dp_buffers=buckets, held=buckets)
     root, block = fsdp_elements(t["root"], dp, dp_rank), fsdp_elements(t["block"], dp, dp_rank)
     L, b, peaks = shape.n_layer, mem.blocks, mem.peaks

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorpar.parallel.sharding import shard_sizes
+
 ROUTERS = ("softmax", "sigmoid")  # the library's MoEConfig.router
 
 
@@ -119,3 +121,33 @@ def mla_from_hf(d: dict) -> LatentAttention | None:
         return None
     return LatentAttention(int(d.get("q_lora_rank") or 0), d["kv_lora_rank"],
                            d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"])
+
+
+def moe_tensors(shape, tp: int, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> list[tuple]:
+    """The parameter tensors of one MoE layer's MLP on TP rank ``rank``, EP rank ``ep_rank``
+    (name, dim 0, elements per row), as ``ParallelMoE`` holds them: the router whole on every
+    rank, the rank's ``tensor_split`` share of the routed experts (fused gate-up (E_r, 2H_e, D)
+    and down (E_r, D, H_e), their biases), the shared experts split over TP as the MLP."""
+    m, D = shape.moe, shape.dim
+    E_r = shard_sizes(m.experts, ep)[ep_rank]
+    out = [("mlp.router.weight", m.experts, D)]
+    out += [("mlp.router.bias", m.experts, 1)] if m.router_bias else []
+    out += [("mlp.experts.gate_up_proj", E_r, 2 * m.hidden * D),
+            ("mlp.experts.down_proj", E_r, D * m.hidden)]
+    if m.expert_bias:
+        out += [("mlp.experts.gate_up_proj_bias", E_r, 2 * m.hidden),
+                ("mlp.experts.down_proj_bias", E_r, D)]
+    if m.shared_hidden:
+        Hs = shard_sizes(m.shared_hidden, tp)[rank]
+        out += [("mlp.shared.gate", Hs, D), ("mlp.shared.up", Hs, D),
+                ("mlp.shared.down", D, Hs)]
+        out += [("mlp.shared_gate", 1, D)] if m.shared_gate else []
+    return out
+
+
+def rank_attention(shape, heads_local: int) -> int:
+    """Latent attention's elements on a TP rank holding ``heads_local`` query heads: the
+    bottlenecks' down projections and norms whole, the rest split by heads."""
+    a = shape.mla
+    whole = a.replicated(shape.dim)
+    return whole + (a.params(shape.dim, shape.n_head) - whole) * heads_local // shape.n_head

@@ -68,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
+from tensorpar.planner.experts import moe_tensors, rank_attention
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
 from tensorpar.transformer.attention import head_shards
@@ -76,12 +77,15 @@ __all__ = ["ADAMW", "DTYPES", "RECOMPUTE", "rank_shapes", "rank_params", "lora_p
            "tensorpar_memory"]
 
 
-def rank_params(shape: ModelShape, tp: int, rank: int = 0) -> dict:
+def rank_params(shape: ModelShape, tp: int, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict:
     """Parameter elements this rank holds: total, matmul weights (autocast copies them), the
-    largest tensor (the optimizer's temporaries) and the count of tensors."""
+    largest tensor (the optimizer's temporaries), the count of tensors, the largest block, and
+    "experts" (the routed experts' share of EP rank ``ep_rank`` of ``ep``: ``experts.py``)."""
     s, D, hd = rank_shapes(shape, tp, rank), shape.dim, shape.head_dim
     qkv = (s["heads"] + 2 * s["kv_heads"]) * hd * D
     o = s["heads"] * hd * D
+    if shape.mla is not None:  # latent attention: counted whole as one "qkv"
+        qkv, o = rank_attention(shape, s["heads"]), 0
     mlp = (3 if shape.gated_mlp else 2) * s["hidden"] * D
     norm = D * (2 if shape.norm == "layer" else 1)
     bias = 0
@@ -89,7 +93,8 @@ def rank_params(shape: ModelShape, tp: int, rank: int = 0) -> dict:
         bias = (s["heads"] + 2 * s["kv_heads"]) * hd + D + \
             (2 if shape.gated_mlp else 1) * s["hidden"] + D
     elif shape.qkv_bias:
-        bias = (s["heads"] + 2 * s["kv_heads"]) * hd
+        bias = (s["heads"] + 2 * s["kv_heads"]) * hd + (D if shape.o_bias else 0)
+    bias += (2 * hd if shape.qk_norm else 0) + (s["heads"] if shape.sinks else 0)
     embed = s["vocab"] * D
     head = 0 if shape.tie_embeddings else embed
     block = qkv + o + mlp + 2 * norm + bias
@@ -98,9 +103,20 @@ def rank_params(shape: ModelShape, tp: int, rank: int = 0) -> dict:
     linears = 7 if shape.gated_mlp else 6  # q, k, v, o, (gate,) up, down
     biases = linears if shape.bias else 3 if shape.qkv_bias else 0
     n_tensors += shape.n_layer * (linears + 2 * (1 + (shape.norm == "layer")) + biases)
-    return {"total": embed + head + shape.learned_pos * D + shape.n_layer * block + norm,
-            "matmul": shape.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
-            "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors, "block": block}
+    total = embed + head + shape.learned_pos * D + shape.n_layer * block + norm
+    matmul, largest, experts = shape.n_layer * (qkv + o + mlp) + embed, \
+        max(embed, qkv, s["hidden"] * D), 0
+    if shape.moe is not None:  # the MoE layers' MLP instead of the dense one
+        moe = moe_tensors(shape, tp, rank, ep, ep_rank)
+        n_moe, moe_elements = shape.moe.moe_layers(shape.n_layer), sum(d * r for _, d, r in moe)
+        experts = n_moe * sum(d * r for n, d, r in moe if ".experts." in n)
+        total += n_moe * (moe_elements - mlp)
+        matmul += n_moe * (sum(d * r for n, d, r in moe if not n.endswith("bias")) - mlp)
+        n_tensors += n_moe * (len(moe) - (3 if shape.gated_mlp else 2))
+        largest = max([largest] + [d * r for _, d, r in moe])
+        block = max(block, block - mlp + moe_elements)
+    return {"total": total, "matmul": matmul,  # the head (tied or not) too
+            "largest": largest, "tensors": n_tensors, "block": block, "experts": experts}
 
 
 def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:
@@ -295,7 +311,7 @@ def stored_bytes(step: Step, rank: int) -> tuple[int, int, int]:
     count each) of TP rank ``rank``: the model's, or with LoRA the adapters' gradients and
     states; ``--base-dtype bf16`` holds the frozen projections (an untied head too) in bf16."""
     shape, s, p, lora = step.shape, rank_shapes(step.shape, step.tp, rank), \
-        rank_params(step.shape, step.tp, rank), rank_lora(step, rank)
+        rank_params(step.shape, step.tp, rank, step.ep), rank_lora(step, rank)
     trained = p if lora is None else lora  # what has gradients and AdamW states
     weights = 4 * (p["total"] + (0 if lora is None else lora["total"]))
     if lora is not None and lora["base_dtype"] == "bf16":
@@ -424,7 +440,7 @@ def block_backward(step: Step, rank: int, terms: dict, kept: Kept) -> tuple[int,
     blocks = BlockBudget(between, top - between, one_kept)
     block_copies = BlockBudget(kept.copies - kept.head_copy, copies - kept.copies + kept.head_copy,
                                0 if full else weight_copies)
-    trained = rank_params(shape, step.tp, rank) if lora is None else lora
+    trained = rank_params(shape, step.tp, rank, step.ep) if lora is None else lora
     first = top + (shape.n_layer - 1) * (4 * trained["block"] - one_kept)
     if first > top:
         top = first
@@ -437,7 +453,7 @@ def optimizer_step(step: Step, rank: int, grads: int) -> int:
     """The optimizer step's moment: the gradients and the temporaries of the gradient norm and
     AdamW (``step_temporaries``)."""
     lora = rank_lora(step, rank)
-    trained = rank_params(step.shape, step.tp, rank) if lora is None else lora
+    trained = rank_params(step.shape, step.tp, rank, step.ep) if lora is None else lora
     return grads + step_temporaries(step.optimizer, trained["total"], trained["largest"])
 
 

@@ -62,6 +62,7 @@ class Step:
     # a Hugging Face model converted by tensorpar (its attention keeps other tensors than the
     # GPT's); None: whether ``lora`` is given (only those take adapters)
     converted: bool | None = field(default=None)
+    ep: int = 1  # expert-parallel size: the routed experts split over ep of the dp x tp ranks
 
     @property
     def micro(self) -> int:

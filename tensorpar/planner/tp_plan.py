@@ -5,6 +5,7 @@ parallelism (``data_parallel.dp_memory``), the step's peak and whether it fits a
 
 from __future__ import annotations
 
+from tensorpar.parallel.folding import check_expert_parallel
 from tensorpar.planner.activations import paper_activations
 from tensorpar.planner.data_parallel import check_dp, dp_memory
 from tensorpar.planner.memory import DTYPES, RECOMPUTE, rank_params, tensorpar_memory
@@ -19,6 +20,8 @@ def check_step(step: Step) -> None:
     if step.recompute not in RECOMPUTE:
         raise ValueError(f"recompute {step.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     check_dp(step.dp, step.dp_mode)
+    check_expert_parallel(step.ep, step.tp, step.dp, None if step.shape.moe is None
+                          else step.shape.moe.experts)
     if step.batch % step.dp:
         raise ValueError(f"--batch {step.batch} does not split over --dp {step.dp}: each copy "
                          "takes batch/dp sequences")
@@ -62,7 +65,8 @@ def plan_memory(step: Step, device_memory: float | None = None, reserve: float =
            "dp_mode": step.dp_mode if dp > 1 else None, "dtype": step.dtype,
            "sequence_parallel": step.sequence_parallel, "recompute": step.recompute,
            "batch": step.batch, "seq": step.seq, "device": step.device,
-           "params_per_rank": rank_params(step.shape, step.tp)["total"],
+           "params_per_rank": rank_params(step.shape, step.tp, 0, step.ep)["total"],
+           "ep": step.ep,
            "weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
            "activations": mem.activations, "dp_buffers": mem.dp_buffers,
            "peak_bytes": mem.peak_extra, "peak_at": mem.peak_at,
@@ -87,7 +91,7 @@ def step_memory(step: Step) -> Budget:
         recompute="full" if step.recompute == "full" else "none"))
     if step.dtype != "bf16":
         return mem
-    params = rank_params(step.shape, step.tp)
+    params = rank_params(step.shape, step.tp, 0, step.ep)
     p = params["total"]
     # Megatron-style: bf16 weights and grads, fp32 master weights and moments. The same
     # moments as tensorpar's autocast, less the bf16 weight copies each of them holds (the
