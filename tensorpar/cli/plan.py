@@ -34,6 +34,7 @@ from pathlib import Path
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
+from tensorpar.planner.moe_comm import moe_summary
 from tensorpar.planner.pipeline import plan_pipeline
 from tensorpar.planner.report import (
     fmt,
@@ -153,6 +154,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel copies of the TP-split model (the world is TP x DP "
                    "ranks); 1 is none (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="an MoE model's expert-parallel size: its routed experts split over "
+                   "--ep of the dp x tp ranks (default 1; with --devices the search's)")
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages: the blocks cut into --pp stages over as many ranks "
                    "(tp x dp x pp ranks), run by 1F1B on --micro-batches; plans one layout, "
@@ -243,7 +247,7 @@ def step_from_flags(args, shape, **layout) -> Step:
     fields = {"tp": 1, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
               "sequence_parallel": args.sequence_parallel, "recompute": args.recompute,
               "dp": args.dp, "dp_mode": args.dp_mode, "optimizer": args.optimizer,
-              "device": args.device}
+              "device": args.device, "ep": args.ep}
     return Step(shape, **(fields | layout))
 
 
@@ -335,14 +339,17 @@ def build(args) -> dict:
     rec = "full" if args.recompute == "full" else "none"
     comm = {tp: predicted_comm(shape, args.batch // dp, args.seq, tp, args.sequence_parallel,
                                comm_dtype, rec) for tp in tps}
-    out = {"model": shape.name, "params": shape.params(), "rows": rows, "verdict": verdicts,
+    out = {"model": shape.name, "params": shape.params(), **moe_summary(step.replace(dtype=comm_dtype), tps),
+           "rows": rows,
+           "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
            "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
     if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16 (and FSDP2's
         # bf16 gathers under bf16-autocast)
         out["dp_comm"] = {dtype: {str(tp): dp_comm(
             shape, tp, dp, dp_mode, 2 if dtype == "bf16" else 4,
-            bf16_params=dtype == "bf16-autocast" and dp_mode == "fsdp") for tp in tps}
+            bf16_params=dtype == "bf16-autocast" and dp_mode == "fsdp", ep=args.ep)
+            for tp in tps}
             for dtype in dtypes}
     tp0 = tps[0]  # the comparison at the first TP size asked for
     fp32, bf16 = (plan_memory(step.replace(tp=tp0, dtype=dtype)) for dtype in ("fp32", "bf16"))

@@ -76,3 +76,17 @@ def expected_calls(step: Step) -> dict[str, int]:
     kinds = c["forward"].keys() | c["backward"].keys()
     return {k: layers * (forward * c["forward"].get(k, 0) + c["backward"].get(k, 0))
             for k in sorted(kinds)}
+
+
+def moe_summary(step: Step, tps: list[int] | None = None) -> dict:
+    """What ``tensorpar plan`` shows of an MoE model (nothing for a dense one): its active
+    parameters (with and without the input embedding table: publishers count both ways), its
+    routed experts' parameters, the EP size, and the EP collectives of a step at each TP size
+    of ``tps`` (default the step's)."""
+    shape = step.shape
+    if shape.moe is None:
+        return {}
+    return {"params_active": shape.params(active=True),
+            "params_active_no_embedding": shape.params(active=True, embedding=False),
+            "params_experts": shape.expert_params(), "ep": step.ep,
+            "ep_comm": {str(tp): moe_comm(step.replace(tp=tp)) for tp in (tps or [step.tp])}}

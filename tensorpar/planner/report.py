@@ -26,6 +26,17 @@ def fmt(b: float, unit: tuple[float, str]) -> str:
     return f"{b / unit[0]:,.2f}"
 
 
+def params_text(data: dict) -> str:
+    """"46.70B params" for a dense model, "46.70B params, 12.88B active, EP=8" for an MoE one."""
+    def size(n):
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    text = f"{size(data['params'])} params"
+    if "params_active" in data:
+        text += f", {size(data['params_active'])} active, EP={data['ep']}"
+    return text
+
+
 def _console():
     from rich.console import Console
 
@@ -47,10 +58,8 @@ def print_pipeline(data: dict) -> None:
 
     console = _console()
     unit = unit_for(data["stages"])
-    params = data["params"]
-    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     sp = ", SP" if data["sequence_parallel"] else ""
-    t = Table(title=f"{data['model']} ({size} params), {_layout_name(data)}: batch "
+    t = Table(title=f"{data['model']} ({params_text(data)}), {_layout_name(data)}: batch "
               f"{data['batch']} = {data['dp']} x {data['micro_batches']} micro-batches of "
               f"{data['micro_batch']} x seq {data['seq']}{sp}, {data['dtype']}, recompute "
               f"{data['recompute']}: {unit[1]} per rank")
@@ -171,11 +180,9 @@ def print_tables(data: dict, args) -> None:
     if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
         console = Console(width=120)
     unit = unit_for(data["rows"])
-    params = data["params"]
-    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     dp, dp_mode = data.get("dp", 1), data.get("dp_mode")
     split = f" x DP={dp} ({dp_mode}, {args.batch // dp} per copy)" if dp_mode else ""
-    t = Table(title=f"{data['model']} ({size} params), batch {args.batch}{split} x seq "
+    t = Table(title=f"{data['model']} ({params_text(data)}), batch {args.batch}{split} x seq "
               f"{args.seq}{', SP' if args.sequence_parallel else ''}, recompute "
               f"{args.recompute}, AdamW {args.optimizer}: {unit[1]} per rank")
     extra = ("dp buf",) if dp_mode else ()
@@ -216,6 +223,8 @@ def print_tables(data: dict, args) -> None:
             c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
                       f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
     console.print(c)
+    if "ep_comm" in data:
+        print_ep_comm(console, data)
     if "dp_comm" in data:
         d = Table(title=f"data-parallel communication per step and rank (DP={dp}, {dp_mode}; "
                   "with the loss reported over dp)")
@@ -235,3 +244,22 @@ def print_tables(data: dict, args) -> None:
             sp.add_row(r["split"], r["collectives"], f"{r['ring_bytes'] / 1e6:,.1f}")
         console.print(sp)
         console.print(f"fewest bytes: {data['split'][0]['split']} (no N x hidden tensor moves)")
+
+
+def print_ep_comm(console, data: dict) -> None:
+    """An MoE model's active parameters and its EP collectives per step (``moe_comm``)."""
+    from rich.table import Table
+
+    console.print(f"MoE: {data['params_active']:,} active parameters per token "
+                  f"({data['params_active_no_embedding']:,} without the input embedding); "
+                  f"routed experts {data['params_experts']:,}, split over EP={data['ep']} "
+                  "ranks; the rest over TP")
+    c = Table(title=f"expert-parallel communication per step and rank (EP={data['ep']}; "
+              "sent: the even-routing expectation, (ep-1)/ep of the rows)")
+    for col in ("TP", "kind", "calls", "payload MB", "MB sent"):
+        c.add_column(col, justify="right")
+    for tp, comm in data["ep_comm"].items():
+        for kind, calls in comm["counts"].items():
+            c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
+                      f"{comm['sent'][kind] / 1e6:,.1f}")
+    console.print(c)

@@ -66,7 +66,6 @@ def plan_memory(step: Step, device_memory: float | None = None, reserve: float =
            "sequence_parallel": step.sequence_parallel, "recompute": step.recompute,
            "batch": step.batch, "seq": step.seq, "device": step.device,
            "params_per_rank": rank_params(step.shape, step.tp, 0, step.ep)["total"],
-           "ep": step.ep,
            "weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
            "activations": mem.activations, "dp_buffers": mem.dp_buffers,
            "peak_bytes": mem.peak_extra, "peak_at": mem.peak_at,
@@ -74,6 +73,8 @@ def plan_memory(step: Step, device_memory: float | None = None, reserve: float =
                                                   step.seq, step.sequence_parallel,
                                                   step.recompute),
            "total": mem.total}
+    if step.shape.moe is not None:
+        row["ep"] = step.ep
     if device_memory is not None:
         row["usable"] = round(device_memory * (1 - reserve))
         row["fits"] = row["total"] <= row["usable"]
