@@ -339,9 +339,8 @@ def build(args) -> dict:
     rec = "full" if args.recompute == "full" else "none"
     comm = {tp: predicted_comm(shape, args.batch // dp, args.seq, tp, args.sequence_parallel,
                                comm_dtype, rec) for tp in tps}
-    out = {"model": shape.name, "params": shape.params(), **moe_summary(step.replace(dtype=comm_dtype), tps),
-           "rows": rows,
-           "verdict": verdicts,
+    out = {"model": shape.name, "params": shape.params(),
+           **moe_summary(step.replace(dtype=comm_dtype), tps), "rows": rows, "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
            "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
     if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16 (and FSDP2's
@@ -439,8 +438,9 @@ def build_search(args) -> dict:
                          None if args.pp is None else [args.pp], args.micro_batch_size)
     if out["layouts"]:
         best = out["layouts"][0]
+        ep = f" (EP={best['ep']})" if "ep" in best else ""
         verdict = (f"{len(out['layouts'])} of {out['planned']} layouts fit; best: TP={best['tp']}"
-                   f" x PP={best['pp']} x DP={best['dp']}")
+                   f" x PP={best['pp']} x DP={best['dp']}{ep}")
     elif out["smallest"]:
         low = out["smallest"]
         verdict = (f"no layout of {args.devices} devices fits {args.device_memory} "

@@ -151,3 +151,18 @@ def rank_attention(shape, heads_local: int) -> int:
     a = shape.mla
     whole = a.replicated(shape.dim)
     return whole + (a.params(shape.dim, shape.n_head) - whole) * heads_local // shape.n_head
+
+
+def with_moe(dense: dict, shape, tp: int, rank: int, ep: int, ep_rank: int, mlp: int) -> dict:
+    """``memory.rank_params``' count ``dense`` (every layer with a dense MLP of ``mlp``
+    elements on the rank) with each MoE layer's MLP instead (``moe_tensors``): "experts" the
+    rank's share of the routed experts, "block" the largest block."""
+    moe = moe_tensors(shape, tp, rank, ep, ep_rank)
+    n_moe, elements = shape.moe.moe_layers(shape.n_layer), sum(d * r for _, d, r in moe)
+    matmul = sum(d * r for name, d, r in moe if not name.endswith("bias"))
+    return {"total": dense["total"] + n_moe * (elements - mlp),
+            "matmul": dense["matmul"] + n_moe * (matmul - mlp),
+            "largest": max([dense["largest"]] + [d * r for _, d, r in moe]),
+            "tensors": dense["tensors"] + n_moe * (len(moe) - (3 if shape.gated_mlp else 2)),
+            "block": max(dense["block"], dense["block"] - mlp + elements),
+            "experts": n_moe * sum(d * r for name, d, r in moe if ".experts." in name)}

@@ -68,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
-from tensorpar.planner.experts import moe_tensors, rank_attention
+from tensorpar.planner.experts import rank_attention, with_moe
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
 from tensorpar.transformer.attention import head_shards
@@ -103,20 +103,11 @@ def rank_params(shape: ModelShape, tp: int, rank: int = 0, ep: int = 1, ep_rank:
     linears = 7 if shape.gated_mlp else 6  # q, k, v, o, (gate,) up, down
     biases = linears if shape.bias else 3 if shape.qkv_bias else 0
     n_tensors += shape.n_layer * (linears + 2 * (1 + (shape.norm == "layer")) + biases)
-    total = embed + head + shape.learned_pos * D + shape.n_layer * block + norm
-    matmul, largest, experts = shape.n_layer * (qkv + o + mlp) + embed, \
-        max(embed, qkv, s["hidden"] * D), 0
-    if shape.moe is not None:  # the MoE layers' MLP instead of the dense one
-        moe = moe_tensors(shape, tp, rank, ep, ep_rank)
-        n_moe, moe_elements = shape.moe.moe_layers(shape.n_layer), sum(d * r for _, d, r in moe)
-        experts = n_moe * sum(d * r for n, d, r in moe if ".experts." in n)
-        total += n_moe * (moe_elements - mlp)
-        matmul += n_moe * (sum(d * r for n, d, r in moe if not n.endswith("bias")) - mlp)
-        n_tensors += n_moe * (len(moe) - (3 if shape.gated_mlp else 2))
-        largest = max([largest] + [d * r for _, d, r in moe])
-        block = max(block, block - mlp + moe_elements)
-    return {"total": total, "matmul": matmul,  # the head (tied or not) too
-            "largest": largest, "tensors": n_tensors, "block": block, "experts": experts}
+    dense = {"total": embed + head + shape.learned_pos * D + shape.n_layer * block + norm,
+             "matmul": shape.n_layer * (qkv + o + mlp) + embed,  # the head (tied or not) too
+             "largest": max(embed, qkv, s["hidden"] * D), "tensors": n_tensors, "block": block,
+             "experts": 0}
+    return dense if shape.moe is None else with_moe(dense, shape, tp, rank, ep, ep_rank, mlp)
 
 
 def adamw_temporaries(optimizer: str, total: int, largest: int) -> int:

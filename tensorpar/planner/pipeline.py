@@ -157,12 +157,12 @@ def micro_batch_pieces(step: Step) -> dict:
             "loss_backward": mem.peaks["loss backward"] - mem.activations}
 
 
-def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool) -> dict:
+def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool, ep: int = 1) -> dict:
     """TP rank 0's parameter tensors (name, dim 0, elements per row) of a pipeline rank: "root"
     (the embedding and a position table if it holds stage 0, the final norm and the head if it
     holds the last: a tied head is a copy of the embedding table) and "block" (one block's, as
     ``data_parallel.tensor_shapes``)."""
-    t = tensor_shapes(shape, tp, 0)
+    t = tensor_shapes(shape, tp, 0, ep)
     tied = last and shape.tie_embeddings  # the last stage's head: a copy of the table
     root = [x for x in t["root"] if (first and x[0].startswith(("embed.", "pos.")))
             or (last and x[0].startswith(("norm.", "lm_head.")))
@@ -214,7 +214,7 @@ def rank_memory(step: Step, rank: int) -> dict:
         n = len(blocks[s])
         acts.append(n * pieces["block"] + (pieces["embedding"] if s == 0 else 0)
                     + (pieces["tail"] if s == S - 1 else 0))
-        own = stage_tensors(shape, step.tp, s == 0, s == S - 1)["root"]
+        own = stage_tensors(shape, step.tp, s == 0, s == S - 1, step.ep)["root"]
         # accumulated whole (FSDP2: unsharded, padded) until the last backward
         grads.append(grad_bytes * (_unsharded(own, step.dp, step.fsdp)
                                    + n * _unsharded(stored["block"], step.dp, step.fsdp)))
@@ -245,7 +245,7 @@ def rank_stored(step: Step, first: bool, last: bool, layers: int) -> dict:
     states and step counts), and "local", "largest" (the elements its AdamW steps, the largest
     tensor of them: ``memory.step_temporaries``), "root" and "block" (its tensors); under FSDP2
     each its 1/dp share, as ``data_parallel.dp_memory`` counts it."""
-    t = stage_tensors(step.shape, step.tp, first, last)
+    t = stage_tensors(step.shape, step.tp, first, last, step.ep)
     stored, _, state_bytes = _dtype_bytes(step.dtype)
     params = _elements(t["root"]) + layers * _elements(t["block"])
     if step.fsdp:
@@ -321,8 +321,8 @@ def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
     bf16_params = step.dtype == "bf16-autocast" and step.dp_mode == "fsdp"
     if step.pp == 1:
         return dp_comm(shape, tp, dp, step.dp_mode, stored, passes=step.micro_batches,
-                       bf16_params=bf16_params)
-    t = stage_tensors(shape, tp, first, last)
+                       bf16_params=bf16_params, ep=step.ep)
+    t = stage_tensors(shape, tp, first, last, step.ep)
     rows = []
 
     def add(source, phase, kind, calls, payload):

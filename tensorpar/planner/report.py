@@ -114,15 +114,18 @@ def print_search(data: dict, device_memory: str) -> None:
               f"({data['usable'] / 1e9:.1f} GB usable each): batch {data['batch']} x seq "
               f"{data['seq']}, {data['dtype']}, recompute {data['recompute']}; the layouts that "
               "fit, by estimated step time")
-    for col in ("TP", "PP", "DP", "schedule", "micro-batches", "peak GB", "worst", "bubble",
-                "tp GB", "pp GB", "dp GB", "est. step s"):
+    moe = any("ep" in r for r in data["layouts"])
+    ep_cols = ("EP",) if moe else ()
+    for col in ("TP", "PP", "DP", *ep_cols, "schedule", "micro-batches", "peak GB", "worst",
+                "bubble", "tp GB", "pp GB", "dp GB", *(("ep GB",) if moe else ()), "est. step s"):
         t.add_column(col, justify="right")
     for r in data["layouts"]:
-        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]),
+        groups = ("tp", "pp", "dp", "ep") if moe else ("tp", "pp", "dp")
+        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), *((str(r["ep"]),) if moe else ()),
                   r["schedule"] + (f", V={r['virtual']}" if r["virtual"] > 1 else ""),
                   f"{r['micro_batches']} x {r['micro_batch']}", f"{r['total'] / 1e9:,.1f}",
                   f"pp {r['worst']}", f"{r['bubble']:.1%}",
-                  *(f"{r['sends'][g] / 1e9:,.1f}" for g in ("tp", "pp", "dp")),
+                  *(f"{r['sends'][g] / 1e9:,.1f}" for g in groups),
                   f"{r['step_seconds']:,.2f}")
     if data["layouts"]:
         console.print(t)

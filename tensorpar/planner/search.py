@@ -13,6 +13,9 @@ communication and compute: a ranking proxy that weighs a bubble against bytes, n
 
 from __future__ import annotations
 
+import dataclasses
+
+from tensorpar.planner.moe_comm import moe_comm
 from tensorpar.planner.pipeline import plan_pipeline
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
@@ -32,24 +35,67 @@ def step_flops(shape: ModelShape, batch: int, seq: int, recompute: str = "none")
     D, hd = shape.dim, shape.head_dim
     q, kv = shape.n_head * hd, shape.n_kv_head * hd
     block = D * (q + 2 * kv) + q * D + (3 if shape.gated_mlp else 2) * D * shape.hidden_dim
+    blocks = shape.n_layer * block
+    if shape.moe is not None:  # the weights a token uses: its k experts of each MoE layer
+        blocks = sum(block - (3 if shape.gated_mlp else 2) * D * shape.hidden_dim
+                     + shape.mlp_params(i, active=True) for i in range(shape.n_layer))
     tokens = batch * seq
-    flops = 6 * tokens * (shape.n_layer * block + shape.vocab_size * D)
+    flops = 6 * tokens * (blocks + shape.vocab_size * D)
     flops += 12 * tokens * seq * q * shape.n_layer
     return flops * (4 / 3 if recompute == "full" else 1)
 
 
 def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: int, dp: int,
-                 sends: dict) -> float:
+                 sends: dict, ep: int = 1) -> float:
     """The search's ranking proxy for a step's time: compute at ``DEVICE_FLOPS`` stretched by
     the bubble, plus the bytes a rank sends on each group ("tp", "pp", "dp") at
     ``NODE_BYTES_S`` when the group lies inside a node of ``GPUS_PER_NODE`` devices (the mesh
-    is ("pp", "dp", "tp"): tp innermost) and ``NETWORK_BYTES_S`` when it spans nodes; no
+    is ("pp", "dp", "tp"): tp innermost) and ``NETWORK_BYTES_S`` when it spans nodes; an MoE
+    model's all-to-alls ("ep", its ``ep`` ranks folded from tp outward) likewise; no
     overlap."""
-    span = {"tp": tp, "dp": tp * dp, "pp": tp * dp * pp}
+    span = {"tp": tp, "dp": tp * dp, "pp": tp * dp * pp, "ep": max(ep, tp)}
     seconds = flops_per_device / DEVICE_FLOPS * (1 + bubble_fraction)
     for group, sent in sends.items():
         seconds += sent / (NODE_BYTES_S if span[group] <= GPUS_PER_NODE else NETWORK_BYTES_S)
     return seconds
+
+
+def expert_sizes(shape: ModelShape, tp: int, dp: int) -> list[int]:
+    """The EP sizes a search tries at (tp, dp): every divisor of dp x tp up to the routed
+    experts (``parallel.folding``); 1 for a dense model."""
+    if shape.moe is None:
+        return [1]
+    return [e for e in range(1, min(dp * tp, shape.moe.experts) + 1) if (dp * tp) % e == 0]
+
+
+def plan_layout(step: Step, layout: dict, device_memory: float, reserve: float,
+                micro_batches: int | None, micro_batch_size: int | None, flops: float) -> dict:
+    """One layout of a search: its row (``search_layouts``), or the layout with "why" the
+    schedules refuse it."""
+    tp, pp, dp, v, ep = (layout["tp"], layout["pp"], layout["dp"], layout["virtual"],
+                         layout.get("ep", 1))
+    batch = step.batch
+    if batch % dp:
+        return layout | {"why": f"--batch {batch} does not split over dp {dp}"}
+    if micro_batch_size and (batch // dp) % micro_batch_size:
+        return layout | {"why": f"--micro-batch-size {micro_batch_size} does not divide the "
+                         f"{batch // dp} sequences of a copy"}
+    m = micro_batches or batch // dp // (micro_batch_size or 1)
+    planned = step.replace(tp=tp, pp=pp, dp=dp, virtual=v, micro_batches=m, ep=ep)
+    try:
+        p = plan_pipeline(planned, device_memory, reserve)
+    except ValueError as e:
+        return layout | {"why": str(e)}
+    sends = max(p["comm"], key=lambda c: c["tp"] + c["pp"] + c["dp"])
+    sent = {g: sends[g] for g in ("tp", "pp", "dp")}
+    if step.shape.moe is not None:  # the all-to-alls of the largest stage's layers
+        stage = dataclasses.replace(step.shape, n_layer=-(-step.shape.n_layer // pp))
+        sent["ep"] = moe_comm(planned.replace(shape=stage))["sent"].get("all_to_all", 0)
+    return layout | {
+        "micro_batches": m, "micro_batch": p["micro_batch"], "schedule": p["schedule"],
+        "total": p["total"], "worst": p["worst"], "fits": p["fits"],
+        "peak_at": p["stages"][p["worst"]]["peak_at"], "bubble": p["bubble"],
+        "sends": sent, "step_seconds": step_seconds(flops, p["bubble"], tp, pp, dp, sent, ep)}
 
 
 def search_layouts(step: Step, devices: int, device_memory: float, reserve: float = 0.10,
@@ -76,29 +122,13 @@ def search_layouts(step: Step, devices: int, device_memory: float, reserve: floa
             if pps is not None and pp not in pps:
                 continue
             dp = devices // (tp * pp)
-            v = step.virtual if pp > 1 else 1
-            layout = {"tp": tp, "pp": pp, "dp": dp, "virtual": v}
-            if batch % dp:
-                skipped.append(layout | {"why": f"--batch {batch} does not split over dp {dp}"})
-                continue
-            if micro_batch_size and (batch // dp) % micro_batch_size:
-                skipped.append(layout | {"why": f"--micro-batch-size {micro_batch_size} does "
-                                         f"not divide the {batch // dp} sequences of a copy"})
-                continue
-            m = micro_batches or batch // dp // (micro_batch_size or 1)
-            try:
-                p = plan_pipeline(step.replace(tp=tp, pp=pp, dp=dp, virtual=v, micro_batches=m),
-                                  device_memory, reserve)
-            except ValueError as e:
-                skipped.append(layout | {"why": str(e)})
-                continue
-            sends = max(p["comm"], key=lambda c: c["tp"] + c["pp"] + c["dp"])
-            sent = {g: sends[g] for g in ("tp", "pp", "dp")}
-            rows.append(layout | {
-                "micro_batches": m, "micro_batch": p["micro_batch"], "schedule": p["schedule"],
-                "total": p["total"], "worst": p["worst"], "fits": p["fits"],
-                "peak_at": p["stages"][p["worst"]]["peak_at"], "bubble": p["bubble"],
-                "sends": sent, "step_seconds": step_seconds(flops, p["bubble"], tp, pp, dp, sent)})
+            for ep in expert_sizes(shape, tp, dp):
+                layout = {"tp": tp, "pp": pp, "dp": dp, "virtual": step.virtual if pp > 1 else 1}
+                if shape.moe is not None:
+                    layout["ep"] = ep
+                row = plan_layout(step, layout, device_memory, reserve, micro_batches,
+                                  micro_batch_size, flops)
+                (rows if "why" not in row else skipped).append(row)
     fits = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_seconds"], r["total"]))
     smallest = min(rows, key=lambda r: r["total"]) if rows else None
     return {"model": shape.name, "devices": devices, "batch": batch, "seq": step.seq,

@@ -4,8 +4,8 @@ A ``ModelShape`` describes a decoder-only transformer by its sizes only (nothing
 comes from a preset (the published shapes of GPT-2 and Llama 2/3) or a Hugging Face
 ``config.json`` dict (Llama, Mistral, Qwen2 and GPT-2 keys, and the Mixture-of-Experts families:
 Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3; plain json, no transformers). MoE layers and
-latent attention are ``experts.py``'s. The trainer describes tensorpar's own GPT (``tensorpar/train/shape.py``): the planner knows no
-model class.
+latent attention are ``experts.py``'s. The trainer describes tensorpar's own GPT
+(``tensorpar/train/shape.py``): the planner knows no model class.
 """
 
 from __future__ import annotations
