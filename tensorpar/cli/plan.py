@@ -49,6 +49,7 @@ from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import PRESETS, preset
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, Step
 from tensorpar.planner.tp_plan import plan_memory
+from tensorpar.runtime.output import GIB
 
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_TP = "1,2,4,8"
@@ -189,7 +190,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    "output is read by the output projection as it is), cpu what its CPU "
                    "kernels keep (default cpu)")
     p.add_argument("--device-memory", default="80GB",
-                   help="memory per device, with its unit: 80GB, 24GiB, 512MB (default 80GB)")
+                   help="memory per device, with its unit: GB and MB are decimal (80GB = 80e9 "
+                   "bytes, an H100's 80 GB), GiB and MiB binary (24GiB = 24 x 2^30); plan "
+                   "prints binary units, as train does (80GB shows as 74.5 GiB) (default 80GB)")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of device memory kept free for fragmentation, the CUDA "
                    "context and buffers, from 0 up to 1 (default 0.1)")
@@ -437,10 +440,10 @@ def build_search(args) -> dict:
     elif out["smallest"]:
         low = out["smallest"]
         verdict = (f"no layout of {args.devices} devices fits {args.device_memory} "
-                   f"({out['usable'] / 1e9:.1f} GB usable): the smallest peak is "
-                   f"{low['total'] / 1e9:.1f} GB per rank (TP={low['tp']} x PP={low['pp']} x "
+                   f"({out['usable'] / GIB:.1f} GiB usable): the smallest peak is "
+                   f"{low['total'] / GIB:.1f} GiB per rank (TP={low['tp']} x PP={low['pp']} x "
                    f"DP={low['dp']}), which needs devices of "
-                   f"{low['total'] / (1 - args.reserve) / 1e9:.1f} GB")
+                   f"{low['total'] / (1 - args.reserve) / GIB:.1f} GiB")
     else:
         verdict = (f"no layout of {args.devices} devices can run {shape.name}: all "
                    f"{len(out['skipped'])} are refused, e.g. {out['skipped'][0]['why']}")
