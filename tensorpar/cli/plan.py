@@ -31,8 +31,8 @@ import re
 import sys
 from pathlib import Path
 
-from tensorpar.gpt.shape import load_shape
 from tensorpar.cli.plan_run import apply_run_settings, config_file
+from tensorpar.gpt.shape import load_shape
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm

@@ -40,9 +40,9 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of the
   logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank, where
   the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or the
-  optimizer step. It is checked against ``MemoryMeter`` around real steps: within 10% on CPU
-  (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
-  T2048, fp32, bf16, unfused and recomputed; issue 15).
+  optimizer step. It is checked against ``MemoryMeter`` around real steps: asserted within 10%
+  on CPU (``tests/planner/test_plan.py``), measured within 1% on an H100 (torch 2.11,
+  ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and recomputed).
 
 A Hugging Face model converted by tensorpar (``converted``) keeps other attention tensors than
 the GPT (``converted_block_terms``: K and V per KV head, no o_proj copy, the model's own rotary
@@ -52,8 +52,10 @@ in the norms, no input of a row layer without an adapter, no weight gradients; a
 backward makes two or three hidden-sized gradients more than it keeps, and the final norm's
 backward is a moment of its own. Against ``tensorpar train --hf --lora-rank`` on CPU (torch 2.13,
 a random Llama, d=256, 4 layers, 8/4 heads, B8 x T128, TP 1 and 2, ranks 8 and 16, every
-projection or q_proj,v_proj, fp32, bf16, SP, recomputed): within 0.5% in fp32, 1-4% under bf16
-autocast (``tests/planner/test_plan_lora.py``); on an H200 (torch 2.11, transformers 5.17,
+projection or q_proj,v_proj, fp32, bf16, SP, recomputed): measured within 0.5% in fp32, 1-4%
+under bf16 autocast (``tests/planner/test_plan_lora.py`` asserts 10%); on chat examples, packed
+(``Step.packed``) or not, LoRA and full fine-tunes, asserted within 5% at TP 2
+(``tests/planner/test_plan_packed.py``); on an H200 (torch 2.11, transformers 5.17,
 d=2048, 4 layers, 16/8 heads, B8 x T1024, ``--device cuda``, TP 1 and 2) within 3.5%.
 
 Data parallelism (``tp_plan.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
@@ -360,10 +362,10 @@ def loss_backward(step: Step, z: PassSizes, kept: Kept) -> int:
 
 
 def final_norm_backward(step: Step, z: PassSizes, kept: Kept) -> int:
-    """A converted model's final norm's backward, after the head's, the peak at TP > 1 (where the loss
-    backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's backward adds
-    little. The logits' buffer, the loss's statistics and the head's input are let go; the
-    head's input gradient (fp32) is in, and the norm's backward makes its temporaries
+    """A converted model's final norm's backward, after the head's, the peak at TP > 1 (where
+    the loss backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's
+    backward adds little. The logits' buffer, the loss's statistics and the head's input are
+    let go; the head's input gradient (fp32) is in, and the norm's backward makes its temporaries
     (measured, torch 2.13 CPU): tensorpar's CPU rms_norm (fp32) x·rstd, g·w and the input
     gradient; F.rms_norm composed of ops (CPU autocast) five of the width at its pow's backward
     (the mul's and the mean's gradients, pow's 2·x and its product, and the gradient through

@@ -22,8 +22,8 @@ from tests_common import char_tokenizer  # noqa: E402
 
 # a small random Llama with grouped KV heads, its head untied; rows of 128 tokens hold a few
 # examples each when packed
-CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 TEMPLATE = ("{%- for m in messages %}{{ '<|' + m['role'] + '|>' }}"
             "{%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
             "{% endgeneration %}{%- else %}{{ m['content'] }}{%- endif %}{%- endfor %}"
@@ -38,7 +38,7 @@ def chat_model(tmp_path_factory):
 
 def save_chat_model(root):
     """The model's folder (config, weights, a character tokenizer with a chat template) and a
-    file of 40 conversations of 30 to 100 characters, under ``root``."""
+    file of 40 one-turn conversations of a few dozen characters each, under ``root``."""
     import torch
 
     transformers.logging.set_verbosity_error()
