@@ -75,5 +75,6 @@ def apply_run_settings(args) -> None:
             setattr(args, name, given.get(name, default))
     rank = train.get("lora_rank")
     args.lora = None if rank is None else Lora(rank, train.get("lora_targets"),
-                                               train.get("base_dtype", "fp32"))
+                                               train.get("base_dtype", "fp32"),
+                                               train.get("lora_dropout") or 0.0)
     args.packed, args.converted = bool(train.get("pack")), hf or None
