@@ -124,13 +124,17 @@ def block_terms(step: Step, rank: int = 0) -> dict:
     t["sdpa logsumexp"] = B * hl * T * 4
     # under autocast each apply_rotary casts the fp32 cos and sin tables (T, hd/2) to bf16, for
     # q and for k: four copies per block (in fp32 the shared table is used as it is)
-    t["rotary tables"] = 4 * T * (hd // 2) * 2 if autocast else 0
+    # (packed rows: tables per row, (B, T, hd/2), from each row's positions)
+    t["rotary tables"] = 4 * (B if step.packed else 1) * T * (hd // 2) * 2 if autocast else 0
     t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
     # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
     t["weight copies"] = block_copies(shape, s) if autocast else 0
     if shape.moe is not None:  # an MoE layer instead of the MLP (every layer planned as one)
         t |= moe_terms(step, rank, N, Ns, act)
     t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
+    # packed rows: SDPA turns the block-diagonal (B, 1, T, T) bool mask into an additive one in
+    # q's dtype, which it keeps, one per block (the same on every TP rank: it spans no heads)
+    t["attention mask"] = B * T * T * act if step.packed else 0
     t["total"] = sum(t.values())
     return t
 

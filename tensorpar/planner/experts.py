@@ -153,10 +153,30 @@ def rank_attention(shape, heads_local: int) -> int:
     return whole + (a.params(shape.dim, shape.n_head) - whole) * heads_local // shape.n_head
 
 
+def with_experts(dense: dict, shape, s: dict, tp: int, rank: int, ep: int,
+                 ep_rank: int) -> dict:
+    """``memory.rank_params``' count ``dense`` of a Llama-like block (the rank's local sizes
+    ``s``) made this model's: latent attention's elements instead of q, k, v, o
+    (``rank_attention``), the output bias, q/k norms and sinks of Qwen3 and GPT-OSS, and each
+    MoE layer's MLP instead of the dense one (``with_moe``)."""
+    D, hd, L = shape.dim, shape.head_dim, shape.n_layer
+    extra = (D if shape.o_bias else 0) + (2 * hd if shape.qk_norm else 0) + \
+        (s["heads"] if shape.sinks else 0)
+    attention = 0
+    if shape.mla is not None:
+        dense_qkvo = (2 * s["heads"] + 2 * s["kv_heads"]) * hd * D
+        attention = rank_attention(shape, s["heads"]) - dense_qkvo
+    out = dense | {"total": dense["total"] + L * (extra + attention),
+                   "matmul": dense["matmul"] + L * attention,
+                   "block": dense["block"] + extra + attention, "experts": 0}
+    mlp = (3 if shape.gated_mlp else 2) * s["hidden"] * D
+    return out if shape.moe is None else with_moe(out, shape, tp, rank, ep, ep_rank, mlp)
+
+
 def with_moe(dense: dict, shape, tp: int, rank: int, ep: int, ep_rank: int, mlp: int) -> dict:
-    """``memory.rank_params``' count ``dense`` (every layer with a dense MLP of ``mlp``
-    elements on the rank) with each MoE layer's MLP instead (``moe_tensors``): "experts" the
-    rank's share of the routed experts, "block" the largest block."""
+    """``rank_params``' count ``dense`` (every layer with a dense MLP of ``mlp`` elements on
+    the rank) with each MoE layer's MLP instead (``moe_tensors``): "experts" the rank's share of
+    the routed experts, "block" the largest block."""
     moe = moe_tensors(shape, tp, rank, ep, ep_rank)
     n_moe, elements = shape.moe.moe_layers(shape.n_layer), sum(d * r for _, d, r in moe)
     matmul = sum(d * r for name, d, r in moe if not name.endswith("bias"))
