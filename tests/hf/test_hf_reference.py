@@ -9,12 +9,11 @@ import pytest
 import torch
 import transformers
 from hf_runs import TRAIN, resolve, train
+from torch_loop import compare_rows, torch_loop
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.train.data import TokenBatches, read_corpus
-
-from torch_loop import compare_rows, torch_loop
 
 # 6 steps; clip 0.2: the first step's norm is above it (checked), so clipping acts
 STEPS = 6

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from hf_runs import TRAIN, resolve, train_rank  # noqa: E402
+from hf_runs import TRAIN, resolve, train, train_rank  # noqa: E402
 
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint  # noqa: E402
@@ -49,7 +49,7 @@ def _train_keeping(cfg, recipe, resume_from):
 
     fresh = from_pretrained(recipe.source, dist.group.WORLD if cfg.tp > 1 else None,
                             plan=recipe.plan, sequence_parallel=cfg.sequence_parallel)
-    base = {n: p for n, p in fresh.named_parameters()}
+    base = dict(fresh.named_parameters())
     result["base_changed"] = sorted(n for n, p in base.items() if n not in trained or not
                                     torch.equal(trained[n].detach().float(), p.detach()))
     result["base_count"] = len(base)

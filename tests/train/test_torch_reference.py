@@ -6,6 +6,7 @@ learning rate, loss and gradient norm each step, and the same weights at the end
 
 import torch
 from safetensors.torch import load_file
+from torch_loop import compare_rows, torch_loop
 
 from tensorpar.checkpoint.export import export_dense
 from tensorpar.checkpoint.format import find_checkpoint
@@ -15,12 +16,10 @@ from tensorpar.train.data import TokenBatches, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.loop import train_model_rank
 
-from torch_loop import compare_rows, torch_loop
-
 MODEL = GPTConfig(n_layer=2, dim=32, n_head=4, n_kv_head=2, hidden_dim=64)
 # clip 0.5: every step's norm is above it (checked), so clipping acts
-CFG = dict(steps=6, batch_size=4, seq_len=32, warmup_steps=2, lr=3e-3, grad_clip=0.5,
-           weight_decay=0.1, seed=5)
+CFG = {"steps": 6, "batch_size": 4, "seq_len": 32, "warmup_steps": 2, "lr": 3e-3,
+       "grad_clip": 0.5, "weight_decay": 0.1, "seed": 5}
 # relative; measured at most 1.8e-7 (losses and gradient norms) and 5.9e-7 (||a - b|| / ||b||
 # of a weight tensor after the 6 steps)
 TOL, WEIGHT_TOL = 1e-6, 2e-6
