@@ -9,21 +9,20 @@ a collective different shapes fails with one line naming them instead of gloo ab
 The collective counts are the same (the check runs below the dispatcher that counts them). The
 check costs about 3 ms per collective, a quarter to a third more time for tests that run many
 steps, but the whole suite took 540 s checked against 550 s with only tests/core checked
-(2026-11-26, fresh clones, the same machine). ``TENSORPAR_CHECK_COLLECTIVES=0`` runs every pool
-unchecked, ``=core`` only the layer tests' (tests/core). Commands the tests start as processes
-run as a user's would: unchecked, unless the test asks for the check.
+(2026-11-26, fresh clones, the same machine). ``TENSORPAR_CHECK_COLLECTIVES=0`` (or false, no,
+off) runs every pool unchecked, ``=1`` (true, yes, on) every pool checked, ``=core`` only the layer
+tests' (tests/core). Commands the tests start, as processes or in this one, run as a user's
+would: unchecked, unless the test asks for the check (the variable is not passed on to them).
 """
 
-import os
 import signal
 
 import pytest
 
 from tensorpar.ranks.forkserver import COMMAND_MODULES, HF_MODULES, start_server
 from tensorpar.ranks.local import RankPool
-from tensorpar.runtime.groups import CHECK_ENV
 
-from tests_common import WORLD_SIZES  # noqa: F401
+from tests_common import WORLD_SIZES, pools_checked  # noqa: F401
 
 # A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
 # ignored, and every command it starts would too (an ignored signal stays ignored through exec):
@@ -134,7 +133,7 @@ def ranks(_pools, request):
     """``ranks(n)``: the session's pool of n ranks. The layer tests' pools (tests/core) check
     every collective (shapes and dtypes compared across the ranks first); the others compare
     their results with references and run unchecked, a fifth faster
-    (TENSORPAR_CHECK_COLLECTIVES=1: every pool checks; =0: none; unset or =core: as said)."""
-    mode = os.environ.get(CHECK_ENV, "core")
-    checked = request.node.path.parent.name == "core" if mode == "core" else mode != "0"
+    (``tests_common.pools_checked``: TENSORPAR_CHECK_COLLECTIVES on, as the CLI reads it: every
+    pool checks; off: none; unset or "core": as said)."""
+    checked = pools_checked(request.node.path.parent.name)
     return lambda n: _pools(n, checked)
