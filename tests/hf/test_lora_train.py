@@ -24,7 +24,7 @@ from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.parallel.lora import lora_parameters  # noqa: E402
 from tensorpar.parallel.mappings import gather_from_tp  # noqa: E402
 
-from tests_common import tensorpar_here  # noqa: E402
+from tests_common import read_metrics, tensorpar_here  # noqa: E402
 
 STEPS = 4
 LORA = TRAIN | {"steps": STEPS, "save_every": 2, "lora_rank": 4, "lora_alpha": 8.0,
@@ -145,6 +145,17 @@ def test_checkpoint_holds_the_adapters_and_the_base_is_untouched(runs, models):
     assert reader.manifest["train"]["lora_rank"] == 4
     b = reader.read("model.layers.0.self_attn.q_proj.lora_B.weight")
     assert b.abs().max() > 0  # trained from zeros
+
+
+def test_checked_run_passes_with_the_unchecked_steps(runs, models, tmp_path):
+    """``train --check-collectives`` of a LoRA run at TP=2 (every collective compared across
+    the ranks first) exits 0 with the unchecked run's steps, bit for bit."""
+    done = tensorpar_here("train", "--check-collectives", "--hf", models["llama"], "--tp", 2,
+                          "--data", models["data"], "--out", tmp_path,
+                          *(x for k, v in LORA.items() for x in (f"--{k.replace('_', '-')}", v)))
+    assert done.returncode == 0, done.stderr
+    mine = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path)]
+    assert mine == [(r["step"], r["loss"], r["grad_norm"]) for r in runs("llama", 2)[1]]
 
 
 def test_resume_at_another_tp_continues_exactly(ranks, runs, models, tmp_path):
