@@ -103,6 +103,16 @@ def read_metrics(run) -> list[dict]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
+def board_scalars(board) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] of the TensorBoard folder ``board``, as TensorBoard shows them (its
+    reader applies the purges a resumed writer records)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(board), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def live_processes() -> list[tuple[int, int, int, str]]:
     """(pid, parent pid, session id, command line) of every live (not zombie) process."""
     import os

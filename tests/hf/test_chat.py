@@ -8,9 +8,7 @@ import shutil
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
+import transformers
 from hf_runs import train  # noqa: E402
 
 from tensorpar.gpt.tokenizer import HFTokenizer  # noqa: E402

@@ -9,12 +9,10 @@ starts from such a folder; wrong flags are one line before any rank."""
 
 import json
 
+import peft
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
+import transformers
 from hf_runs import TRAIN, resolve, train, train_rank  # noqa: E402
 
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402

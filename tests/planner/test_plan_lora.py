@@ -72,7 +72,6 @@ def test_planned_lora_peak_within_10_percent(ranks, tmp_path, tp):
     the converted attention's tensors, the final norm's backward) is within 10% of the measured
     one on every rank, with every projection adapted and with q_proj and v_proj alone, in fp32
     and under bf16 autocast, with the frozen base in fp32 and in bf16."""
-    pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     shape = shape_from_hf_config(CONFIG, "llama")
     for rank, peaks in enumerate(ranks(tp).run(_lora_peaks, str(tmp_path), tp, CASES)):
