@@ -88,7 +88,7 @@ def test_point_to_point_transfers_are_counted(ranks, tmp_path):
 def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual):
     """Each pipeline rank's peak tensor memory in a step is the planner's for its stages
     (``plan_pipeline``: its blocks, embedding or head, the micro-batches 1F1B or the interleaved
-    order keeps in flight, the receive buffers), within 10%, at 1F1B and interleaved."""
+    order keeps in flight, the receive buffers), within 6%, at 1F1B and interleaved."""
     from tensorpar.gpt.shape import gpt_shape
     from tensorpar.planner.pipeline import plan_pipeline
 
@@ -99,7 +99,8 @@ def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual)
                          "fp32")
     for s in sizes:
         want = plan["stages"][s["pp_rank"]]["total"] + s["data_bytes"]
-        assert s["peak_memory"] == pytest.approx(want, rel=0.10), (s, want)
+        # measured (torch 2.13 CPU): the planner 0.4-4.7% under
+        assert s["peak_memory"] == pytest.approx(want, rel=0.06), (s, want)
 
 
 @pytest.mark.slow
