@@ -70,8 +70,8 @@ def _lora_peaks(path, tp, cases):
 def test_planned_lora_peak_near_the_measured(ranks, tmp_path, tp):
     """The planned peak of a LoRA step (frozen base: no weight gradients, adapters' AdamW states,
     the converted attention's tensors, the final norm's backward) is within 1.5% of the measured
-    one on every rank in fp32, 6% under bf16 autocast, with every projection adapted and with q_proj and v_proj alone, in fp32
-    and under bf16 autocast, with the frozen base in fp32 and in bf16."""
+    one on every rank in fp32, 6% under bf16 autocast; with every projection adapted and with
+    q_proj and v_proj alone, the frozen base in fp32 and in bf16."""
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     shape = shape_from_hf_config(CONFIG, "llama")
     for rank, peaks in enumerate(ranks(tp).run(_lora_peaks, str(tmp_path), tp, CASES)):
