@@ -162,7 +162,7 @@ def tensorpar(*args: str) -> list[str]:
 # --- 1. the corpus, the tokenizer, prepare ----------------------------------------------------
 
 def make_corpus(folder: Path, total_mb: float, files: int, seed: int) -> dict:
-    from tensorpar.train.data import default_corpus
+    from tensorpar.data.text import default_corpus
 
     paragraphs = [p for p in default_corpus().split("\n\n") if p.strip()]
     rng = random.Random(seed)
@@ -377,8 +377,8 @@ def batch_reads(folder: str, mode: str, batches: int = 60) -> dict:
     (mode cold, cold-normal or warm); milliseconds per batch, and the page cache's growth."""
     import mmap
 
-    from tensorpar.train.data import TokenBatches
-    from tensorpar.train.shards import TokenShards
+    from tensorpar.data.packing import TokenBatches
+    from tensorpar.data.shards import TokenShards
 
     def cached_mib() -> float:
         line = next(x for x in Path("/proc/meminfo").read_text().splitlines()

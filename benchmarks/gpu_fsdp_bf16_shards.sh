@@ -2,14 +2,15 @@
 # On a lent GPU machine, from the repository root: (1) the peak memory of `train --dtype bf16`
 # under FSDP2 before (autocast over fp32 gathered weights) and after (MixedPrecisionPolicy), every
 # rank on the one GPU over gloo (--device cuda); (2) `prepare` and `train --data DIR` on the GPU:
-# the share of step time spent waiting for data. $1: a tokenizer folder; $2: the old dp/wrap.py.
+# the share of step time spent waiting for data. $1: a tokenizer folder; $2: the old
+# mesh/data_parallel.py (was dp/wrap.py).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 model="--dim 1024 --n-layer 8 --n-head 16 --n-kv-head 4 --seq-len 512 --batch-size 8 --steps 4"
-rm -rf /tmp/before && mkdir /tmp/before && cp -r tensorpar /tmp/before/ && cp "$2" /tmp/before/tensorpar/dp/wrap.py
+rm -rf /tmp/before && mkdir /tmp/before && cp -r tensorpar /tmp/before/ && cp "$2" /tmp/before/tensorpar/mesh/data_parallel.py
 for split in "--tp 1 --dp 2" "--tp 2 --dp 2"; do
   for which in before after; do
     root=$PWD; [ $which = before ] && root=/tmp/before
@@ -21,7 +22,7 @@ for split in "--tp 1 --dp 2" "--tp 2 --dp 2"; do
 done
 echo "== shards on the GPU"
 python3 - <<'PY'
-from tensorpar.train.data import default_corpus
+from tensorpar.data.text import default_corpus
 import os
 os.makedirs("/tmp/corpus", exist_ok=True)
 t = default_corpus()

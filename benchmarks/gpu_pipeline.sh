@@ -7,7 +7,7 @@ set -eu
 export PYTHONPATH=$PWD:$PWD/tests PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu-pipeline}; mkdir -p "$out"
 rm -rf /tmp/ref-fp32 /tmp/ref-bf16 /tmp/pp2-fp32 /tmp/pp2-bf16 /tmp/pp2v2-fp32 /tmp/pp2v2-bf16 /tmp/lora-fp32 /tmp/lora-bf16
-python3 -c "from tensorpar.train.data import default_corpus; open('/tmp/text.txt','w').write(default_corpus())"
+python3 -c "from tensorpar.data.text import default_corpus; open('/tmp/text.txt','w').write(default_corpus())"
 gpt="--data /tmp/text.txt --dim 512 --n-layer 8 --n-head 8 --n-kv-head 4 --vocab-size 256 --seq-len 256 \
      --batch-size 16 --micro-batch-size 2 --steps 6 --warmup-steps 2 --no-tie-embeddings --save-every 3"
 show() { python3 -c "import json; print('$1', [(round(r['loss'], 6), round(r['grad_norm'], 6)) for r in map(json.loads, open('$2/metrics.jsonl'))])"; }

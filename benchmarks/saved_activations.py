@@ -43,6 +43,7 @@ from tensorpar.gpt.shape import gpt_shape  # noqa: E402
 from tensorpar.planner import memory as plan  # noqa: E402
 from tensorpar.planner.activations import block_terms  # noqa: E402
 from tensorpar.planner.meter import MemoryMeter  # noqa: E402
+from tensorpar.planner.step import Step  # noqa: E402
 
 MODES = ("fp32", "bf16", "fp32-unfused", "bf16-unfused", "fp32-recompute", "bf16-recompute")
 SDPA = ("auto", "flash", "efficient", "cudnn", "math")
@@ -206,9 +207,9 @@ def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused
     """The trainer's step (forward, backward, gradient clipping, fused AdamW, zero_grad), twice;
     the second under MemoryMeter, against the planner's total (what ``tensorpar train`` prints
     as planned against measured)."""
-    from tensorpar.parallel.layout import Layout, clip_grad_norm_
+    from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
     from tensorpar.train.optim import adamw, implementation
-    layout = Layout.gather(model)
+    ownership = ShardOwnership.gather(model)
     opt = adamw(model.parameters(), lr=1e-4)
     for _ in range(2):
         with MemoryMeter(device) as mem:
@@ -216,36 +217,33 @@ def measure_step(model, ids, autocast_ctx, device: str, shape, args, bf16, fused
                 loss = model(ids, ids)
             loss.backward()
             del loss
-            clip_grad_norm_(model, layout, 1.0)
+            clip_grad_norm_(model, ownership, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    kw = {"device": device} if "device" in plan.tensorpar_memory.__code__.co_varnames else {}
-    if kw and args.sdpa in ("flash", "efficient", "cudnn") and device == "cuda":
-        kw["attention"] = args.sdpa
     kind = implementation(opt)
-    planned = plan.tensorpar_memory(shape, 1, args.batch, args.seq, False,
-                                    "bf16-autocast" if bf16 else "fp32",
-                                    "full" if recompute else "none", fused, optimizer=kind, **kw)
-    del opt, layout
+    attention = args.sdpa if args.sdpa in ("flash", "efficient", "cudnn") and device == "cuda" \
+        else None
+    planned = plan.tensorpar_memory(Step(shape, 1, args.batch, args.seq,
+                                         "bf16-autocast" if bf16 else "fp32",
+                                         recompute="full" if recompute else "none", fused=fused,
+                                         optimizer=kind, device=device, attention=attention))
+    del opt, ownership
     model.zero_grad(set_to_none=True)
     return (f"-- training step (AdamW {kind}, as tensorpar train): measured peak "
-            f"{mib(mem.peak_bytes)}; planned {mib(planned['total'])} at {planned['peak_at']} "
-            f"({planned['total'] / mem.peak_bytes - 1:+.1%})")
+            f"{mib(mem.peak_bytes)}; planned {mib(planned.total)} at {planned.peak_at} "
+            f"({planned.total / mem.peak_bytes - 1:+.1%})")
 
 
 def planner_terms(shape, B: int, T: int, bf16: bool, fused: bool, recompute: bool, device: str,
                   sdpa: str) -> dict:
     """The planner's per-block terms (activations.block_terms), and its whole-model activations
     and peaks (no optimizer)."""
-    s = plan.rank_shapes(shape, 1, 0)
-    N = B * T
-    act = 2 if bf16 else 4
-    kw = {"device": device}
-    if sdpa in ("flash", "efficient", "cudnn") and device == "cuda":
-        kw["attention"] = sdpa
-    terms = block_terms(shape, s, N, N, B, act, fused, bf16, **kw)
-    mem = plan.tensorpar_memory(shape, 1, B, T, False, "bf16-autocast" if bf16 else "fp32",
-                                "full" if recompute else "none", fused, **kw)
+    attention = sdpa if sdpa in ("flash", "efficient", "cudnn") and device == "cuda" else None
+    step = Step(shape, 1, B, T, "bf16-autocast" if bf16 else "fp32",
+                recompute="full" if recompute else "none", fused=fused, device=device,
+                attention=attention)
+    terms = block_terms(step)
+    mem = plan.tensorpar_memory(step)
     return {"block": terms, "mem": mem}
 
 
@@ -309,14 +307,14 @@ def run_mode(mode: str, args) -> None:
     pl = planner_terms(shape, args.batch, args.seq, bf16, fused, recompute, device, args.sdpa)
     mem = pl["mem"]
     # forward + backward: the loss's or a block's backward, or all gradients at the end
-    peaks = {k: v for k, v in mem["peaks"].items() if k != "optimizer step"}
-    peaks["gradients"] = mem["grads"]
+    peaks = {k: v for k, v in mem.peaks.items() if k != "optimizer step"}
+    peaks["gradients"] = mem.grads
     plan_peak = max(peaks.values())
     measured_line = (
         f"-- measured ({'CUDA allocator' if device == 'cuda' else 'MemoryMeter'}): weights "
         f"{mib(measured['entry'])}; after forward +{mib(measured['after_forward'])}; peak of "
         f"forward+backward +{mib(measured['peak'])}\n"
-        f"   planner: activations {mib(mem['activations'])}; peak (no optimizer) "
+        f"   planner: activations {mib(mem.activations)}; peak (no optimizer) "
         f"+{mib(plan_peak)} at {max(peaks, key=peaks.get)} "
         f"({plan_peak / measured['peak'] - 1:+.1%}); "
         + ", ".join(f"{k} {v / MiB:.1f}" for k, v in peaks.items()) + " MiB")
@@ -368,7 +366,7 @@ def run_mode(mode: str, args) -> None:
               f"({plan_total / got - 1:+.1%})")
     all_saved = sum(a + w for a, w in totals.values())
     print(f"-- whole model: saved (activations + copies) {mib(all_saved)}; planner "
-          f"activations {mib(mem['activations'])} ({mem['activations'] / all_saved - 1:+.1%})")
+          f"activations {mib(mem.activations)} ({mem.activations / all_saved - 1:+.1%})")
     print(measured_line)
     print(f"   ({time.perf_counter() - t0:.1f} s)")
     del model, recs

@@ -6,12 +6,13 @@ The packages, and the one direction their imports flow (each imports only those 
     parallel     f/g collectives, column/row/vocab layers, loss, norms, dropout   | the core
     transformer  attention and MLP blocks, the dense reference                   /
     ranks        local ranks, torchrun's ranks, signals, failures, check mode
+    data         text, token shards, their writer (prepare), chat examples, packing, tokenizers
     checkpoint   sharded checkpoints that load at any TP size
     planner      memory and communication per rank, the memory meter
-    dp           the ("dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
-    gpt          tensorpar's GPT, its tokenizers, generation
+    mesh         the ("pp", "dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
+    gpt          tensorpar's GPT, its pipeline stages, generation
     hf           Hugging Face plans, parallelize, from_pretrained, LoRA, export
-    train        the trainer: config, run, loop, data (text, shards, chat), recipes
+    train        the trainer: config, run, loop, the recipes, the report
     bench        tensorpar against DTensor, megatron-core and plain PyTorch
     cli          ``tensorpar``: one module per command, on top
 
@@ -42,7 +43,7 @@ _WHERE = {
     "CollectiveMismatch": "ranks.failures", "init_tensor_parallel": "runtime.groups",
     "tp_rank": "runtime.groups", "tp_size": "runtime.groups", "RankError": "ranks.local",
     "RankPool": "ranks.local", "launch": "ranks.local",
-    "data_parallel": "dp.wrap", "init_parallel": "dp.mesh",
+    "data_parallel": "mesh.data_parallel", "init_parallel": "mesh.mesh",
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
 }
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorpar.train.data import default_corpus
+from tensorpar.data.text import default_corpus
 
 from tests_common import bpe_tokenizer, char_tokenizer, tensorpar_here
 

@@ -19,14 +19,15 @@ MAY_IMPORT = {
     "parallel": {"runtime"},
     "transformer": {"runtime", "parallel"},
     "ranks": {"runtime"},
+    "data": {"runtime"},
     "checkpoint": CORE,
     "planner": CORE,
-    "dp": CORE | {"ranks"},
-    "gpt": CORE | {"ranks", "checkpoint", "planner"},
-    "hf": CORE | {"ranks", "checkpoint", "planner", "dp"},
-    "train": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf"},
-    "bench": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf", "train"},
-    "cli": CORE | {"ranks", "checkpoint", "planner", "dp", "gpt", "hf", "train", "bench"},
+    "mesh": CORE | {"ranks"},
+    "gpt": CORE | {"data", "checkpoint", "planner"},
+    "hf": CORE | {"ranks", "data", "checkpoint", "planner", "mesh"},
+    "train": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf"},
+    "bench": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf", "train"},
+    "cli": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf", "train", "bench"},
 }
 ENTRY = {"__init__.py", "__main__.py"}  # the only files at the top of the package
 
@@ -79,6 +80,57 @@ def test_imports_flow_one_way():
                            f"it may import {sorted(MAY_IMPORT[package])}")
 
 
+def _module_of(name: str) -> str | None:
+    """``tensorpar.cli.verify`` (or a name in it) -> the module's file relative to ``ROOT``."""
+    parts = name.split(".")[1:]
+    while parts:
+        for rel in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
+            if (ROOT / rel).is_file():
+                return rel
+        parts = parts[:-1]
+    return None
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The tensorpar modules a file imports, at the top or in a function, by an import statement
+    or ``importlib.import_module`` of a literal name (``from tensorpar.a import b`` is ``a/b.py``
+    when b is a module, else ``a.py`` or ``a/__init__.py``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            names = [str(node.args[0].value)]  # importlib.import_module("tensorpar.bench.x")
+        else:
+            continue
+        found |= {m for n in names if n.startswith("tensorpar.") and (m := _module_of(n))}
+    return found
+
+
+def test_no_import_circle_between_modules():
+    """No module imports (directly or through others) a module that imports it back."""
+    graph = {str(p.relative_to(ROOT)): _module_imports(p) for p in sorted(ROOT.rglob("*.py"))}
+    done: set[str] = set()
+    circles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:  # depth first; a module met again on the
+        if module in path:                             # path it started is a circle
+            circles.append(" -> ".join(path[path.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        for other in sorted(graph.get(module, ()) - {module}):
+            visit(other, path + [module])
+        done.add(module)
+
+    for module in graph:
+        visit(module, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
 def test_every_package_states_its_place():
     for package in MAY_IMPORT:
         doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
@@ -99,7 +151,8 @@ def test_import_tensorpar_loads_torch_only():
 
 # what the layers must never load: starting ranks, signal handling, failure reports, check mode
 APPLICATION = ("tensorpar.ranks", "tensorpar.train", "tensorpar.cli", "tensorpar.checkpoint",
-               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.dp")
+               "tensorpar.planner", "tensorpar.hf", "tensorpar.gpt", "tensorpar.mesh",
+               "tensorpar.data")
 
 
 def test_the_layers_load_no_application_module():

@@ -201,7 +201,7 @@ def bpe_tokenizer(folder, vocab_size: int = 512):
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tensorpar.train.data import default_corpus
+    from tensorpar.data.text import default_corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tensorpar.cli.verify import dense_shard, max_rel_error
+from tensorpar.cli.compare import dense_shard, max_rel_error
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size
 

@@ -50,6 +50,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.bench.dtensor_tp import setup_dtensor
 from tensorpar.bench.hf_llama import setup_hf_llama, setup_hf_llama_labels
+from tensorpar.bench.megatron_fits import check_megatron_fits
 from tensorpar.bench.workload import DenseLlama, StepFn, Workload, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
 from tensorpar.train.compute import loss_function
@@ -113,24 +114,6 @@ def transformers_missing(work: Workload, tp: int) -> str | None:
     if importlib.util.find_spec("transformers") is None:
         return "not installed (transformers: pip install tensorpar[hf])"
     return None
-
-
-def check_megatron_fits(cfg, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise ValueError, naming the numbers, for a model megatron-core cannot split over ``tp``:
-    it splits heads, KV heads, the hidden width and the vocabulary evenly, without padding."""
-    if sequence_parallel:
-        raise ValueError("megatron-core without Apex or Transformer Engine has no sequence "
-                         "parallel norm (its WrappedTorchNorm asserts not sequence_parallel)")
-    if cfg.dropout:
-        raise ValueError(f"--dropout {cfg.dropout}: the CPU run replaces megatron's CUDA RNG "
-                         "tracker with its no-op one, exact only without dropout")
-    if cfg.tie_embeddings:
-        raise ValueError("the megatron contender is built untied (lm_head separate from embed)")
-    for flag, size in (("--n-head", cfg.n_head), ("--n-kv-head", cfg.n_kv_head),
-                       ("--hidden-dim", cfg.hidden_dim), ("--vocab-size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"megatron-core splits evenly, without padding: {flag} {size} does "
-                             f"not divide by --tp {tp}")
 
 
 def megatron_cannot_run(work: Workload, tp: int) -> str | None:

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from tensorpar.bench.contenders import check_megatron_fits
+from tensorpar.bench.megatron_fits import check_megatron_fits
 from tensorpar.bench.workload import StepFn
 from tensorpar.bench.workload import make_optimizer as bench_adamw
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from tensorpar.checkpoint.format import make_readable
+from tensorpar.checkpoint.format import DENSE_FORMAT, make_readable
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.runtime.output import write_atomically
 
@@ -49,7 +49,7 @@ def export_dense(path: str | Path, out_file: str | Path) -> Path:
     reader = CheckpointReader(path)
     tensors = {k: reader.read(k).contiguous() for k in reader.tensors
                if not k.startswith("optimizer.")}
-    meta = {"format": "tensorpar-dense", "step": str(reader.manifest["step"]),
+    meta = {"format": DENSE_FORMAT, "step": str(reader.manifest["step"]),
             "config": json.dumps(reader.manifest.get("config", {}))}
 
     def write(tmp: Path) -> None:

@@ -28,10 +28,12 @@ TP size, ``export.py`` turns it into one dense file.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 FORMAT = "tensorpar-checkpoint"
+DENSE_FORMAT = "tensorpar-dense"  # the metadata ``format`` of the one file ``export.py`` writes
 VERSION = 3  # the newest version written and read
 VERSIONS = (1, 2, 3)  # read; 1: no piece has an offset, 3: pipeline stages (module docstring)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -82,6 +84,19 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
              if (d / "manifest.json").is_file()]
     return sorted(found, key=lambda d: (int(d.name.strip(".").split("-")[1].split(".")[0]),
                                         d.name.startswith(".")))
+
+
+def is_dense_export(path: str | Path) -> bool:
+    """Whether ``path`` is a file ``tensorpar export`` wrote: a safetensors file whose header's
+    metadata says ``DENSE_FORMAT`` (read from its first bytes; anything else is False)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length first
+            header = json.loads(f.read(size)) if 0 < size <= 1 << 24 else None
+    except (OSError, ValueError):  # a directory, unreadable, not JSON
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and meta.get("format") == DENSE_FORMAT
 
 
 def find_checkpoint(path: str | Path) -> Path | None:

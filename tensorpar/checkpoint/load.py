@@ -21,6 +21,7 @@ from tensorpar.checkpoint.format import (
     CheckpointError,
     checkpointed,
     find_checkpoint,
+    is_dense_export,
     sha256_of,
 )
 from tensorpar.parallel.sharding import ShardSpec, dense_shape
@@ -34,6 +35,11 @@ class CheckpointReader:
     def __init__(self, path: str | Path, check_hashes: bool = True):
         self.check_hashes = check_hashes
         found = find_checkpoint(path)
+        if found is None and is_dense_export(path):
+            raise CheckpointError(f"{path} is an export (a dense safetensors file written by "
+                                  "tensorpar export), not a checkpoint: give --ckpt the run "
+                                  "directory it came from, or generate --hf a folder written by "
+                                  "tensorpar export --hf-out")
         if found is None:
             raise CheckpointError(f"no checkpoint in {path} (expected manifest.json or "
                                   "step-*/manifest.json)")
@@ -163,7 +169,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
     communication, so a bad checkpoint raises the same error on every rank. A model wrapped by
-    FSDP2 (``dp/wrap.py``) loads too: each rank keeps its data-parallel piece of
+    FSDP2 (``mesh/data_parallel.py``) loads too: each rank keeps its data-parallel piece of
     what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
     compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
     ``part``: ``model`` is a pipeline rank's part of the saved model (its own tensors are read,

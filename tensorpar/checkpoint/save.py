@@ -1,6 +1,6 @@
 """Saving a sharded checkpoint (the format: ``format.py``).
 
-Each rank writes only what it owns (see ``parallel/layout.py``): replicated tensors once, shared
+Each rank writes only what it owns (see ``parallel/ownership.py``): replicated tensors once, shared
 KV heads once, each rank's slice of every block of a fused q|k|v. Writes are atomic: ranks write
 into ``.step-N.tmp/``, rank 0 adds the manifest last and renames the directory into place. A kill
 during a save leaves the previous checkpoint as it was; the newest ``step-*`` directory with a
@@ -38,7 +38,7 @@ from tensorpar.checkpoint.format import (
     make_readable,
     sha256_of,
 )
-from tensorpar.parallel.layout import Layout, owned_local
+from tensorpar.parallel.ownership import ShardOwnership, owned_local
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.output import write_atomically
@@ -142,7 +142,7 @@ def _whole(t) -> torch.Tensor:
     return torch.cat(pieces, dim=0)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: Layout,
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership: ShardOwnership,
                     optimizer: torch.optim.Optimizer | None = None,
                     group: ProcessGroup | None = None, meta: dict | None = None,
                     keep: int = 2, dp_group: ProcessGroup | None = None,
@@ -168,16 +168,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
                                               for s in ADAM_STATES if s in state]:
             if is_dtensor(t):
                 t = _whole(t)
-            mine = owned_local(layout, name, t, rank)
+            mine = owned_local(ownership, name, t, rank)
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
     grid = Grid(group, pp_group)
     if dp_group is None or tp_size(dp_group) == 1:  # None: no data parallelism
-        return _write(run_dir, step, model, layout, optimizer, grid, meta, keep, tensors)
+        return _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors)
     status = None
     if tp_rank(dp_group) == 0:
         try:
-            _write(run_dir, step, model, layout, optimizer, grid, meta, keep, tensors)
+            _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors)
         except Exception as e:  # noqa: BLE001 (the replicas raise it too, below)
             status = e
     outcome = [status]
@@ -187,7 +187,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, layout: La
     return Path(run_dir) / f"step-{step:08d}"
 
 
-def _write(run_dir, step, model, layout, optimizer, grid: Grid, meta, keep, tensors) -> Path:
+def _write(run_dir, step, model, ownership, optimizer, grid: Grid, meta, keep, tensors) -> Path:
     """The writing ranks' part of ``save_checkpoint``: ``tensors`` is what this rank owns."""
     rank, n = grid.rank, grid.size
     run_dir = Path(run_dir)
@@ -223,7 +223,7 @@ def _write(run_dir, step, model, layout, optimizer, grid: Grid, meta, keep, tens
     _first_failure(failed)
     # 3. every stage's tensors (its pieces in the grid's files); rank 0 adds the manifest and
     # renames the directory into place
-    entries = _entries(model, layout, optimizer, grid.tp, grid.stage * grid.tp)
+    entries = _entries(model, ownership, optimizer, grid.tp, grid.stage * grid.tp)
     if grid.stages > 1:
         entries = {k: v for stage in _agree(entries, grid.pp_group) for k, v in stage.items()}
     status = None
@@ -252,14 +252,14 @@ def _finish(run_dir, step, tmp, final, entries, optimizer, infos, meta, keep, gr
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _pieces(layout: Layout, name: str, n: int, first_file: int = 0) -> list[dict]:
+def _pieces(ownership: ShardOwnership, name: str, n: int, first_file: int = 0) -> list[dict]:
     """Which rank's file holds which dense rows of ``name``: a rank's owned ranges, stacked in its
     file in the order ``owned_local`` concatenates them (``offset``: where each one starts). TP
     rank r's file is ``first_file`` + r (its stage's first file, with pipeline stages)."""
     pieces = []
     for r in range(n):
         offset = 0
-        for a, b in layout.owned_ranges(name, r):
+        for a, b in ownership.owned_ranges(name, r):
             if offset and pieces[-1]["stop"] == a:  # adjacent in the file and in the dense tensor
                 pieces[-1]["stop"] = b  # (a fused dim at TP=1): one piece
             else:
@@ -269,13 +269,14 @@ def _pieces(layout: Layout, name: str, n: int, first_file: int = 0) -> list[dict
     return pieces
 
 
-def _entries(model, layout, optimizer, n: int, first_file: int) -> dict:
+def _entries(model, ownership, optimizer, n: int, first_file: int) -> dict:
     """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too)."""
     tensors = {}
     for name, p in checkpointed(model):
-        pieces = _pieces(layout, name, n, first_file)
-        entry = {"shape": list(layout.shapes[name]), "dtype": str(p.dtype).removeprefix("torch."),
-                 "split_dim": layout.shards[name][0].dim, "pieces": pieces}
+        pieces = _pieces(ownership, name, n, first_file)
+        entry = {"shape": list(ownership.shapes[name]),
+                 "dtype": str(p.dtype).removeprefix("torch."),
+                 "split_dim": ownership.shards[name][0].dim, "pieces": pieces}
         tensors[name] = entry
         if optimizer is not None and optimizer.state.get(p):
             for s in ADAM_STATES:

@@ -7,11 +7,18 @@
     tensorpar plan --model gpt2 --tp 4 --split       # which split of gelu(X W1) W2 moves least
     tensorpar plan --model llama-2-70b --tp 8 --dp 8 --dp-mode fsdp --batch 8 --seq 4096
     tensorpar plan --model llama-2-70b --tp 8 --pp 4 --micro-batches 8 --pp-virtual 2
+    tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
+        --micro-batch-size 2
     tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB   # which layouts fit
 
+The shape flags are ``tensorpar train``'s (``--batch-size``, ``--seq-len``,
+``--micro-batch-size``), so a train line's plan is typed as it is; the older ``--batch``,
+``--seq`` and ``--micro-batches`` (a count of micro-batches) still work.
+
 Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
-``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies), ``pipeline.py`` (``--pp`` stages,
-the bubble, point to point, and the ``--devices`` search). What the command
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies), ``pipeline.py`` and ``schedule.py``
+(``--pp`` stages, the bubble, point to point), ``search.py`` (the ``--devices`` search); the
+step they plan is one ``step.Step``, built from the flags by ``step_from_flags``. What the command
 says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
 with ``--json``, so that stdout stays one JSON document.
 """
@@ -28,9 +35,7 @@ from tensorpar.gpt.shape import load_shape
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
-from tensorpar.planner.layouts import plan_memory
-from tensorpar.planner.memory import ADAMW, DTYPES, RECOMPUTE
-from tensorpar.planner.pipeline import plan_pipeline, search_layouts
+from tensorpar.planner.pipeline import plan_pipeline
 from tensorpar.planner.report import (
     fmt,
     print_pipeline,
@@ -39,7 +44,10 @@ from tensorpar.planner.report import (
     unit_for,
     write_png,
 )
+from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import PRESETS, preset
+from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, Step
+from tensorpar.planner.tp_plan import plan_memory
 
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_TP = "1,2,4,8"
@@ -58,6 +66,8 @@ examples:
   tensorpar plan --model gpt2 --tp 4 --split --png plan.png
   tensorpar plan --model llama-2-7b --tp 1,2 --dp 8 --dp-mode ddp --batch 8 --device cuda
   tensorpar plan --model llama-2-70b --tp 8 --pp 4 --micro-batches 8 --pp-virtual 2
+  tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
+      --micro-batch-size 2          # a tensorpar train line's shape flags, as typed
   tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB
 """
 
@@ -120,12 +130,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="activation recomputation: none, selective (the attention core) or "
                    "full (each block) (default none)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="sequences per step, split over the --dp copies as tensorpar train "
-                   "splits its --batch-size (default: a manifest's, else 1 per copy; with --pp "
-                   "1 per micro-batch, with --devices 1 per device)")
-    p.add_argument("--seq", type=int, default=None,
-                   help="sequence length (default: a manifest's, else 2048)")
+    p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=None,
+                   help="sequences per step, split over the --dp copies, as tensorpar train's "
+                   "--batch-size (default: a manifest's, else 1 per copy; with --pp 1 per "
+                   "micro-batch, with --devices 1 per device)")
+    p.add_argument("--seq-len", "--seq", dest="seq", type=int, default=None,
+                   help="tokens per sequence, as tensorpar train's --seq-len (default: a "
+                   "manifest's, else 2048)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences each data-parallel copy runs per forward and backward pass, "
+                   "as tensorpar train's: the step's --batch-size / (--dp x this) passes (or "
+                   "pipeline micro-batches); instead of --micro-batches (default: one pass, "
+                   "or with --pp one sequence each)")
+    _add_layout_flags(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the layout of ranks (dp, pp, the search), the kernels and the device, and
+    the outputs."""
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel copies of the TP-split model (the world is TP x DP "
                    "ranks); 1 is none (default 1)")
@@ -138,9 +162,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="stages per pipeline rank, interleaved 1F1B (stage s on pp rank s %% "
                    "pp): a bubble V times smaller, V times the point-to-point sends (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per step and data-parallel copy (gradient accumulation's "
-                   "passes; tensorpar train's --batch-size / (--dp x --micro-batch-size)) "
-                   "(default: one sequence each; without --batch, 2 x --pp of them)")
+                   help="how many micro-batches per step and data-parallel copy (gradient "
+                   "accumulation's passes: --batch-size / (--dp x --micro-batch-size)) "
+                   "(default: one sequence each; without --batch-size, 2 x --pp of them)")
     p.add_argument("--devices", type=int, default=None,
                    help="search the (tp, pp, dp) layouts of this many devices for those that "
                    "fit --device-memory, ranked by an estimated step time; --batch is the "
@@ -171,8 +195,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--split", action="store_true",
                    help="also compare the ways of splitting gelu(X W1) W2, by bytes moved "
                    "(default off)")
-    p.set_defaults(func=main)
-    return p
 
 
 def _preset(name: str):
@@ -181,6 +203,70 @@ def _preset(name: str):
     except ValueError:
         raise ValueError(f"--model {name!r}: not a preset; choose from {', '.join(PRESETS)}, "
                          "or give --config FILE") from None
+
+
+CONFIG_KINDS = ("a GPTConfig, a checkpoint's manifest.json or its directory, or a Hugging Face "
+                "config.json")
+
+
+def _config_shape(config: str):
+    """The shape of ``--config FILE``, or ValueError (one line) for a file that is not a JSON
+    text: a binary file, or text that does not parse."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / ("manifest.json" if (path / "manifest.json").exists() else "config.json")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {path} is not a text file (binary data); expected a JSON "
+                         f"file: {CONFIG_KINDS}") from None
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path} is not JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno}); expected {CONFIG_KINDS}") from None
+    return load_shape(path)
+
+
+def _shape(args):
+    """The model: --config's, or the --model preset (default ``DEFAULT_MODEL``)."""
+    return _config_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+
+
+def step_from_flags(args, shape, **layout) -> Step:
+    """The step the flags describe (``planner.step.Step``): ``args``' batch, sequence,
+    precision (one --dtype; ``layout`` may give another), recomputation, data parallelism,
+    AdamW and device; ``layout``: the fields the command sets itself (tp, pp, micro-batches,
+    ...)."""
+    fields = {"tp": 1, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+              "sequence_parallel": args.sequence_parallel, "recompute": args.recompute,
+              "dp": args.dp, "dp_mode": args.dp_mode, "optimizer": args.optimizer,
+              "device": args.device}
+    return Step(shape, **(fields | layout))
+
+
+def _micro_batches(args, pp: int) -> int | None:
+    """--micro-batches, or the count --micro-batch-size gives (the step's --batch-size / (--dp x
+    it), as tensorpar train counts its passes); None when neither is given. Without
+    --batch-size, the batch is then the count's default (2 x --pp, or 1) of micro-batches of
+    that size."""
+    size = args.micro_batch_size
+    if size is None:
+        return args.micro_batches
+    if args.micro_batches is not None:
+        raise ValueError("--micro-batch-size and --micro-batches both give the micro-batches: "
+                         "give one")
+    if size < 1:
+        raise ValueError(f"--micro-batch-size {size} must be >= 1")
+    if args.batch is None:
+        args.batch = args.dp * (2 * pp if pp > 1 else 1) * size
+    per_copy = args.batch // args.dp
+    if args.batch % args.dp == 0 and per_copy % size:
+        raise ValueError(f"--micro-batch-size {size} does not divide the {per_copy} sequences "
+                         "of each data-parallel copy (--batch-size / --dp)")
+    return max(1, per_copy // size)
 
 
 def _run_shape(args, default_batch: int | None = None) -> tuple[int, int]:
@@ -207,9 +293,10 @@ def build(args) -> dict:
     check_dp(args.dp, args.dp_mode)  # before anything is read
     if args.devices is not None:
         return build_search(args)
-    if args.pp is not None or args.micro_batches is not None or args.pp_virtual != 1:
+    if args.pp is not None or args.micro_batches is not None or args.pp_virtual != 1 or \
+            args.micro_batch_size is not None:
         return build_pipeline(args)
-    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    shape = _shape(args)
     args.batch, args.seq = _run_shape(args)
     tps = _ints(str(args.tp or DEFAULT_TP), "--tp")
     dtypes = list(DTYPES) if args.dtype == "all" else args.dtype.split(",")
@@ -227,14 +314,11 @@ def build(args) -> dict:
     if not 0 <= args.reserve < 1:
         raise ValueError(f"--reserve {args.reserve}: expected a fraction from 0 up to 1 "
                          "(0.1 keeps 10% of the device free)")
-    rows = []
+    rows, step = [], step_from_flags(args, shape)
     for dtype in dtypes:
         for tp in tps:
             try:
-                rows.append(plan_memory(shape, tp, args.batch, args.seq, dtype,
-                                        args.sequence_parallel, args.recompute, device,
-                                        args.reserve, args.optimizer, device=args.device,
-                                        dp=dp, dp_mode=dp_mode))
+                rows.append(plan_memory(step.replace(tp=tp, dtype=dtype), device, args.reserve))
             except ValueError as e:
                 raise ValueError(f"--tp {tp} for {shape.name}: {e}") from None
     verdicts = {}
@@ -261,9 +345,7 @@ def build(args) -> dict:
             bf16_params=dtype == "bf16-autocast" and dp_mode == "fsdp") for tp in tps}
             for dtype in dtypes}
     tp0 = tps[0]  # the comparison at the first TP size asked for
-    fp32, bf16 = (plan_memory(shape, tp0, args.batch, args.seq, dtype, args.sequence_parallel,
-                              args.recompute, optimizer=args.optimizer, device=args.device,
-                              dp=dp, dp_mode=dp_mode) for dtype in ("fp32", "bf16"))
+    fp32, bf16 = (plan_memory(step.replace(tp=tp0, dtype=dtype)) for dtype in ("fp32", "bf16"))
     out["savings_16bit"] = {
         "tp": tp0, "weights_fp32": 4 * shape.params(), "weights_16bit": 2 * shape.params(),
         "activations_fp32": fp32["activations"], "activations_bf16": bf16["activations"],
@@ -306,24 +388,23 @@ def build_pipeline(args) -> dict:
     bubble, the bytes each rank sends. --tp is one size (default 1), --pp 1 without it;
     --micro-batches defaults to one sequence each, and without --batch to 2 x --pp (one, with
     --pp 1) of them."""
-    dtype = _one_layout_flags(args, "--pp")
-    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    _one_layout_flags(args, "--pp")
+    shape = _shape(args)
     tps = _ints(str(args.tp or 1), "--tp")
     if len(tps) > 1:
         raise ValueError(f"--tp {args.tp}: --pp plans one layout; give one TP size (or "
                          "--devices N to search them)")
     pp = 1 if args.pp is None else args.pp
-    m = args.micro_batches
+    m = _micro_batches(args, pp)
     args.batch, args.seq = _run_shape(args, args.dp * (m or (2 * pp if pp > 1 else 1)))
     _size_flags(args)
     if m is None:
         m = args.batch // args.dp if args.batch % args.dp == 0 else 1
     device = parse_bytes(args.device_memory)
+    step = step_from_flags(args, shape, tp=tps[0], pp=pp, virtual=args.pp_virtual,
+                           micro_batches=m)
     try:
-        out = plan_pipeline(shape, tps[0], pp, args.batch, args.seq, m, args.pp_virtual, dtype,
-                            args.sequence_parallel, args.recompute, device, args.reserve,
-                            args.optimizer, device=args.device, dp=args.dp,
-                            dp_mode=args.dp_mode)
+        out = plan_pipeline(step, device, args.reserve)
     except ValueError as e:
         raise ValueError(f"--tp {tps[0]} --pp {pp} for {shape.name}: {e}") from None
     return {"plan": "pipeline", "params": shape.params(), "device_memory": device,
@@ -338,16 +419,17 @@ def build_search(args) -> dict:
     if args.dp != 1:
         raise ValueError(f"--dp {args.dp}: --devices searches the data-parallel size itself; "
                          "drop --dp")
-    shape = load_shape(args.config) if args.config else _preset(args.model or DEFAULT_MODEL)
+    shape = _shape(args)
+    if args.micro_batch_size is not None and args.micro_batches is not None:
+        raise ValueError("--micro-batch-size and --micro-batches both give the micro-batches: "
+                         "give one")
     args.batch, args.seq = _run_shape(args, args.devices)
     _size_flags(args)
     device = parse_bytes(args.device_memory)
     tps = _ints(str(args.tp), "--tp") if args.tp else None
-    out = search_layouts(shape, args.devices, args.batch, args.seq, device, args.reserve,
-                         args.micro_batches, args.pp_virtual, tps,
-                         None if args.pp is None else [args.pp], dtype=dtype,
-                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                         optimizer=args.optimizer, device=args.device, dp_mode=args.dp_mode)
+    out = search_layouts(step_from_flags(args, shape, virtual=args.pp_virtual), args.devices,
+                         device, args.reserve, args.micro_batches, tps,
+                         None if args.pp is None else [args.pp], args.micro_batch_size)
     if out["layouts"]:
         best = out["layouts"][0]
         verdict = (f"{len(out['layouts'])} of {out['planned']} layouts fit; best: TP={best['tp']}"

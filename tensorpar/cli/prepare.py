@@ -1,5 +1,5 @@
 """``tensorpar prepare``: tokenize text and JSON-lines files once into token shards that
-``tensorpar train --data DIR`` memory-maps (``tensorpar/train/prepare.py``)::
+``tensorpar train --data DIR`` memory-maps (``tensorpar/data/prepare.py``)::
 
     tensorpar prepare corpus/*.txt --tokenizer ./gpt2-tok --out data/corpus
     tensorpar prepare "books/**/*.jsonl" --tokenizer ./llama-tok --out data/books
@@ -11,7 +11,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from tensorpar.train.prepare import SHARD_TOKENS
+    from tensorpar.data.prepare import SHARD_TOKENS
 
     p = sub.add_parser("prepare", help="tokenize text or JSON-lines files into token shards "
                        "for train --data DIR")
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tensorpar.train.prepare import prepare, summary
+    from tensorpar.data.prepare import prepare, summary
 
     index = prepare(args.files, args.tokenizer, args.out, args.shard_tokens)
     print(summary(args.out, index), file=sys.stderr)

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.cli.compare import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.embedding import VocabParallelEmbedding
 from tensorpar.parallel.linear import ColumnParallelLinear
 from tensorpar.parallel.norm import LayerNorm, RMSNorm
-from tensorpar.parallel.sharding import ShardSpec
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
@@ -33,23 +33,6 @@ from tensorpar.runtime.torchrun import say
 from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.reference import BlockConfig, DenseBlock
-
-TOLERANCE = 1e-5  # fp32, relative
-
-
-def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|: the error relative to the tensor's scale."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    if actual.shape != expected.shape:
-        raise ValueError(f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    diff = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    return diff / scale if scale > 0 else diff
-
-
-def dense_shard(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
-    """The slice of the dense tensor ``t`` that a parameter with ``spec`` holds."""
-    return t if spec is None else spec.take(t)
 
 
 class ParallelBlock(nn.Module):
@@ -174,28 +157,12 @@ def report(results: list[dict], cfg: BlockConfig, n: int, sequence_parallel: boo
     return ok
 
 
-def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
-    """Refuse sizes the TP model cannot take, with the numbers, before any rank starts."""
-    if n < 1:
-        raise ValueError(f"--tp must be >= 1, got {n}")
-    head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
-    if cfg.dim % cfg.num_heads:
-        raise ValueError(f"--dim {cfg.dim} does not divide by --num-heads {cfg.num_heads}")
-    for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):
-        if value < n:
-            raise ValueError(f"{flag} {value} cannot be split over --tp {n}")
-    if sequence_parallel and cfg.seq_len < n:
-        raise ValueError(f"--seq-len {cfg.seq_len} is shorter than --tp {n}: sequence "
-                         "parallelism needs at least one token per rank")
-
-
 def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> bool:
     """Spawn n ranks (or use the torchrun ranks this process is part of) and verify."""
     check_config(cfg, n, sequence_parallel)
     results = run_ranks(verify_rank, n, cfg, sequence_parallel, seed)
     # under torchrun every rank judges (and exits) alike; rank 0 prints the tables
     return report(results, cfg, n, sequence_parallel, say)
-
 
 
 def add_parser(sub) -> None:
@@ -237,7 +204,7 @@ def run(args) -> int:
         if piped:
             raise ValueError("verify --hf with --pp: pipeline stages are built for tensorpar's "
                              "GPT (train --pp refuses --hf too)")
-        from tensorpar.cli.hf import run_verify_hf
+        from tensorpar.cli.verify_hf import run_verify_hf
 
         return 0 if run_verify_hf(args.hf, args.tp, args.seed) else 1
     sizes = BlockConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BlockConfig)})

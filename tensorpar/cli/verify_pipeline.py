@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tensorpar.cli.verify import TOLERANCE, check_config, dense_shard, max_rel_error
+from tensorpar.cli.compare import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
+from tensorpar.planner.step import Step
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
@@ -95,10 +96,10 @@ def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
     if check.tp == 1:
         return {}
     part = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)[2]
-    return rank_tp_comm(gpt_shape(check.model), check.tp, len(part["blocks"]), part["embed"],
-                        part["head"], check.sizes.batch_size, check.sizes.seq_len,
-                        check.micro_batches, check.sequence_parallel, "fp32", "none",
-                        False)["counts"]
+    step = Step(gpt_shape(check.model), check.tp,
+                check.sizes.batch_size * check.micro_batches, check.sizes.seq_len, "fp32",
+                check.sequence_parallel, micro_batches=check.micro_batches)
+    return rank_tp_comm(step, len(part["blocks"]), part["embed"], part["head"])["counts"]
 
 
 def verify_pipeline_rank(check: PipelineCheck, seed: int,
@@ -128,13 +129,13 @@ def verify_pipeline_rank(check: PipelineCheck, seed: int,
     schedule = Schedule(check.train_config(), PipelineParts(part, stages), stages, mesh, device,
                         check.micro_batches, s.vocab_size, torch.float32)
     tokens = torch.tensor(float(targets.numel()), device=device)
-    layout = Layout.gather(part, tp_group)
+    ownership = ShardOwnership.gather(part, tp_group)
     schedule.step(ids, targets, tokens)  # the first step sets up its transfers (not counted)
     part.zero_grad()
     counter = CollectiveCounter({"pp": [pp_group, schedule.transfers], "tp": tp_group})
     with counter:  # a steady step, as the trainer's summary counts it, and its gradient norm
         loss_pp = schedule.step(ids, targets, tokens)
-        norm = clip_grad_norm_(part, layout, float("inf"), tp_group, pp_group=pp_group)
+        norm = clip_grad_norm_(part, ownership, float("inf"), tp_group, pp_group=pp_group)
 
     errors = {"loss": max_rel_error(loss_pp, loss)}
     reference = dict(whole.named_parameters())

@@ -1,5 +1,7 @@
-"""tensorpar's GPT: the model (``model``), its byte tokenizer (``tokenizer``), generation
-(``generate``, ``sampling``) and its description for the planner (``shape``).
+"""tensorpar's GPT: the model (``model``), its pipeline stages (``stages``), generation
+(``generate``, ``sampling``) and its description for the planner (``shape``); its tokenizers are
+``tensorpar.data.tokenizer``.
 
-Imports the core, ``ranks``, ``checkpoint`` and ``planner``; its trainer is ``tensorpar.train``.
+Imports the core, ``data``, ``checkpoint`` and ``planner`` (the CLI starts generation's ranks);
+its trainer is ``tensorpar.train``.
 """

@@ -34,21 +34,17 @@ sequence at a token of your choosing.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
+from tensorpar.data.tokenizer import run_tokenizer
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, pick_token
-from tensorpar.gpt.tokenizer import run_tokenizer
-from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.groups import device_for, tp_rank
 from tensorpar.runtime.seeds import derive_seed
-from tensorpar.runtime.torchrun import speaks
 
 
 def left_pad(seqs: list[list[int]], pad_id: int = 0, device=None
@@ -175,19 +171,6 @@ def check_request(ckpt: str, prompts: list[str], max_new_tokens: int, temperatur
     if model_kind(manifest) != "gpt":
         raise ValueError(f"{reader.dir} holds a model fine-tuned by tensorpar train --hf, not "
                          "the GPT: the command tensorpar generate --ckpt runs it "
-                         "(cli/hf.py's run_generate_hf)")
+                         "(cli/generate.py's run_generate_hf)")
     GPTConfig(**manifest["config"]).check(tp)
     run_tokenizer(manifest, reader.dir)  # bytes, or the run's copy of its tokenizer folder
-
-
-def run_generate(ckpt: str, tp: int, prompts: list[str], max_new_tokens: int,
-                 temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0) -> int:
-    """``tensorpar generate --ckpt``: continue each prompt on ``tp`` ranks and print the texts
-    (one prompt: its text; several: separated by ``--- i`` lines, see the module docstring)."""
-    check_request(ckpt, prompts, max_new_tokens, temperature, tp, top_k, top_p)
-    texts = run_ranks(generate_rank, tp, ckpt, prompts, max_new_tokens, temperature, seed,
-                      top_k, top_p)
-    if speaks() and texts[0] is not None:  # rank 0's texts, said once (under torchrun: rank 0)
-        sys.stdout.write(format_completions(texts[0]))
-        sys.stdout.flush()
-    return 0

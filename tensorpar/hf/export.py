@@ -31,7 +31,7 @@ head h // (n_head / n_kv_head), as ``repeat_kv``; RMSNorm has a weight and no bi
 residual branch (it has attention dropout only): the export has none, as inference has none.
 Rotary positions have no limit: ``max_position_embeddings`` is Llama's 2048 (or the training
 ``--seq-len`` if longer), though the model has seen only ``--seq-len`` positions in training.
-The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``gpt/tokenizer.py``'s
+The tokenizer maps text to its UTF-8 bytes, ids 0..255, like ``data/tokenizer.py``'s
 ``ByteTokenizer``, and decodes invalid UTF-8 to U+FFFD as it does. It has no special tokens,
 so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does. A GPT trained with
 ``--tokenizer DIR`` is exported with the run's copy of that tokenizer instead, its end-of-text
@@ -62,7 +62,7 @@ from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.hf.export_finetuned import Note, Writer, check_tensors, original_model, save_model
 
 DEFAULT_SHARD_SIZE = "5GB"  # the Hub's usual shard (transformers' default was 5GB before v5)
-BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (train/data.py)
+BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (data/tokenizer.py)
 MAX_POSITIONS = 2048  # LlamaConfig's default max_position_embeddings
 
 # each GPTConfig field and the LlamaConfig keyword that holds it (None: no Llama field)

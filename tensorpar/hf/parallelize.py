@@ -76,8 +76,8 @@ def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
     return matches
 
 
-def check_layout(model: nn.Module, plan: dict[str, str], n: int,
-                 sequence_parallel: bool = False) -> None:
+def check_plan_fits(model: nn.Module, plan: dict[str, str], n: int,
+                    sequence_parallel: bool = False) -> None:
     """Raise ValueError, the same on every rank, for a plan (or sequence parallelism) that cannot
     split ``model`` over ``n`` ranks: before any collective, before a byte is read."""
     matches = check_plan(model, plan)
@@ -98,7 +98,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
 
     source: where dense weights are read (default: the model itself). tied: column module name ->
     embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
-    sequence_parallel: sequence shards between the blocks (checked by ``check_layout``).
+    sequence_parallel: sequence shards between the blocks (checked by ``check_plan_fits``).
     """
     matches = check_plan(model, plan)
     source = source or ModuleSource(model)
@@ -224,7 +224,7 @@ def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
     (Llama family; for training and scoring, not ``generate()``: ``sequence.py``).
     """
     plan = plan or plan_for(model)
-    check_layout(model, plan, tp_size(group), sequence_parallel)  # before any collective
+    check_plan_fits(model, plan, tp_size(group), sequence_parallel)  # before any collective
     check_same_weights(model, group)
     return apply_plan(model, plan, group, tied=tied_heads(model),
                       sequence_parallel=sequence_parallel)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.hf.parallelize import apply_plan, check_layout
+from tensorpar.hf.parallelize import apply_plan, check_plan_fits
 from tensorpar.hf.plans import plan_for, tied_heads
 from tensorpar.runtime.groups import tp_size
 
@@ -126,7 +126,7 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     plan = plan or plan_for(model)
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
-    check_layout(model, plan, tp_size(group), sequence_parallel)
+    check_plan_fits(model, plan, tp_size(group), sequence_parallel)
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model)) if weights \
         else EmptySource(model)
     apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),

@@ -11,7 +11,12 @@ one fp32 gets, hands the output projection a view of its own output instead of a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import Step
+from tensorpar.transformer.attention import head_layout
 
 # where the step runs: the saved tensors of RMSNorm and attention differ (``block_terms``)
 DEVICES = ("cpu", "cuda")
@@ -39,16 +44,54 @@ def _attention_kernel(device: str, autocast: bool, attention: str | None) -> str
     return "cudnn" if autocast else "efficient"  # flash and cuDNN take no fp32
 
 
-def block_terms(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
-                autocast: bool, dropout: bool = False, regather: bool = False,
-                device: str = "cpu", attention: str | None = None) -> dict:
-    """Bytes one block keeps for backward on one rank, term by term ("total": their sum).
-    N tokens (B·T), Ns under SP (N/t). regather: under SP the column ops keep their input shard
-    (all-gathered again in backward). device: "cpu" or "cuda" (see ``DEVICES``); attention: the
-    SDPA kernel (``ATTENTION``; None: the one torch picks there)."""
+@dataclass(frozen=True)
+class PassSizes:
+    """One pass of a step on one TP rank: ``micro`` sequences (B) of T tokens, N = B·T, Ns the
+    rank's tokens under sequence parallelism (N/t; N without), "act" the bytes of an activation
+    (2 under autocast, else 4), "regather" whether the column ops keep their input shard and
+    gather it again in backward (SP without ``keep_gathered_input``), and the rank's local
+    sizes (``rank_shapes``)."""
+
+    B: int
+    T: int
+    N: int
+    Ns: int
+    act: int
+    regather: bool
+    local: dict
+
+
+def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
+    """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
+    (h0, h1), (k0, k1), shared = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    v0, v1 = shard_range(shape.vocab_size, tp, rank)
+    f0, f1 = shard_range(shape.hidden_dim, tp, rank)
+    return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
+            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared}
+
+
+def pass_sizes(step: Step, rank: int = 0) -> PassSizes:
+    """The sizes of one pass of ``step`` (``step.micro`` sequences) on TP rank ``rank``."""
+    B, T, tp = step.micro, step.seq, step.tp
+    N = B * T
+    sp = step.sequence_parallel and tp > 1
+    Ns = B * shard_sizes(T, tp)[rank] if sp else N  # its SP shard
+    return PassSizes(B, T, N, Ns, 2 if step.autocast else 4,
+                     sp and not step.keep_gathered_input, rank_shapes(step.shape, tp, rank))
+
+
+def block_terms(step: Step, rank: int = 0) -> dict:
+    """Bytes one block keeps for backward on TP rank ``rank`` in a pass of ``step``, term by
+    term ("total": their sum). Under SP without ``keep_gathered_input`` the column ops keep
+    their input shard (all-gathered again in backward). ``step.device``: "cpu" or "cuda" (see
+    ``DEVICES``); ``step.attention``: the SDPA kernel (``ATTENTION``; None: the one torch picks
+    there)."""
+    shape, z = step.shape, pass_sizes(step, rank)
+    device, autocast, act, N, Ns, B, s = (step.device, step.autocast, z.act, z.N, z.Ns, z.B,
+                                          z.local)
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)}")
-    kernel = _attention_kernel(device, autocast, attention)
+    kernel = _attention_kernel(device, autocast, step.attention)
     D, hd = shape.dim, shape.head_dim
     hl, kvl, H = s["heads"], s["kv_heads"], s["hidden"]
     T = N // B
@@ -61,9 +104,10 @@ def block_terms(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, f
         t["norms"] = 2 * (Ns * D * 4 + Ns * 4)
     # the column layers' input: the normed (SP: gathered) activations, in autocast's dtype; the
     # unfused path under autocast casts it once per projection
-    n_cols_attn, n_cols_mlp = (1, 1) if fused or not autocast else (3, 2 if shape.gated_mlp else 1)
+    n_cols_attn, n_cols_mlp = (1, 1) if step.fused or not autocast else \
+        (3, 2 if shape.gated_mlp else 1)
     t["columns"] = (n_cols_attn + n_cols_mlp) * N * D * act
-    if regather:  # one shard per column op, cast once to the matmul dtype
+    if z.regather:  # one shard per column op, cast once to the matmul dtype
         t["columns"] = 2 * Ns * D * act
     q = N * hl * hd * act
     if s["kv_identity"]:  # k and v read directly: the rotated k and the projection's v
@@ -83,17 +127,9 @@ def block_terms(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, f
     t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
     # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
     t["weight copies"] = block_copies(shape, s) if autocast else 0
-    t["dropout masks"] = 2 * Ns * D if dropout else 0  # two residual branches, 1 B each
+    t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
     t["total"] = sum(t.values())
     return t
-
-
-def block_saved(shape: ModelShape, s: dict, N: int, Ns: int, B: int, act: int, fused: bool,
-                 autocast: bool, dropout: bool = False, regather: bool = False,
-                 device: str = "cpu", attention: str | None = None) -> int:
-    """Bytes one block keeps for backward on one rank (``block_terms``' total)."""
-    return block_terms(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
-                       attention)["total"]
 
 
 def paper_activations(shape: ModelShape, tp: int, batch: int, seq: int,

@@ -1,9 +1,9 @@
 """Communication of one training step, predicted: per kind and by source; and the MLP split.
 
-For tensorpar's GPT (``gpt/model.py``) the prediction is exact: it equals what ``CollectiveCounter``
-measures around forward, backward and ``layout.clip_grad_norm_`` (calls, payload bytes, ring bytes
-per rank), as ``tests/planner/test_plan.py`` checks. With N = B·T tokens, width D, TP size
-t > 1::
+For tensorpar's GPT (``gpt/model.py``) the prediction is exact: it equals what
+``CollectiveCounter`` measures around forward, backward and ``ownership.clip_grad_norm_`` (calls,
+payload bytes, ring bytes per rank), as ``tests/planner/test_plan.py`` checks. With N = B·T
+tokens, width D, TP size t > 1::
 
     per block   forward: attention g + MLP g      2 all-reduces of N·D   (Megatron: 2 per layer)
                 backward: attention f + MLP f     2 all-reduces of N·D
@@ -50,6 +50,72 @@ from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_layout
 
 
+def totals(rows: list[dict]) -> dict:
+    """Rows {source, phase, kind, calls, bytes, ring_bytes} summed per kind, as
+    ``CollectiveCounter`` counts them: {"counts", "bytes", "ring_bytes"} (kinds with none left
+    out) and the rows as "breakdown"."""
+    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
+             for k in ("calls", "bytes", "ring_bytes")}
+    return {"counts": {k: v for k, v in total["calls"].items() if v},
+            "bytes": {k: v for k, v in total["bytes"].items() if v},
+            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v}, "breakdown": rows}
+
+
+def _check_comm(seq: int, tp: int, sequence_parallel: bool, dtype: str, recompute: str,
+                bf16_params: bool) -> None:
+    """ValueError for a step ``predicted_comm`` cannot count."""
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r}: expected fp32 or bf16")
+    if bf16_params and dtype != "bf16":
+        raise ValueError("bf16_params: bf16 weights go with dtype bf16")
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute {recompute!r}: tensorpar's GPT has none or full")
+    if sequence_parallel and seq < tp:
+        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
+                         "least one token per rank")
+
+
+class _TPRows:
+    """The rows of a step's TP collectives as they are added: the region entries and exits of
+    Megatron's f and g (all-reduces, or under SP all-gathers and reduce-scatters of the
+    (B, T, D) activations, ``act`` elements, uneven shards padded), each made once a pass but
+    for the step's own."""
+
+    def __init__(self, tp: int, passes: int, sp: bool, act: int, res_b: int, out_b: int,
+                 regather: bool):
+        self.rows: list[dict] = []
+        self.t, self.passes, self.sp, self.act = tp, passes, sp, act
+        self.res_b, self.out_b, self.regather_input = res_b, out_b, regather
+
+    def add(self, source: str, phase: str, kind: str, calls: int, payload: int) -> None:
+        if self.t == 1 or calls == 0:
+            return
+        calls *= 1 if phase == "step" else self.passes
+        self.rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
+                          "bytes": calls * payload,
+                          "ring_bytes": calls * round(payload * ring_share(kind, self.t))})
+
+    def exit_region(self, source: str, phase: str, calls: int, dtype_bytes: int) -> None:
+        self.add(source, phase, "reduce_scatter" if self.sp else "all_reduce", calls,
+                 self.act * dtype_bytes)
+
+    def exit_backward(self, source: str, calls: int, dtype_bytes: int) -> None:
+        if self.sp:  # the reduce-scatter's backward all-gathers the gradient
+            self.add(source, "backward", "all_gather", calls, self.act * dtype_bytes)
+
+    def enter_region(self, source: str, phase: str, calls: int) -> None:
+        if self.sp:  # all-gather of the normed activations
+            self.add(source, phase, "all_gather", calls, self.act * self.res_b)
+
+    def enter_backward(self, source: str, calls: int) -> None:
+        self.add(source, "backward", "reduce_scatter" if self.sp else "all_reduce", calls,
+                 self.act * self.res_b)
+
+    def regather(self, source: str, calls: int) -> None:
+        if self.sp and self.regather_input:  # the kept shard, cast to the matmuls' dtype
+            self.add(source, "backward", "all_gather", calls, self.act * self.out_b)
+
+
 def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
                    recompute: str = "none", keep_gathered_input: bool = False,
@@ -67,89 +133,47 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
     analytic activation volume (4 N·D per layer, payload) for comparison.
     """
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype {dtype!r}: expected fp32 or bf16")
-    if bf16_params and dtype != "bf16":
-        raise ValueError("bf16_params: bf16 weights go with dtype bf16")
-    if recompute not in ("none", "full"):
-        raise ValueError(f"recompute {recompute!r}: tensorpar's GPT has none or full")
-    if sequence_parallel and seq < tp:
-        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
-                         "least one token per rank")
-    N, D, L, t = batch * seq, shape.dim, shape.n_layer, tp
-    rows: list[dict] = []
-
-    def add(source: str, phase: str, kind: str, calls: int, payload: int) -> None:
-        if t == 1 or calls == 0:
-            return
-        calls *= 1 if phase == "step" else passes
-        rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
-                     "bytes": calls * payload,
-                     "ring_bytes": calls * round(payload * ring_share(kind, t))})
-
+    _check_comm(seq, tp, sequence_parallel, dtype, recompute, bf16_params)
+    N, D, L, t, sp = batch * seq, shape.dim, shape.n_layer, tp, sequence_parallel
     out_b = 2 if dtype == "bf16" else 4  # the row layers' output under autocast
     # the residual stream, the normed activations, the gradients: fp32 but with bf16 weights
     res_b = 2 if bf16_params else 4
-    sp = sequence_parallel
     # under SP uneven shards travel padded to the largest, ceil(seq / t) tokens each
     act = batch * (t * -(-seq // t) if sp else seq) * D
-
-    def exit_region(source: str, phase: str, calls: int, dtype_bytes: int) -> None:
-        add(source, phase, "reduce_scatter" if sp else "all_reduce", calls, act * dtype_bytes)
-
-    def exit_backward(source: str, calls: int, dtype_bytes: int) -> None:
-        if sp:  # the reduce-scatter's backward all-gathers the gradient
-            add(source, "backward", "all_gather", calls, act * dtype_bytes)
-
-    def enter_region(source: str, phase: str, calls: int) -> None:
-        if sp:  # all-gather of the normed activations
-            add(source, phase, "all_gather", calls, act * res_b)
-
-    def enter_backward(source: str, calls: int) -> None:
-        add(source, "backward", "reduce_scatter" if sp else "all_reduce", calls, act * res_b)
-
-    def regather(source: str, calls: int) -> None:
-        if sp and not keep_gathered_input:  # the kept shard, cast to the matmuls' dtype
-            add(source, "backward", "all_gather", calls, act * out_b)
-
+    r = _TPRows(t, passes, sp, act, res_b, out_b, not keep_gathered_input)
     if sp and shape.sp_embedding_all_reduce:  # the whole (B, T, D), then split: no padding
-        add("embedding", "forward", "all_reduce", 1, N * D * res_b)
+        r.add("embedding", "forward", "all_reduce", 1, N * D * res_b)
     else:
-        exit_region("embedding", "forward", 1, res_b)
-    exit_backward("embedding", 1, res_b)  # the split's backward all-gathers as the scatter's does
+        r.exit_region("embedding", "forward", 1, res_b)
+    r.exit_backward("embedding", 1, res_b)  # the split's backward all-gathers as a scatter's
     for part in ("attention", "mlp"):
-        enter_region(f"{part} (x{L} blocks)", "forward", L)
-        exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
-        enter_backward(f"{part} (x{L} blocks)", L)
-        regather(f"{part} input re-gather (x{L} blocks)", L)
-        exit_backward(f"{part} (x{L} blocks)", L, out_b)
+        r.enter_region(f"{part} (x{L} blocks)", "forward", L)
+        r.exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
+        r.enter_backward(f"{part} (x{L} blocks)", L)
+        r.regather(f"{part} input re-gather (x{L} blocks)", L)
+        r.exit_backward(f"{part} (x{L} blocks)", L, out_b)
     if recompute == "full":
-        enter_region("recompute: attention", "backward", L)
-        exit_region("recompute: attention", "backward", L, out_b)
-        enter_region("recompute: mlp entry", "backward", L)
+        r.enter_region("recompute: attention", "backward", L)
+        r.exit_region("recompute: attention", "backward", L, out_b)
+        r.enter_region("recompute: mlp entry", "backward", L)
         if shape.recompute_block_exit:
-            exit_region("recompute: mlp exit", "backward", L, out_b)
-    enter_region("LM head f", "forward", 1)
-    enter_backward("LM head f", 1)
-    regather("LM head input re-gather", 1)
-    add("loss statistics", "forward", "all_gather", 1, 2 * t * N * 4)
+            r.exit_region("recompute: mlp exit", "backward", L, out_b)
+    r.enter_region("LM head f", "forward", 1)
+    r.enter_backward("LM head f", 1)
+    r.regather("LM head input re-gather", 1)
+    r.add("loss statistics", "forward", "all_gather", 1, 2 * t * N * 4)
     if sp:
         norm_elems = D * (2 if shape.norm == "layer" else 1)
-        add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,
-            norm_elems * res_b)
+        r.add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,
+              norm_elems * res_b)
         if shape.bias:
-            add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * res_b)
+            r.add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * res_b)
     if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
         kv = 2 * shape.n_kv_head * shape.head_dim * (D + (shape.bias or shape.qkv_bias))
-        add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * res_b)
-    add("grad norm", "step", "all_reduce", 1, 4)
-    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
-             for k in ("calls", "bytes", "ring_bytes")}
+        r.add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * res_b)
+    r.add("grad norm", "step", "all_reduce", 1, 4)
     minimum = 2 * L * N * D * (out_b + res_b)
-    return {"counts": {k: v for k, v in total["calls"].items() if v},
-            "bytes": {k: v for k, v in total["bytes"].items() if v},
-            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},
-            "breakdown": rows, "minimum_block_bytes": minimum if t > 1 else 0}
+    return totals(r.rows) | {"minimum_block_bytes": minimum if t > 1 else 0}
 
 
 def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,

@@ -1,6 +1,6 @@
 """Data parallelism on top of TP, planned: per-rank memory and the dp group's communication.
 
-What ``tensorpar.dp.wrap`` builds: ``dp`` copies of the TP-sharded model, each step's
+What ``tensorpar.mesh.data_parallel`` builds: ``dp`` copies of the TP-sharded model, each step's
 batch split over them, gradients averaged over the "dp" group, by torch's own engines.
 
 **FSDP2** (``fully_shard`` each block, then the root: embedding, final norm, LM head). Each rank
@@ -35,10 +35,11 @@ backward between two blocks, ``blocks["between"]``)::
     optimizer step         the sharded gradients + the temporaries of the gradient norm and
                            AdamW (``memory.step_temporaries``) of the sharded tensors
 
-Under tensorpar's bf16 FSDP2 gathers bf16 copies of the fp32 shards (its ``MixedPrecisionPolicy``,
-``tensorpar.dp.wrap``) and the layers compute with them: the activations are autocast's (the
-same tensors kept, the residual stream's saved in fp32 by the norms) less autocast's bf16 weight
-copies, which nothing makes (``memory.tensorpar_memory``'s "copies", taken out of each moment).
+Under tensorpar's bf16 FSDP2 gathers bf16 copies of the fp32 shards (its
+``MixedPrecisionPolicy``, ``tensorpar.mesh.data_parallel``) and the layers compute with them: the
+activations are autocast's (the same tensors kept, the residual stream's saved in fp32 by the
+norms) less autocast's bf16 weight copies, which nothing makes (``memory.tensorpar_memory``'s
+"copies", taken out of each moment).
 U_r and U_b, the gathered weights and the unsharded gradients, are then 2 B per element; R_r and
 R_b, the reduce-scatter's input (the gradients cast to fp32), gloo's copy of it, its output and
 the stored gradients, 4 B. Measured (TP=1 and 2 x DP=2, d=256, 4 layers, B8 x T64): the step's
@@ -65,13 +66,14 @@ Checked against ``MemoryMeter`` and ``CollectiveCounter`` in ``tests/planner/tes
 
 from __future__ import annotations
 
-from tensorpar.planner.memory import rank_shapes, step_temporaries
+from tensorpar.planner.activations import rank_shapes
+from tensorpar.planner.comm import totals
+from tensorpar.planner.memory import step_temporaries
 from tensorpar.planner.shapes import ModelShape
-from tensorpar.runtime.counting import KINDS, ring_share
+from tensorpar.planner.step import DP_MODES, Budget, Step
+from tensorpar.runtime.counting import ring_share
 from tensorpar.transformer.attention import head_layout
 
-# the names of ``tensorpar.dp.wrap.DP_MODES`` (the planner imports no engine)
-DP_MODES = ("fsdp", "ddp")
 # DistributedDataParallel's defaults: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, then
 # bucket_cap_mb=25 (MiB)
 DDP_FIRST_BUCKET = 2**20
@@ -160,9 +162,9 @@ def ddp_buckets(shape: ModelShape, tp: int, rank: int = 0, grad_bytes: int = 4,
 
 def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
     """The K and V tensors of a block of which TP ``rank`` owns some rows but not all: a KV
-    head held by several ranks belongs to the lowest (``parallel.layout``), and this rank holds
+    head held by several ranks belongs to the lowest (``parallel.ownership``), and this rank holds
     both such a head and one of its own. Under FSDP2 the gradient norm gathers their gradients
-    over dp to cut its part (``layout.clip_grad_norm_``)."""
+    over dp to cut its part (``ownership.clip_grad_norm_``)."""
     ranges = [head_layout(shape.n_head, shape.n_kv_head, tp, r)[1] for r in range(rank + 1)]
     (k0, k1), lower = ranges[rank], max([0] + [stop for _, stop in ranges[:rank]])
     if not k0 < lower < k1:
@@ -218,83 +220,109 @@ def dp_comm(shape: ModelShape, tp: int, dp: int, mode: str = "fsdp", param_bytes
                 buckets.count(size), size)
     if report_loss:
         add("loss (reported mean)", "step", "all_reduce", 1, 4)
-    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
-             for k in ("calls", "bytes", "ring_bytes")}
-    return {"counts": {k: v for k, v in total["calls"].items() if v},
-            "bytes": {k: v for k, v in total["bytes"].items() if v},
-            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v},
-            "breakdown": rows}
+    return totals(rows)
 
 
-def dp_memory(shape: ModelShape, tp: int, dp: int, mode: str, mem: dict, param_bytes: int = 4,
-              state_bytes: int = 8, rank: int = 0, dp_rank: int = 0, device: str = "cpu",
-              optimizer: str = "fused") -> dict:
-    """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under data parallelism ``mode``.
+def accumulated(step: Step, mem: Budget, rank: int = 0) -> Budget:
+    """``mem`` (one pass, ``memory.tensorpar_memory``) in a step of ``step.micro_batches``
+    passes without sharded gradients (no data parallelism, or DDP, which accumulates in
+    ``param.grad`` and all-reduces with the last pass): the gradients of the passes before the
+    last are held through its backward. The loss backward (and LoRA's final norm backward) hold
+    them besides what one pass has; a block's backward holds them all from its first moment,
+    the head's among them (a pass's own gradients of the head and of the blocks before are
+    added into them, not allocated), so the last block's backward is the largest. One pass:
+    ``mem`` itself."""
+    if step.micro_batches == 1:
+        return mem
+    head_grad = 0 if step.lora is not None else \
+        4 * rank_shapes(step.shape, step.tp, rank)["vocab"] * step.shape.dim
+    peaks = dict(mem.peaks)
+    for moment in ("loss backward", "final norm backward"):
+        if moment in peaks:
+            peaks[moment] += mem.grads
+    last_block = mem.blocks.between + mem.blocks.inside - head_grad + mem.grads
+    peaks["block backward"] = max(peaks["block backward"], last_block)
+    return mem.replace(peaks=peaks)
+
+
+def dp_bytes(dtype: str) -> tuple[int, int]:
+    """Bytes per element of the stored weights and gradients, and of AdamW's states: 4 and 8
+    (fp32 and tensorpar's bf16, whose weights are fp32); 2 and 12 for Megatron-style bf16
+    (with the fp32 master weights)."""
+    return (2, 12) if dtype == "bf16" else (4, 8)
+
+
+def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budget:
+    """Bytes on (TP ``rank``, ``dp_rank``) for a steady step under ``step``'s data parallelism
+    (``step.dp`` copies, ``step.dp_mode``).
 
     mem: the step without data parallelism for this rank's batch/dp sequences, as
-    ``memory.tensorpar_memory`` returns it (or ``layouts.plan_memory``'s Megatron-style bf16
-    version of it); its "dtype" "bf16-autocast" (tensorpar's bf16) under FSDP2 plans FSDP2's
-    bf16 gathered weights (module docstring). param_bytes: the width of the stored weights and
-    gradients (4: fp32 and tensorpar's bf16; 2: Megatron-style bf16); state_bytes: AdamW's per
-    element (8; Megatron-style bf16 12, with the fp32 master weights). device: "cpu" (gloo
-    copies a reduce-scatter's input) or "cuda". Returns tensorpar_memory's keys ("weights",
-    "grads", "optimizer", "activations", "peaks", "peak_extra", "peak_at", "total") for the
-    data-parallel step, and "dp_buffers": DDP's buckets, or the gathered weights and
-    reduce-scatter buffers at FSDP2's peak.
+    ``memory.tensorpar_memory`` returns it (or ``tp_plan.step_memory``'s Megatron-style bf16
+    version of it); its dtype "bf16-autocast" (tensorpar's bf16) under FSDP2 plans FSDP2's
+    bf16 gathered weights (module docstring). The stored weights and gradients are 4 B wide
+    (fp32 and tensorpar's bf16) or 2 (Megatron-style bf16), AdamW's states 8 B per element or
+    12 (``dp_bytes``). ``step.device``: "cpu" (gloo copies a reduce-scatter's input) or
+    "cuda". Returns the data-parallel step's budget, its "dp_buffers" DDP's buckets (held the
+    whole run), or the gathered weights and reduce-scatter buffers at FSDP2's peak.
     """
+    dp, mode = step.dp, step.dp_mode
     check_dp(dp, mode)
-    out = {k: mem[k] for k in ("weights", "grads", "optimizer", "activations")}
-    out |= {"dp": dp, "dp_mode": mode, "dp_buffers": 0}
     if dp == 1:
-        return out | {k: mem[k] for k in ("peaks", "peak_extra", "peak_at", "total")}
+        return accumulated(step, mem, rank).replace(dp_buffers=0, held=0)
+    shape, tp = step.shape, step.tp
+    param_bytes, state_bytes = dp_bytes(step.dtype)
     t = tensor_shapes(shape, tp, rank)
     if mode == "ddp":
         buckets = param_bytes * sum(d0 * row for _, d0, row in ready_order(shape, tp, rank))
-        peaks = dict(mem["peaks"])
-        where = max(peaks, key=peaks.get)
-        return out | {"dp_buffers": buckets, "peaks": peaks, "peak_extra": peaks[where],
-                      "peak_at": where,
-                      "total": mem["weights"] + mem["optimizer"] + buckets + peaks[where]}
+        return accumulated(step, mem, rank).replace(dp_buffers=buckets, held=buckets)
     root, block = fsdp_elements(t["root"], dp, dp_rank), fsdp_elements(t["block"], dp, dp_rank)
-    L, b, peaks = shape.n_layer, mem["blocks"], mem["peaks"]
-    between, inside, kept = b["between"], b["inside"], b["kept"]
+    L, b, peaks = shape.n_layer, mem.blocks, mem.peaks
+    between, inside, kept = b.between, b.inside, b.kept
     # gathered weights and unsharded gradients: bf16 under tensorpar's bf16 (FSDP2's
     # MixedPrecisionPolicy), whose activations then hold no autocast weight copies; the
     # reduce-scatter, its output and the stored gradients are fp32 (param_bytes)
-    mixed = mem.get("dtype") == "bf16-autocast"
+    mixed = mem.dtype == "bf16-autocast"
     if mixed:
-        copies = b["copies"]
-        between, inside, kept = (between - copies["between"], inside - copies["inside"],
-                                 kept - copies["kept"])
-        peaks = {k: v - mem["copies"].get(k, 0) for k, v in peaks.items()}
+        copies = mem.block_copies
+        between, inside, kept = (between - copies.between, inside - copies.inside,
+                                 kept - copies.kept)
+        peaks = {k: v - mem.copies.get(k, 0) for k, v in peaks.items()}
     gather = 2 if mixed else param_bytes
     Ur, Ub = gather * root["unsharded"], gather * block["unsharded"]  # gathered
     Rr, Rb = param_bytes * root["unsharded"], param_bytes * block["unsharded"]  # reduced
     Urs, Ubs = param_bytes * root["sharded"], param_bytes * block["sharded"]
-    cpu = device == "cpu"
+    cpu = step.device == "cpu"
     n_tensors = len(t["root"]) + L * len(t["block"])
     weights = grads = Urs + L * Ubs
     states = state_bytes * (root["local"] + L * block["local"]) + 4 * n_tensors
+    # gradient accumulation: the passes before the last leave each block's gradients unsharded
+    # (fp32), held until its reduce-scatter in the last pass's backward (torch holds FSDP2's
+    # reduce-scatter back until then); the root's until its own
+    acc = step.micro_batches > 1
     # each moment: (bytes above sharded weights and states, of which data parallelism's buffers)
-    moments = {"loss backward": (peaks["loss backward"] + Ur + Ub, Ur + Ub)}
+    moments = {"loss backward": (peaks["loss backward"] + Ur + Ub + (Rr + L * Rb if acc else 0),
+                                 Ur + Ub)}
     for i in range(L - 1, -1, -1):
         later = L - 1 - i
         prefetched = Ub if i > 0 else 0
+        held = Rr + (i + 1) * Rb if acc else 0  # the root's, this block's and those below
         buf = Ur + Ub + prefetched + (Rb if later else 0) + later * Ubs
-        moments[f"block {i} backward"] = (between - later * kept + inside + buf, buf)
+        moments[f"block {i} backward"] = (between - later * kept + inside + buf + held, buf)
+        held = Rr + i * Rb if acc else 0
         buf = Ur + prefetched + 2 * Rb + (Ubs if cpu else 0) + later * Ubs
-        moments[f"block {i} reduce-scatter"] = (between - (later + 1) * kept + buf, buf)
+        moments[f"block {i} reduce-scatter"] = (between - (later + 1) * kept + buf + held, buf)
     embed = gather * t["root"][0][1] * t["root"][0][2]
     root_grads = gather * sum(d0 * row for _, d0, row in t["root"])
     buf = Ur + root_grads + (2 * embed if shape.tie_embeddings else 0) + Ub + L * Ubs
+    buf += Rr if acc else 0
     moments["embedding backward"] = (buf, buf)
     buf = 2 * Rr + (Urs if cpu else 0) + L * Ubs
     moments["root reduce-scatter"] = (buf, buf)
     largest = max(root["largest"], block["largest"])
-    step = grads + step_temporaries(optimizer, root["local"] + L * block["local"], largest)
-    moments["optimizer step"] = (step, grads)
+    step_bytes = grads + step_temporaries(step.optimizer, root["local"] + L * block["local"],
+                                          largest)
+    moments["optimizer step"] = (step_bytes, grads)
     peaks = {k: v for k, (v, _) in moments.items()}
     where = max(peaks, key=peaks.get)
-    return out | {"weights": weights, "grads": grads, "optimizer": states,
-                  "dp_buffers": moments[where][1], "peaks": peaks, "peak_extra": peaks[where],
-                  "peak_at": where, "total": weights + states + peaks[where]}
+    return mem.replace(weights=weights, grads=grads, optimizer=states,
+                       dp_buffers=moments[where][1], peaks=peaks, held=0)

@@ -56,7 +56,7 @@ projection or q_proj,v_proj, fp32, bf16, SP, recomputed): within 0.5% in fp32, 1
 autocast (``tests/planner/test_plan_lora.py``); on an H200 (torch 2.11, transformers 5.17,
 d=2048, 4 layers, 16/8 heads, B8 x T1024, ``--device cuda``, TP 1 and 2) within 3.5%.
 
-Data parallelism (``layouts.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
+Data parallelism (``tp_plan.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
 blocks, DDP's buckets) builds on these numbers in ``data_parallel.py``.
 
 ``fits`` compares the total with the device memory less a reserve (default 10%: the allocator's
@@ -65,24 +65,15 @@ fragmentation and cache, the CUDA context and communication buffers, which no te
 
 from __future__ import annotations
 
-from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.planner.activations import block_terms
+from dataclasses import dataclass
+
+from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
 from tensorpar.transformer.attention import head_layout
 
-DTYPES = ("fp32", "bf16", "bf16-autocast")
-RECOMPUTE = ("none", "selective", "full")
-# torch's AdamW implementations (train/optim.py picks fused), by the temporaries of their step
-ADAMW = ("fused", "foreach", "for-loop")
-
-
-def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
-    """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
-    (h0, h1), (k0, k1), shared = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
-    v0, v1 = shard_range(shape.vocab_size, tp, rank)
-    f0, f1 = shard_range(shape.hidden_dim, tp, rank)
-    return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
-            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared}
+__all__ = ["ADAMW", "DTYPES", "RECOMPUTE", "rank_shapes", "rank_params", "lora_params",
+           "tensorpar_memory"]
 
 
 def rank_params(shape: ModelShape, tp: int, rank: int = 0) -> dict:
@@ -241,135 +232,166 @@ def step_temporaries(optimizer: str, total: int, largest: int) -> int:
     return max(4 * largest, adamw_temporaries(optimizer, total, largest))
 
 
-def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
-                     sequence_parallel: bool = False, dtype: str = "fp32",
-                     recompute: str = "none", fused: bool = True, rank: int = 0,
-                     optimizer: str = "fused", dropout: bool = False,
-                     keep_gathered_input: bool = False, device: str = "cpu",
-                     attention: str | None = None, lora: dict | None = None,
-                     converted: bool | None = None) -> dict:
-    """Bytes on ``rank`` for a steady-state training step of tensorpar's GPT (AdamW states
-    exist; gradients are freed between steps): components and the predicted peak.
+@dataclass(frozen=True)
+class Kept:
+    """What a pass keeps for backward at the end of its forward on one rank, by piece: the
+    embedding's output (and ids and mask at TP > 1), the blocks', the tail's (final norm, the
+    head's input and bf16 copy, the logits' buffer, the loss statistics), the rotary tables;
+    "copies" the autocast weight copies among them, "head_copy" the head's."""
 
-    lora: ``lora_params``' count and ``"r"``: LoRA fine-tuning, the model frozen; gradients and
-    AdamW states are the adapters', no weight gradient of the model is made (the head's
-    neither), the frozen embedding and norms keep less, a frozen block's backward makes fewer
-    gradients, and each adapted projection keeps its (b, s, r) product for B's gradient
-    (``lora_block_terms`` and the moments below). converted: the model is a Hugging Face model
-    converted by tensorpar, whose attention keeps other tensors than the GPT's
-    (``converted_block_terms``); None: whether ``lora`` is given (only those take adapters).
-    dtype: "fp32" or "bf16-autocast" (tensorpar's bf16). recompute: "none" or "full"
-    ("selective" is "none" here: no s x s scores are kept anyway). optimizer: how AdamW steps
-    (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in place with no
-    temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per parameter (the
-    denominators); "for-loop" (torch's default on CPU) keeps two of the largest tensor.
-    dropout: the residual branches drop (a bool mask each is kept). keep_gathered_input: under SP
-    the column ops keep their gathered (B, T, D) input instead of their (B, T_r, D) shard.
-    device: where the step runs, "cpu" or "cuda" (``activations.DEVICES``): on CUDA, F.rms_norm
-    is torch's fused kernel (it keeps its input and rstd, not x·rstd), and attention runs CUDA's
-    kernels. attention: the SDPA kernel (``activations.ATTENTION``); None: what torch picks on
-    ``device`` (CPU: its flash kernel; CUDA: cuDNN under bf16 autocast, as torch 2.11 does on an
-    H100, whose output the o_proj input copies; memory-efficient in fp32, whose output it views).
-    "flash" (bf16 where cuDNN is not picked) keeps what cuDNN keeps; "efficient" under bf16 one
-    copy less.
-    "peaks" holds every moment's bytes above weights and states, "copies" the bytes of autocast's
-    bf16 weight copies each moment includes (what Megatron-style bf16 weights, and FSDP2's bf16
-    gathered ones, replace: ``data_parallel.dp_memory``); "dtype" is ``dtype``.
-    """
-    if optimizer not in ADAMW:
-        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(ADAMW)}")
-    if dtype not in ("fp32", "bf16-autocast"):
-        raise ValueError(f"dtype {dtype!r}: tensorpar trains fp32 or bf16-autocast")
-    autocast = dtype == "bf16-autocast"
-    act = 2 if autocast else 4
-    s, p = rank_shapes(shape, tp, rank), rank_params(shape, tp, rank)
-    D, L, B, T = shape.dim, shape.n_layer, batch, seq
-    N = B * T
-    Ns = B * shard_sizes(T, tp)[rank] if sequence_parallel and tp > 1 else N  # its SP shard
-    trained = p if lora is None else lora  # what has gradients and AdamW states
-    weights, grads = 4 * (p["total"] + (0 if lora is None else lora["total"])), 4 * trained["total"]
-    states = 8 * trained["total"] + 4 * trained["tensors"]  # exp_avg, exp_avg_sq; a step each
-    regather = sequence_parallel and tp > 1 and not keep_gathered_input
-    terms = block_terms(shape, s, N, Ns, B, act, fused, autocast, dropout, regather, device,
-                        attention)
-    if converted is None:
-        converted = lora is not None
-    if converted:
-        terms = converted_block_terms(shape, tp, rank, terms, N, B, act, device, attention)
+    embed: int
+    blocks: int
+    final_norm: int
+    head_copy: int
+    logits: int
+    loss: int
+    rope: int
+    copies: int
+    first_norm: int  # LoRA: block 0's input norm keeps nothing (its output is kept instead)
+
+    @property
+    def tail(self) -> int:
+        return self.final_norm + self.head_copy + self.logits + self.loss
+
+    @property
+    def total(self) -> int:
+        return self.embed + self.blocks + self.tail + self.rope
+
+
+def rank_lora(step: Step, rank: int) -> dict | None:
+    """``lora_params``' count for ``step.lora`` on TP rank ``rank``, with "r" and "base_dtype"
+    (what ``lora_block_terms`` reads); None without LoRA."""
+    if step.lora is None:
+        return None
+    lo = step.lora
+    return lora_params(step.shape, step.tp, rank, lo.rank, planner_kinds(lo.targets)) | \
+        {"r": lo.rank, "base_dtype": lo.base_dtype}
+
+
+def check_memory_step(step: Step) -> None:
+    """ValueError for a step ``tensorpar_memory`` cannot plan: an unknown AdamW, a precision
+    tensorpar does not train (Megatron-style bf16 is ``tp_plan.step_memory``'s)."""
+    if step.optimizer not in ADAMW:
+        raise ValueError(f"optimizer {step.optimizer!r}: expected one of {', '.join(ADAMW)}")
+    if step.dtype not in ("fp32", "bf16-autocast"):
+        raise ValueError(f"dtype {step.dtype!r}: tensorpar trains fp32 or bf16-autocast")
+
+
+def pass_block_terms(step: Step, rank: int) -> dict:
+    """One block's terms in a pass (``activations.block_terms``), as a converted Hugging Face
+    model keeps them (``converted_block_terms``) and as LoRA does (``lora_block_terms``)."""
+    z, lora = pass_sizes(step, rank), rank_lora(step, rank)
+    terms = block_terms(step, rank)
+    if step.is_converted:
+        terms = converted_block_terms(step.shape, step.tp, rank, terms, z.N, z.B, z.act,
+                                      step.device, step.attention)
     if lora is not None:
-        terms = lora_block_terms(shape, terms, N, Ns, act, lora)
-    block, weight_copies = terms["total"], terms["weight copies"]
-    embed = Ns * D * 4 + (N * 12 if tp > 1 else 0)  # output; local ids and the ownership mask
+        terms = lora_block_terms(step.shape, terms, z.N, z.Ns, z.act, lora)
+    return terms
+
+
+def stored_bytes(step: Step, rank: int) -> tuple[int, int, int]:
+    """Weights, gradients (at the optimizer step) and AdamW states (exp_avg, exp_avg_sq, a step
+    count each) of TP rank ``rank``: the model's, or with LoRA the adapters' gradients and
+    states; ``--base-dtype bf16`` holds the frozen projections (an untied head too) in bf16."""
+    shape, s, p, lora = step.shape, rank_shapes(step.shape, step.tp, rank), \
+        rank_params(step.shape, step.tp, rank), rank_lora(step, rank)
+    trained = p if lora is None else lora  # what has gradients and AdamW states
+    weights = 4 * (p["total"] + (0 if lora is None else lora["total"]))
+    if lora is not None and lora["base_dtype"] == "bf16":
+        weights -= 2 * (p["matmul"] - (s["vocab"] * shape.dim if shape.tie_embeddings else 0))
+    return weights, 4 * trained["total"], 8 * trained["total"] + 4 * trained["tensors"]
+
+
+def kept_at_forward_end(step: Step, rank: int, terms: dict) -> Kept:
+    """What a pass keeps on TP rank ``rank`` at the end of its forward (``Kept``), from one
+    block's ``terms``."""
+    shape, z, lora = step.shape, pass_sizes(step, rank), rank_lora(step, rank)
+    D, N, Ns, act, full = shape.dim, z.N, z.Ns, z.act, step.recompute == "full"
+    embed = Ns * D * 4 + (N * 12 if step.tp > 1 else 0)  # output; local ids, ownership mask
     # LoRA: the embedding is frozen, so its output needs no gradient, and neither does the first
     # block's input norm (its weight frozen too): neither keeps anything (the vocab-parallel
     # embedding neither its ids nor its mask); the first tensor kept is that norm's output, for
     # block 0's adapted columns (its "columns" term). Recomputed, the output is still kept, as
     # block 0's checkpointed input.
     first_norm = 0
-    if lora is not None and recompute != "full":
+    if lora is not None and not full:
         embed, first_norm = 0, terms["norms"] // 2
     if shape.norm == "layer":
         final_norm = 2 * Ns * 4
-    elif device == "cuda" or not autocast or lora is not None:  # rstd (frozen: lora_block_terms)
-        final_norm = Ns * 4
+    elif step.device == "cuda" or not step.autocast or lora is not None:  # rstd (frozen:
+        final_norm = Ns * 4  # lora_block_terms)
     else:  # rstd; on CPU under autocast also x·rstd (see block_terms)
         final_norm = Ns * D * 4 + Ns * 4
-    final_norm += (Ns if regather else N) * D * act  # the head's input
-    # --base-dtype bf16 (LoRA): the frozen projections and an untied head are held in bf16,
-    # half their bytes, and autocast makes no copies of them (lora_block_terms)
-    bf16_base = lora is not None and lora.get("base_dtype") == "bf16"
-    if bf16_base:
-        weights -= 2 * (p["matmul"] - (s["vocab"] * D if shape.tie_embeddings else 0))
-    head_copy = s["vocab"] * D * 2 if autocast and not (bf16_base and not shape.tie_embeddings) \
-        else 0
-    # the same fp32 (N, V_local) either way: at TP=1 F.cross_entropy's log_softmax output (not
-    # the logits), at TP > 1 the vocab-parallel loss's exp(logits - max), in the logits' buffer
-    logits = N * s["vocab"] * 4
-    loss = N * 18 + 12  # local max, lse, local targets, two masks
+    final_norm += (Ns if z.regather else N) * D * act  # the head's input
+    # --base-dtype bf16 (LoRA): an untied head is held in bf16, and autocast makes no copy of it
+    bf16_base = lora is not None and lora["base_dtype"] == "bf16"
+    head_copy = z.local["vocab"] * D * 2 if step.autocast and not (
+        bf16_base and not shape.tie_embeddings) else 0
     # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
     # ("rotary tables" in block_terms)
-    rope = 0 if autocast and recompute != "full" else 4 * T * shape.head_dim
-    if converted:  # the model's cos and sin, (T, hd) fp32 each (converted_block_terms)
-        rope = 0 if shape.learned_pos else 2 * T * shape.head_dim * 4
-    tail = final_norm + head_copy + logits + loss
-    if recompute == "full":  # each block keeps only its input (the checkpoint's)
+    rope = 0 if step.autocast and not full else 4 * z.T * shape.head_dim
+    if step.is_converted:  # the model's cos and sin, (T, hd) fp32 each (converted_block_terms)
+        rope = 0 if shape.learned_pos else 2 * z.T * shape.head_dim * 4
+    L = shape.n_layer
+    if full:  # each block keeps only its input (the checkpoint's)
         blocks, copies = L * Ns * D * 4, head_copy
     else:
-        blocks, copies = L * block - first_norm, L * weight_copies + head_copy
-    activations = embed + blocks + tail + rope
-    # the loss backward: the vocab-parallel loss builds its gradient in place in the buffer it
-    # kept; F.cross_entropy (one rank) makes nll_loss's gradient and log_softmax's. Under
-    # autocast the gradient is then cast to bf16 for the head's matmuls.
-    loss_bwd = (2 * N * s["vocab"] * 4 if tp == 1 else 0) + (N * s["vocab"] * 2 if autocast
-                                                              else 0)
-    peaks = {"loss backward": activations + loss_bwd}
-    in_copies = {"activations": copies, "loss backward": copies, "optimizer step": 0}
-    head_grad = 4 * s["vocab"] * D if lora is None else 0  # a frozen head has none
-    if lora is not None:
-        # LoRA: the final norm's backward, after the head's, the peak at TP > 1 (where the loss
-        # backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's backward
-        # adds little (below). The logits' buffer, the loss's statistics and the head's input
-        # are let go; the head's input gradient (fp32) is in, and the norm's backward makes its
-        # temporaries (measured, torch 2.13 CPU): tensorpar's CPU rms_norm (fp32) x·rstd, g·w and
-        # the input gradient; F.rms_norm composed of ops (CPU autocast) five of the width at its
-        # pow's backward (the mul's and the mean's gradients, pow's 2·x and its product, and the
-        # gradient through x·rstd); torch's kernels (CUDA's, layer_norm) the input gradient
-        # alone. (Not modelled for a full fine-tune, whose norm makes its weight's gradient too:
-        # unmeasured; the block's backward the GPT's measured peak.)
-        head_input = (Ns if regather else N) * D * act
-        if shape.norm == "rms" and device == "cpu":
-            norm_temps = (5 if autocast else 3) * Ns * D * 4
-        else:
-            norm_temps = Ns * D * 4
-        peaks["final norm backward"] = (activations - logits - loss - head_input + Ns * D * 4
-                                        + norm_temps)
-        in_copies["final norm backward"] = copies - head_copy
-    # a block's backward: the incoming gradient and the MLP's hidden-sized gradients; under
-    # full recomputation also the recomputed block
-    between = activations - tail + head_grad
+        blocks, copies = L * terms["total"] - first_norm, L * terms["weight copies"] + head_copy
+    # the logits: the same fp32 (N, V_local) either way: at TP=1 F.cross_entropy's log_softmax
+    # output (not the logits), at TP > 1 the vocab-parallel loss's exp(logits - max), in the
+    # logits' buffer; the loss: local max, lse, local targets, two masks
+    return Kept(embed, blocks, final_norm, head_copy, N * z.local["vocab"] * 4, N * 18 + 12, rope,
+                copies, first_norm)
+
+
+def loss_backward(step: Step, z: PassSizes, kept: Kept) -> int:
+    """The loss backward's moment: the activations, and the gradient of the logits. The
+    vocab-parallel loss builds it in place in the buffer it kept; F.cross_entropy (one rank)
+    makes nll_loss's gradient and log_softmax's. Under autocast the gradient is then cast to
+    bf16 for the head's matmuls."""
+    V = z.local["vocab"]
+    return kept.total + (2 * z.N * V * 4 if step.tp == 1 else 0) + \
+        (z.N * V * 2 if step.autocast else 0)
+
+
+def final_norm_backward(step: Step, z: PassSizes, kept: Kept) -> int:
+    """LoRA: the final norm's backward, after the head's, the peak at TP > 1 (where the loss
+    backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's backward adds
+    little. The logits' buffer, the loss's statistics and the head's input are let go; the
+    head's input gradient (fp32) is in, and the norm's backward makes its temporaries
+    (measured, torch 2.13 CPU): tensorpar's CPU rms_norm (fp32) x·rstd, g·w and the input
+    gradient; F.rms_norm composed of ops (CPU autocast) five of the width at its pow's backward
+    (the mul's and the mean's gradients, pow's 2·x and its product, and the gradient through
+    x·rstd); torch's kernels (CUDA's, layer_norm) the input gradient alone. (Not modelled for a
+    full fine-tune, whose norm makes its weight's gradient too: unmeasured; the block's backward
+    the GPT's measured peak.)"""
+    D, Ns = step.shape.dim, z.Ns
+    head_input = (Ns if z.regather else z.N) * D * z.act
+    if step.shape.norm == "rms" and step.device == "cpu":
+        norm_temps = (5 if step.autocast else 3) * Ns * D * 4
+    else:
+        norm_temps = Ns * D * 4
+    return kept.total - kept.logits - kept.loss - head_input + Ns * D * 4 + norm_temps
+
+
+def block_backward(step: Step, rank: int, terms: dict, kept: Kept) -> tuple[int, int, BlockBudget,
+                                                                              BlockBudget]:
+    """A block's backward: the last block's (L blocks' activations, the head's gradient, the
+    incoming gradient and the MLP's hidden-sized gradients; under full recomputation the
+    recomputed block too), or the first block's if larger (the gradients of L - 1 blocks in
+    for their activations). Returns its bytes, the autocast copies in them, and the blocks'
+    "between", "inside" and "kept" (``BlockBudget``) and their copies: what data parallelism
+    (``data_parallel.dp_memory``) builds on."""
+    shape, z, lora = step.shape, pass_sizes(step, rank), rank_lora(step, rank)
+    D, N, Ns, act, H = shape.dim, z.N, z.Ns, z.act, z.local["hidden"]
+    full = step.recompute == "full"
+    weight_copies = terms["weight copies"]
+    head_grad = 4 * z.local["vocab"] * D if lora is None else 0  # a frozen head has none
+    between = kept.total - kept.tail + head_grad
     if lora is None:
-        hidden_grads = 3 * N * s["hidden"] * act + 2 * N * D * 4
+        hidden_grads = 3 * N * H * act + 2 * N * D * 4
     else:
         # a frozen MLP's backward (measured: its peak is inside down's and the SwiGLU product's
         # backward): the incoming gradient (N·D fp32) and three hidden-sized gradients in
@@ -377,43 +399,90 @@ def tensorpar_memory(shape: ModelShape, tp: int, batch: int, seq: int,
         # or (down not adapted) the product's and mul's two, silu(gate)'s and up's; the
         # product, which down kept for its adapter's A, is let go once down's backward has run
         # (without an adapter down kept none: lora_block_terms)
-        hidden_grads = N * D * 4 + (2 if lora["down"] else 3) * N * s["hidden"] * act
-        if recompute != "full":  # the last block's output, kept by the final norm alone, is gone
+        hidden_grads = N * D * 4 + (2 if lora["down"] else 3) * N * H * act
+        if not full:  # the last block's output, kept by the final norm alone, is gone
             between -= Ns * D * 4
-    if regather:  # the column op's input, gathered again for its weight gradients
+    if z.regather:  # the column op's input, gathered again for its weight gradients
         hidden_grads += N * D * act
     top = between + hidden_grads
-    in_copies["block backward"] = copies - head_copy
-    if recompute == "full":
+    copies = kept.copies - kept.head_copy
+    if full:
         # inside the recomputed block's MLP backward (measured: tests/planner/test_plan_modes.py):
         # the block's saved tensors are back, less its input (a checkpointed input already) and
         # the SwiGLU product, which down's backward has consumed; one gradient of the width
         # is in flight, not two; and the embedding's output is block 0's checkpointed input,
         # not a tensor of its own
         block_input = embed_output = Ns * D * 4
-        swiglu_product, second_width_grad = N * s["hidden"] * act, N * D * 4
+        swiglu_product, second_width_grad = N * H * act, N * D * 4
         if lora is not None:  # hidden_grads has the one gradient and the product let go
             swiglu_product = second_width_grad = 0
-        top += block - block_input - swiglu_product - second_width_grad - embed_output
-        in_copies["block backward"] += weight_copies
+        top += terms["total"] - block_input - swiglu_product - second_width_grad - embed_output
+        copies += weight_copies
     # that is the last block's backward (L blocks' activations, no block gradient yet); at the
     # first block's, L - 1 blocks' activations (or checkpointed inputs) have become gradients
-    kept = Ns * D * 4 if recompute == "full" else block
-    # between blocks in backward (the last block's activations, the head's gradient) and what
-    # a block's backward adds: what data parallelism (plan.data_parallel) builds on
-    blocks = {"count": L, "between": between, "inside": top - between, "kept": kept,
-              "copies": {"between": copies - head_copy, "kept": 0 if recompute == "full" else
-                         weight_copies, "inside": in_copies["block backward"] - copies + head_copy}}
-    first = top + (L - 1) * (4 * trained["block"] - kept)
+    one_kept = Ns * D * 4 if full else terms["total"]
+    blocks = BlockBudget(between, top - between, one_kept)
+    block_copies = BlockBudget(kept.copies - kept.head_copy, copies - kept.copies + kept.head_copy,
+                               0 if full else weight_copies)
+    trained = rank_params(shape, step.tp, rank) if lora is None else lora
+    first = top + (shape.n_layer - 1) * (4 * trained["block"] - one_kept)
     if first > top:
         top = first
-        if recompute != "full":
-            in_copies["block backward"] -= (L - 1) * weight_copies
+        if not full:
+            copies -= (shape.n_layer - 1) * weight_copies
+    return top, copies, blocks, block_copies
+
+
+def optimizer_step(step: Step, rank: int, grads: int) -> int:
+    """The optimizer step's moment: the gradients and the temporaries of the gradient norm and
+    AdamW (``step_temporaries``)."""
+    lora = rank_lora(step, rank)
+    trained = rank_params(step.shape, step.tp, rank) if lora is None else lora
+    return grads + step_temporaries(step.optimizer, trained["total"], trained["largest"])
+
+
+def tensorpar_memory(step: Step, rank: int = 0) -> Budget:
+    """Bytes on TP ``rank`` for a steady-state training step of tensorpar's GPT, one pass of
+    ``step.micro`` sequences without data parallelism (AdamW states exist; gradients are freed
+    between steps): what it stores, keeps, and each moment's peak.
+
+    ``step.lora``: LoRA fine-tuning, the model frozen; gradients and AdamW states are the
+    adapters', no weight gradient of the model is made (the head's neither), the frozen
+    embedding and norms keep less, a frozen block's backward makes fewer gradients, and each
+    adapted projection keeps its (b, s, r) product for B's gradient (``lora_block_terms`` and
+    the moments below). ``step.converted``: the model is a Hugging Face model converted by
+    tensorpar, whose attention keeps other tensors than the GPT's (``converted_block_terms``).
+    ``step.dtype``: "fp32" or "bf16-autocast" (tensorpar's bf16). ``step.recompute``: "none" or
+    "full" ("selective" is "none" here: no s x s scores are kept anyway). ``step.optimizer``:
+    how AdamW steps (``ADAMW``): "fused" (tensorpar's trainer, on CPU and CUDA) updates in
+    place with no temporaries; "foreach" (torch's default on CUDA) keeps one fp32 temporary per
+    parameter (the denominators); "for-loop" (torch's default on CPU) keeps two of the largest
+    tensor. ``step.dropout``: the residual branches drop (a bool mask each is kept).
+    ``step.keep_gathered_input``: under SP the column ops keep their gathered (B, T, D) input
+    instead of their (B, T_r, D) shard. ``step.device``: where the step runs, "cpu" or "cuda"
+    (``activations.DEVICES``): on CUDA, F.rms_norm is torch's fused kernel (it keeps its input
+    and rstd, not x·rstd), and attention runs CUDA's kernels. ``step.attention``: the SDPA
+    kernel (``activations.ATTENTION``); None: what torch picks on the device (CPU: its flash
+    kernel; CUDA: cuDNN under bf16 autocast, as torch 2.11 does on an H100, whose output the
+    o_proj input copies; memory-efficient in fp32, whose output it views). "flash" (bf16 where
+    cuDNN is not picked) keeps what cuDNN keeps; "efficient" under bf16 one copy less.
+
+    The budget's "peaks" hold every moment's bytes above weights and states, "copies" the bytes
+    of autocast's bf16 weight copies each moment includes (what Megatron-style bf16 weights, and
+    FSDP2's bf16 gathered ones, replace: ``data_parallel.dp_memory``).
+    """
+    check_memory_step(step)
+    z = pass_sizes(step, rank)
+    weights, grads, states = stored_bytes(step, rank)
+    terms = pass_block_terms(step, rank)
+    kept = kept_at_forward_end(step, rank, terms)
+    peaks = {"loss backward": loss_backward(step, z, kept)}
+    copies = {"activations": kept.copies, "loss backward": kept.copies, "optimizer step": 0}
+    if step.lora is not None:
+        peaks["final norm backward"] = final_norm_backward(step, z, kept)
+        copies["final norm backward"] = kept.copies - kept.head_copy
+    top, copies["block backward"], blocks, block_copies = block_backward(step, rank, terms, kept)
     peaks["block backward"] = top
-    optimizer_peak = grads + step_temporaries(optimizer, trained["total"], trained["largest"])
-    peaks["optimizer step"] = optimizer_peak
-    where = max(peaks, key=peaks.get)
-    return {"dtype": dtype, "weights": weights, "grads": grads, "optimizer": states,
-            "activations": activations, "peak_extra": peaks[where], "peak_at": where,
-            "total": weights + states + peaks[where], "peaks": peaks, "copies": in_copies,
-            "blocks": blocks}
+    peaks["optimizer step"] = optimizer_step(step, rank, grads)
+    return Budget(step.dtype, weights, grads, states, kept.total, peaks, copies, blocks,
+                  block_copies)

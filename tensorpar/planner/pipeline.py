@@ -1,5 +1,5 @@
-"""Pipeline parallelism, planned: each pipeline rank's memory, the bubble, the point-to-point
-bytes, and the search for a (tp, pp, dp) layout that fits a number of devices.
+"""Pipeline parallelism, planned: each pipeline rank's memory and the bytes it moves (point to
+point, and its TP and dp collectives) in a step.
 
 What ``tensorpar train --pp P`` runs (``train/pipeline.py``): the GPT's L blocks cut into
 S = P·V stages as ``torch.tensor_split`` cuts L (consecutive, sizes differing by at most one,
@@ -9,24 +9,11 @@ embedding on stage 0, the final norm, head and loss on stage S - 1; the mesh is 
 batch / (dp·m) sequences, run by torch's ``Schedule1F1B`` (V = 1) or
 ``ScheduleInterleaved1F1B`` (V > 1).
 
-**Bubble** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", sections 2.2.1-2.2.2): the idle time of a step over its ideal time,
-(P - 1) / m under 1F1B, (P - 1) / (V·m) interleaved (each rank's V stages are V times shorter).
-
-**Activations in flight.** 1F1B runs P - k forwards on rank k before its first backward (torch's
-warmup), so rank 0 holds P micro-batches' activations of its L/P blocks, rank P - 1 one.
-Interleaved, torch 2.13 warms rank k up with (V - 1)·r + 2·(P - 1 - k) forwards of a stage
-(r = m / max(1, m // P) micro-batches per round, P when P divides m), then runs one more before
-its first backward: rank 0 holds P·V + P - 1 stage micro-batches of L/(P·V) blocks each, that is
-P·(1 + (P - 1)/(P·V)) micro-batches of its L/P blocks, more than 1F1B's P (interleaving does not
-reduce activation memory: the paper, section 2.2.2; Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", section 4.2.3, gives the same factor
-1 + (P - 1)/(P·V) for the first stage). ``schedule_ops`` replays torch's order forward by
-backward (``tests/planner/test_pipeline_plan.py`` compares it with torch's own), and
-``rank_memory`` takes the largest moment of that replay.
+**Bubble and activations in flight**: ``schedule.py`` replays torch's schedule of a rank
+(``schedule_ops``) and finds its largest moment (``replay_peak``); ``rank_memory`` takes it.
 
 **A rank's memory** (``rank_memory``), built from the one-model planner's pieces of one
-micro-batch (``layouts.step_memory`` at its batch; ``micro_batch_pieces``):
+micro-batch (``tp_plan.step_memory`` at its batch; ``micro_batch_pieces``):
 
 - weights, gradients, AdamW states: those of the rank's blocks, plus the embedding (and a
   learned position table) on the rank of stage 0, the final norm and the head on the rank of
@@ -51,11 +38,11 @@ micro-batch (``layouts.step_memory`` at its batch; ``micro_batch_pieces``):
   the step (``reshard_after_forward=False``: a stage runs up to P forwards before its first
   backward), so a rank holds its stages' gathered weights for the whole step, and reduce-scatters
   each block's gradients after the last backward from one more block-sized buffer. Without a
-  pipeline (P = 1, accumulation only) ``tensorpar.dp.wrap`` gathers the root, a block and the next
-  one. DDP: its buckets, one more gradient-sized buffer for the whole run.
+  pipeline (P = 1, accumulation only) ``tensorpar.mesh.data_parallel`` gathers the root, a block
+  and the next one. DDP: its buckets, one more gradient-sized buffer for the whole run.
 - the optimizer step: the gradients (FSDP2's sharded) and AdamW's temporaries.
 
-P = 1 with one micro-batch is ``layouts.plan_memory``'s row itself.
+P = 1 with one micro-batch is ``tp_plan.plan_memory``'s row itself.
 
 **Point to point** (``p2p``): each stage boundary carries, per micro-batch, one activation
 forward and one gradient backward, (micro, T, D) fp32 each (T/tp tokens under sequence
@@ -63,14 +50,7 @@ parallelism: each TP rank sends its own shard to the same TP rank of the next st
 makes 2·m·(S - 1) sends; rank k sends m·(V - [k = P-1]) activations and m·(V - [k = 0])
 gradients.
 
-**Search** (``search_layouts``): every tp <= 8 that divides the devices and the query heads, every
-pp that divides the rest with P·V <= L, dp the rest; the batch split over dp, the micro-batches
-one sequence each unless given. A layout fits when its largest rank's peak is within the device
-memory less the reserve. Fits are ranked by an estimated step time (``step_seconds``): the
-model's FLOPs per device at ``DEVICE_FLOPS`` stretched by the bubble, plus each group's bytes
-sent per rank at ``NODE_BYTES_S`` inside a node of ``GPUS_PER_NODE`` devices and
-``NETWORK_BYTES_S`` between nodes, with no overlap of communication and compute: a ranking proxy
-that weighs a bubble against bytes, not a prediction.
+The search over (tp, pp, dp) layouts that fit a number of devices is ``search.py``.
 """
 
 from __future__ import annotations
@@ -78,26 +58,22 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.planner.comm import predicted_comm
+from tensorpar.planner.activations import rank_shapes
+from tensorpar.planner.comm import predicted_comm, totals
 from tensorpar.planner.data_parallel import (
     dp_comm,
     fsdp_elements,
     partly_owned,
     tensor_shapes,
 )
-from tensorpar.planner.layouts import check_step, plan_memory, step_memory
-from tensorpar.planner.memory import rank_shapes, step_temporaries
+from tensorpar.planner.memory import step_temporaries
+from tensorpar.planner.schedule import bubble, replay_peak, schedule_ops
 from tensorpar.planner.shapes import ModelShape
-from tensorpar.runtime.counting import KINDS, ring_share
-from tensorpar.transformer.attention import head_layout
+from tensorpar.planner.step import Step
+from tensorpar.planner.tp_plan import check_shape, check_step, plan_memory, step_memory
+from tensorpar.runtime.counting import ring_share
 
 ACTIVATION_BYTES = 4  # the residual stream between stages: fp32, as the trainer declares it
-# the search's ranking proxy (step_seconds): an H100-class device at about 40% of its dense bf16
-# peak, NVLink inside a node (per direction), one 400 Gb/s NIC per device between nodes
-GPUS_PER_NODE = 8
-DEVICE_FLOPS = 400e12
-NODE_BYTES_S = 450e9
-NETWORK_BYTES_S = 50e9
 
 
 def stage_blocks(n_layer: int, stages: int) -> list[range]:
@@ -142,43 +118,6 @@ def check_pipeline(shape: ModelShape, pp: int, virtual: int, micro_batches: int,
                          f"--micro-batches a multiple of --pp {pp}")
 
 
-def bubble(pp: int, virtual: int, micro_batches: int) -> float:
-    """The pipeline bubble, idle over ideal time: (P - 1) / (V·m) (Narayanan et al. 2021)."""
-    return (pp - 1) / (virtual * micro_batches)
-
-
-def schedule_ops(pp: int, virtual: int, micro_batches: int, rank: int) -> list[tuple[str, int]]:
-    """The forwards ("F") and backwards ("B") pipeline rank ``rank`` runs in a step, in order,
-    each with its local stage (0 .. V-1), as torch 2.13 orders them: ``Schedule1F1B`` (V = 1)
-    warms up with min(m, P - rank) forwards, then runs a backward and a forward in turn;
-    ``ScheduleInterleaved1F1B`` warms up with (V - 1)·r + 2·(P - 1 - rank) forwards (at most
-    V·m; r micro-batches per round), then a forward and a backward in turn, forwards visiting its
-    stages r micro-batches at a time in order, backwards in reverse."""
-    m, v = micro_batches, virtual
-    if v == 1:
-        warmup = min(m, pp - rank)
-        ops = [("F", 0)] * warmup
-        for i in range(m):
-            ops.append(("B", 0))
-            if warmup + i < m:
-                ops.append(("F", 0))
-        return ops
-    per_round = m // max(1, m // pp)
-    total = v * m
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
-
-    def forward(k):
-        return ("F", (k // per_round) % v)
-
-    def backward(j):
-        return ("B", v - 1 - (j // per_round) % v)
-
-    ops = [forward(k) for k in range(warmup)]
-    for j in range(total - warmup):
-        ops += [forward(warmup + j), backward(j)]
-    return ops + [backward(j) for j in range(total - warmup, total)]
-
-
 def p2p(pp: int, virtual: int, micro_batches: int, rank: int, micro: int, seq: int,
         dim: int, tp: int, sequence_parallel: bool, tp_rank: int = 0) -> dict:
     """What pipeline rank ``rank`` sends in a step: "activations" (to the next stage) and
@@ -204,36 +143,37 @@ def step_transfers(pp: int, virtual: int, micro_batches: int, rank: int, micro: 
             "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
 
 
-def micro_batch_pieces(shape: ModelShape, tp: int, micro: int, seq: int, dtype: str,
-                       sequence_parallel: bool, recompute: str, optimizer: str, dropout: bool,
-                       device: str, fsdp_bf16: bool) -> dict:
-    """Bytes one micro-batch of ``micro`` sequences keeps on TP rank 0, by piece, from the
-    one-model planner (``layouts.step_memory`` of a one-block model): "block" (one block's kept
+def micro_batch_pieces(step: Step) -> dict:
+    """Bytes one micro-batch of ``step.micro`` sequences keeps on TP rank 0, by piece, from the
+    one-model planner (``tp_plan.step_memory`` of a one-block model): "block" (one block's kept
     tensors), "embedding" (the embedding's output, and its ids and mask at TP > 1: memory.py's
     embed term), "tail" (final norm, the head's input and bf16 copy, the logits' buffer, the loss
     statistics), "rope" (the rotary tables, once per rank), "inside" (what a block's backward
     adds), "loss_backward" (what the loss backward adds). The tail is what the model keeps
     beyond "between", which memory.py documents as the activations less the tail plus the head's
-    fp32 gradient. fsdp_bf16: FSDP2's bf16 gathered weights, under which no autocast copy of a
-    weight is kept (as ``data_parallel.dp_memory`` takes them out)."""
-    one = dataclasses.replace(shape, n_layer=1)
-    mem = step_memory(one, tp, micro, seq, dtype, sequence_parallel, recompute, optimizer,
-                      dropout, device)
-    b, copies = mem["blocks"], mem["blocks"]["copies"]
+    fp32 gradient. Under FSDP2 with tensorpar's bf16 the layers compute with bf16 gathered
+    weights, and no autocast copy of a weight is kept (as ``data_parallel.dp_memory`` takes
+    them out)."""
+    shape, tp, micro, seq = step.shape, step.tp, step.micro, step.seq
+    fsdp_bf16 = step.fsdp and step.dtype == "bf16-autocast"
+    one = step.replace(shape=dataclasses.replace(shape, n_layer=1), batch=micro, dp=1,
+                       micro_batches=1, pp=1, virtual=1)
+    mem = step_memory(one)
+    b, copies = mem.blocks, mem.block_copies
 
     def strip(key):
-        return b[key] - (copies[key] if fsdp_bf16 else 0)
+        return getattr(b, key) - (getattr(copies, key) if fsdp_bf16 else 0)
 
-    activations = mem["activations"] - (mem["copies"]["activations"] if fsdp_bf16 else 0)
+    activations = mem.activations - (mem.copies["activations"] if fsdp_bf16 else 0)
     head_grad = 4 * rank_shapes(shape, tp, 0)["vocab"] * shape.dim
     tail = activations - strip("between") + head_grad
     N = micro * seq
-    Ns = micro * shard_sizes(seq, tp)[0] if sequence_parallel and tp > 1 else N
+    Ns = micro * shard_sizes(seq, tp)[0] if step.sequence_parallel and tp > 1 else N
     embedding = Ns * shape.dim * 4 + (N * 12 if tp > 1 else 0)
     kept = strip("kept")
     return {"block": kept, "embedding": embedding, "tail": tail,
             "rope": activations - kept - tail - embedding, "inside": strip("inside"),
-            "loss_backward": mem["peaks"]["loss backward"] - mem["activations"]}
+            "loss_backward": mem.peaks["loss backward"] - mem.activations}
 
 
 def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool) -> dict:
@@ -262,17 +202,14 @@ def _dtype_bytes(dtype: str) -> tuple[int, int, int]:
     return {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "bf16-autocast": (4, 2, 8)}[dtype]
 
 
-def rank_memory(shape: ModelShape, tp: int, pp: int, virtual: int, micro_batches: int,
-                rank: int, micro: int, seq: int, dtype: str = "bf16",
-                sequence_parallel: bool = False, recompute: str = "none",
-                optimizer: str = "fused", dropout: bool = False, device: str = "cpu",
-                dp: int = 1, dp_mode: str = "fsdp") -> dict:
-    """Pipeline rank ``rank``'s bytes in a step of ``micro_batches`` micro-batches of ``micro``
-    sequences (TP rank 0, dp rank 0): weights, gradients, AdamW states, the activations in
-    flight at the peak ("in_flight": micro-batches of each of its stages then), the
-    point-to-point buffers ("pp_buffers"), data parallelism's ("dp_buffers": FSDP2's gathered
-    weights and reduce-scatter buffer, DDP's buckets), "peak_bytes" at "peak_at" above the
-    weights and states, and "total". The module docstring lists each term."""
+def rank_memory(step: Step, rank: int) -> dict:
+    """Pipeline rank ``rank``'s bytes in ``step`` (``step.micro_batches`` micro-batches of
+    ``step.micro`` sequences; TP rank 0, dp rank 0): weights, gradients, AdamW states, the
+    activations in flight at the peak ("in_flight": micro-batches of each of its stages then),
+    the point-to-point buffers ("pp_buffers"), data parallelism's ("dp_buffers": FSDP2's
+    gathered weights and reduce-scatter buffer, DDP's buckets), "peak_bytes" at "peak_at" above
+    the weights and states, and "total". The module docstring lists each term."""
+    shape, pp, virtual = step.shape, step.pp, step.virtual
     S = pp * virtual
     mine = rank_stages(pp, virtual, rank)
     blocks = stage_blocks(shape.n_layer, S)
@@ -280,39 +217,35 @@ def rank_memory(shape: ModelShape, tp: int, pp: int, virtual: int, micro_batches
     row = {"stage": rank, "stages": mine,
            "blocks": [f"{blocks[s].start}-{blocks[s].stop - 1}" for s in mine],
            "layers": sum(len(blocks[s]) for s in mine), "first": first, "last": last}
-    fsdp = dp > 1 and dp_mode == "fsdp"
-    if pp == 1 and micro_batches == 1:  # no pipeline, one pass: the one-model row itself
-        one = plan_memory(shape, tp, micro * dp, seq, dtype, sequence_parallel, recompute,
-                          optimizer=optimizer, dropout=dropout, device=device, dp=dp,
-                          dp_mode=dp_mode)
+    if pp == 1 and step.micro_batches == 1:  # no pipeline, one pass: the one-model row itself
+        one = plan_memory(step)
         return row | {k: one[k] for k in ("params_per_rank", "weights", "grads", "optimizer",
                                           "activations", "dp_buffers", "peak_bytes", "peak_at",
                                           "total")} | {"in_flight": [1], "pp_buffers": 0}
-    pieces = micro_batch_pieces(shape, tp, micro, seq, dtype, sequence_parallel, recompute,
-                                optimizer, dropout, device, fsdp and dtype == "bf16-autocast")
-    stored = rank_stored(shape, tp, dtype, first, last, row["layers"], dp, dp_mode)
-    grad_bytes = _dtype_bytes(dtype)[0]
+    pieces = micro_batch_pieces(step)
+    stored = rank_stored(step, first, last, row["layers"])
+    grad_bytes = _dtype_bytes(step.dtype)[0]
     acts, grads, temporaries = [], [], []  # per stage of the rank, for one micro-batch
     for s in mine:
         n = len(blocks[s])
         acts.append(n * pieces["block"] + (pieces["embedding"] if s == 0 else 0)
                     + (pieces["tail"] if s == S - 1 else 0))
-        own = stage_tensors(shape, tp, s == 0, s == S - 1)["root"]
+        own = stage_tensors(shape, step.tp, s == 0, s == S - 1)["root"]
         # accumulated whole (FSDP2: unsharded, padded) until the last backward
-        grads.append(grad_bytes * (_unsharded(own, dp, fsdp)
-                                   + n * _unsharded(stored["block"], dp, fsdp)))
+        grads.append(grad_bytes * (_unsharded(own, step.dp, step.fsdp)
+                                   + n * _unsharded(stored["block"], step.dp, step.fsdp)))
         temporaries.append(max(pieces["inside"], pieces["loss_backward"] if s == S - 1 else 0))
-    tokens = shard_sizes(seq, tp)[0] if sequence_parallel else seq
-    boundary = micro * tokens * shape.dim * ACTIVATION_BYTES
-    pp_buffers = 0 if pp == 1 else micro_batches * boundary * (
+    tokens = shard_sizes(step.seq, step.tp)[0] if step.sequence_parallel else step.seq
+    boundary = step.micro * tokens * shape.dim * ACTIVATION_BYTES
+    pp_buffers = 0 if pp == 1 else step.micro_batches * boundary * (
         sum(s != 0 for s in mine) + sum(s != S - 1 for s in mine))
-    dp_buffers = rank_dp_buffers(dtype, stored, row["layers"], dp, dp_mode, pp)
-    moment = replay_peak(schedule_ops(pp, virtual, micro_batches, rank), acts, grads,
+    dp_buffers = rank_dp_buffers(step, stored, row["layers"])
+    moment = replay_peak(schedule_ops(pp, virtual, step.micro_batches, rank), acts, grads,
                          temporaries)
     step_peak = moment["bytes"] + pieces["rope"] + pp_buffers + dp_buffers
-    optimizer_peak = stored["grads"] + step_temporaries(optimizer, stored["local"],
+    optimizer_peak = stored["grads"] + step_temporaries(step.optimizer, stored["local"],
                                                         stored["largest"])
-    optimizer_peak += dp_buffers if dp_mode == "ddp" else 0  # FSDP2's are let go by then
+    optimizer_peak += dp_buffers if step.dp_mode == "ddp" else 0  # FSDP2's are let go by then
     at = f"stage {mine[moment['stage']]} {moment['op']}"
     peak, at = max((step_peak, at), (optimizer_peak, "optimizer step"))
     return row | {"params_per_rank": stored["params"], "weights": stored["weights"],
@@ -322,18 +255,17 @@ def rank_memory(shape: ModelShape, tp: int, pp: int, virtual: int, micro_batches
                   "peak_at": at, "total": stored["weights"] + stored["optimizer"] + peak}
 
 
-def rank_stored(shape: ModelShape, tp: int, dtype: str, first: bool, last: bool, layers: int,
-                dp: int = 1, dp_mode: str = "fsdp") -> dict:
+def rank_stored(step: Step, first: bool, last: bool, layers: int) -> dict:
     """What a pipeline rank of ``layers`` blocks stores between steps (``stage_tensors``):
     "params" (its elements), "weights", "grads" (at the optimizer step), "optimizer" (AdamW's
     states and step counts), and "local", "largest" (the elements its AdamW steps, the largest
     tensor of them: ``memory.step_temporaries``), "root" and "block" (its tensors); under FSDP2
     each its 1/dp share, as ``data_parallel.dp_memory`` counts it."""
-    t = stage_tensors(shape, tp, first, last)
-    stored, _, state_bytes = _dtype_bytes(dtype)
+    t = stage_tensors(step.shape, step.tp, first, last)
+    stored, _, state_bytes = _dtype_bytes(step.dtype)
     params = _elements(t["root"]) + layers * _elements(t["block"])
-    if dp > 1 and dp_mode == "fsdp":
-        root, block = fsdp_elements(t["root"], dp), fsdp_elements(t["block"], dp)
+    if step.fsdp:
+        root, block = fsdp_elements(t["root"], step.dp), fsdp_elements(t["block"], step.dp)
         held = root["sharded"] + layers * block["sharded"]  # padded shards
         local = root["local"] + layers * block["local"]
         largest = max(root["largest"], block["largest"])
@@ -346,60 +278,37 @@ def rank_stored(shape: ModelShape, tp: int, dtype: str, first: bool, last: bool,
             "largest": largest} | t
 
 
-def rank_dp_buffers(dtype: str, stored: dict, layers: int, dp: int, dp_mode: str,
-                    pp: int) -> int:
-    """Data parallelism's buffers on a pipeline rank during the step: DDP's buckets (its
-    gradients' size, the whole run); FSDP2's gathered weights (every block's with a pipeline,
-    kept from its first forward to the end of the step; without one the root's, the block's in
-    backward and the next one's) and one block's reduce-scatter input. None without dp."""
-    stored_bytes, gathered, _ = _dtype_bytes(dtype)
+def rank_dp_buffers(step: Step, stored: dict, layers: int) -> int:
+    """Data parallelism's buffers on a pipeline rank of ``layers`` blocks (``rank_stored``)
+    during the step: DDP's buckets (its gradients' size, the whole run); FSDP2's gathered
+    weights (every block's with a pipeline, kept from its first forward to the end of the step;
+    without one the root's, the block's in backward and the next one's) and one block's
+    reduce-scatter input. None without dp."""
+    stored_bytes, gathered, _ = _dtype_bytes(step.dtype)
+    dp = step.dp
     if dp == 1:
         return 0
-    if dp_mode == "ddp":
+    if step.dp_mode == "ddp":
         return stored_bytes * stored["params"]
     root = fsdp_elements(stored["root"], dp)["unsharded"]
     block = fsdp_elements(stored["block"], dp)["unsharded"]
-    kept = root + (layers if pp > 1 else 2) * block
+    kept = root + (layers if step.pp > 1 else 2) * block
     return gathered * kept + stored_bytes * block
 
 
-def replay_peak(ops: list[tuple[str, int]], acts: list[int], grads: list[int],
-                temporaries: list[int]) -> dict:
-    """The largest moment of a rank's schedule (``schedule_ops``): after each forward, the
-    activations of the micro-batches in flight (``acts``: one micro-batch's, per local stage)
-    and the gradients of every stage that has begun a backward (``grads``: they accumulate to
-    the end of the step); at each backward, its stage's gradients too and the backward's
-    ``temporaries``. Returns "bytes", "op" and "stage" (local) of that moment, "in_flight"
-    (micro-batches per local stage) and "activations" then."""
-    in_flight, started = [0] * len(acts), set()
-    best = {"bytes": -1}
-    for op, c in ops:
-        if op == "F":
-            in_flight[c] += 1
-        else:
-            started.add(c)
-        held = sum(n * a for n, a in zip(in_flight, acts, strict=True))
-        now = held + sum(grads[d] for d in started) + (temporaries[c] if op == "B" else 0)
-        if now > best["bytes"]:
-            best = {"bytes": now, "op": "forward" if op == "F" else "backward", "stage": c,
-                    "in_flight": list(in_flight), "activations": held}
-        if op == "B":
-            in_flight[c] -= 1
-    return best
-
-
-def rank_tp_comm(shape: ModelShape, tp: int, layers: int, first: bool, last: bool, micro: int,
-                 seq: int, micro_batches: int, sequence_parallel: bool, dtype: str,
-                 recompute: str, bf16_params: bool) -> dict:
+def rank_tp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
     """The TP collectives of a pipeline rank in a step (``comm.predicted_comm`` of a model of
     its ``layers`` blocks, one pass per micro-batch), less what other stages hold: the
     embedding's unless ``first``; the head's, the loss's and the final norm's SP weight
-    gradient unless ``last``. As ``predicted_comm``: "counts", "bytes", "ring_bytes" per kind,
-    "breakdown" rows."""
-    rec = "full" if recompute == "full" else "none"
-    comm = predicted_comm(dataclasses.replace(shape, n_layer=layers), micro, seq, tp,
-                          sequence_parallel, "fp32" if dtype == "fp32" else "bf16", rec,
-                          passes=micro_batches, bf16_params=bf16_params)
+    gradient unless ``last``. FSDP2 under tensorpar's bf16 gathers bf16 weights. As
+    ``predicted_comm``: "counts", "bytes", "ring_bytes" per kind, "breakdown" rows."""
+    rec = "full" if step.recompute == "full" else "none"
+    micro_batches = step.micro_batches
+    comm = predicted_comm(dataclasses.replace(step.shape, n_layer=layers), step.micro, step.seq,
+                          step.tp, step.sequence_parallel,
+                          "fp32" if step.dtype == "fp32" else "bf16", rec,
+                          passes=micro_batches,
+                          bf16_params=step.dtype == "bf16-autocast" and step.fsdp)
     rows = []
     for r in comm["breakdown"]:
         if r["source"] == "embedding" and not first:
@@ -412,29 +321,22 @@ def rank_tp_comm(shape: ModelShape, tp: int, layers: int, first: bool, last: boo
             r = r | {"source": f"norm weight grads (x{2 * layers})", "calls": calls,
                      "bytes": calls * each, "ring_bytes": calls * ring}
         rows.append(r)
-    return _totals(rows)
+    return totals(rows)
 
 
-def _totals(rows: list[dict]) -> dict:
-    total = {k: {kind: sum(r[k] for r in rows if r["kind"] == kind) for kind in KINDS}
-             for k in ("calls", "bytes", "ring_bytes")}
-    return {"counts": {k: v for k, v in total["calls"].items() if v},
-            "bytes": {k: v for k, v in total["bytes"].items() if v},
-            "ring_bytes": {k: v for k, v in total["ring_bytes"].items() if v}, "breakdown": rows}
-
-
-def rank_dp_comm(shape: ModelShape, tp: int, dp: int, dp_mode: str, layers: int, first: bool,
-                 last: bool, micro_batches: int, dtype: str, pp: int) -> dict:
-    """The dp collectives of a pipeline rank in a step, as ``data_parallel.dp_comm`` counts
-    them. Without a pipeline, ``dp_comm`` itself (each micro-batch a pass). With one: FSDP2
-    gathers the root and each block once (kept to the end of the step) and reduce-scatters each
-    once after the last backward; DDP all-reduces the rank's gradients once, in buckets as
-    ``data_parallel.ddp_buckets`` fills them; the reported loss (one fp32 scalar) either way,
-    and FSDP2's gradient norm (one more, and the partly owned K and V gradients gathered)."""
-    stored, gathered, _ = _dtype_bytes(dtype)
-    bf16_params = dtype == "bf16-autocast" and dp_mode == "fsdp"
-    if pp == 1:
-        return dp_comm(shape, tp, dp, dp_mode, stored, passes=micro_batches,
+def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
+    """The dp collectives of a pipeline rank of ``layers`` blocks in a step, as
+    ``data_parallel.dp_comm`` counts them. Without a pipeline, ``dp_comm`` itself (each
+    micro-batch a pass). With one: FSDP2 gathers the root and each block once (kept to the end
+    of the step) and reduce-scatters each once after the last backward; DDP all-reduces the
+    rank's gradients once, in buckets as ``data_parallel.ddp_buckets`` fills them; the reported
+    loss (one fp32 scalar) either way, and FSDP2's gradient norm (one more, and the partly
+    owned K and V gradients gathered)."""
+    shape, tp, dp = step.shape, step.tp, step.dp
+    stored, gathered, _ = _dtype_bytes(step.dtype)
+    bf16_params = step.dtype == "bf16-autocast" and step.dp_mode == "fsdp"
+    if step.pp == 1:
+        return dp_comm(shape, tp, dp, step.dp_mode, stored, passes=step.micro_batches,
                        bf16_params=bf16_params)
     t = stage_tensors(shape, tp, first, last)
     rows = []
@@ -445,7 +347,7 @@ def rank_dp_comm(shape: ModelShape, tp: int, dp: int, dp_mode: str, layers: int,
                          "bytes": calls * payload,
                          "ring_bytes": calls * round(payload * ring_share(kind, dp))})
 
-    if dp_mode == "fsdp":
+    if step.dp_mode == "fsdp":
         gather = gathered if bf16_params else stored
         root = fsdp_elements(t["root"], dp)["unsharded"]
         block = fsdp_elements(t["block"], dp)["unsharded"]
@@ -461,7 +363,7 @@ def rank_dp_comm(shape: ModelShape, tp: int, dp: int, dp_mode: str, layers: int,
         for size, calls in _bucket_counts(t, layers, stored).items():
             add(f"gradient buckets of {size:,} B", "backward", "all_reduce", calls, size)
     add("loss (reported mean)", "step", "all_reduce", 1, 4)
-    return _totals(rows)
+    return totals(rows)
 
 
 def _bucket_counts(t: dict, layers: int, grad_bytes: int, first: int = 2**20,
@@ -484,138 +386,48 @@ def _bucket_counts(t: dict, layers: int, grad_bytes: int, first: int = 2**20,
     return {s: buckets.count(s) for s in sorted(set(buckets), reverse=True)}
 
 
-def plan_pipeline(shape: ModelShape, tp: int, pp: int, batch: int, seq: int,
-                  micro_batches: int, virtual: int = 1, dtype: str = "bf16",
-                  sequence_parallel: bool = False, recompute: str = "none",
-                  device_memory: float | None = None, reserve: float = 0.10,
-                  optimizer: str = "fused", dropout: bool = False, device: str = "cpu",
-                  dp: int = 1, dp_mode: str = "fsdp") -> dict:
+def plan_pipeline(step: Step, device_memory: float | None = None,
+                  reserve: float = 0.10) -> dict:
     """A (tp, pp, dp) layout's step: "stages" (``rank_memory`` per pipeline rank, with "fits"
-    against the device memory less ``reserve``), "worst" (the rank with the largest total),
+    against ``device_memory`` less ``reserve``), "worst" (the rank with the largest total),
     "bubble", "p2p" (per rank, and the step's "sends"), "comm" (per rank, bytes each rank sends
     on its tp, pp and dp groups: ring bytes for the collectives), and the layout's numbers.
-    ``batch`` is the step's, split over dp copies and then into ``micro_batches``."""
-    check_step(dtype, recompute, batch, dp, dp_mode)
-    check_pipeline(shape, pp, virtual, micro_batches, batch // dp)
-    head_layout(shape.n_head, shape.n_kv_head, tp, 0)  # raises for a TP size the heads refuse
-    if sequence_parallel and seq < tp:
-        raise ValueError(f"--seq {seq} is shorter than --tp {tp}: sequence parallelism needs at "
-                         "least one token per rank")
-    micro = batch // dp // micro_batches
+    ``step.batch`` is the step's, split over dp copies and then into its micro-batches."""
+    check_step(step)
+    pp, virtual, m = step.pp, step.virtual, step.micro_batches
+    check_pipeline(step.shape, pp, virtual, m, step.batch // step.dp)
+    check_shape(step)
     S = pp * virtual
     usable = None if device_memory is None else round(device_memory * (1 - reserve))
     stages, comm, sends = [], [], []
     cache: dict[tuple, tuple] = {}
     for rank in range(pp):
         mine = rank_stages(pp, virtual, rank)
-        row = rank_memory(shape, tp, pp, virtual, micro_batches, rank, micro, seq, dtype,
-                          sequence_parallel, recompute, optimizer, dropout, device, dp, dp_mode)
+        row = rank_memory(step, rank)
         if usable is not None:
             row |= {"usable": usable, "fits": row["total"] <= usable}
         stages.append(row)
         key = (row["layers"], 0 in mine, S - 1 in mine)
         if key not in cache:
-            cache[key] = (
-                rank_tp_comm(shape, tp, *key, micro, seq, micro_batches, sequence_parallel,
-                             dtype, recompute, dtype == "bf16-autocast" and dp > 1
-                             and dp_mode == "fsdp"),
-                rank_dp_comm(shape, tp, dp, dp_mode, *key, micro_batches, dtype, pp))
+            cache[key] = (rank_tp_comm(step, *key), rank_dp_comm(step, *key))
         tp_c, dp_c = cache[key]
-        sent = p2p(pp, virtual, micro_batches, rank, micro, seq, shape.dim, tp,
-                   sequence_parallel)
+        sent = p2p(pp, virtual, m, rank, step.micro, step.seq, step.shape.dim, step.tp,
+                   step.sequence_parallel)
         sends.append(sent)
         comm.append({"tp": sum(tp_c["ring_bytes"].values()), "pp": sent["bytes"],
                      "dp": sum(dp_c["ring_bytes"].values()), "tp_counts": tp_c["counts"],
                      "dp_counts": dp_c["counts"]})
     worst = max(stages, key=lambda r: r["total"])
-    return {"model": shape.name, "tp": tp, "pp": pp, "dp": dp, "virtual": virtual,
-            "dp_mode": dp_mode if dp > 1 else None,
+    return {"model": step.shape.name, "tp": step.tp, "pp": pp, "dp": step.dp,
+            "virtual": virtual, "dp_mode": step.dp_mode if step.dp > 1 else None,
             "schedule": "1F1B" if virtual == 1 else "interleaved 1F1B",
-            "micro_batches": micro_batches, "micro_batch": micro, "batch": batch, "seq": seq,
-            "dtype": dtype, "sequence_parallel": sequence_parallel, "recompute": recompute,
-            "device": device, "stages": stages, "worst": worst["stage"],
-            "total": worst["total"], "usable": usable,
+            "micro_batches": m, "micro_batch": step.micro, "batch": step.batch, "seq": step.seq,
+            "dtype": step.dtype, "sequence_parallel": step.sequence_parallel,
+            "recompute": step.recompute, "device": step.device, "stages": stages,
+            "worst": worst["stage"], "total": worst["total"], "usable": usable,
             "fits": None if usable is None else worst["total"] <= usable,
-            "bubble": bubble(pp, virtual, micro_batches),
+            "bubble": bubble(pp, virtual, m),
             "p2p": {"per_rank": sends, "sends": sum(s["activations"] + s["gradients"]
                                                     for s in sends),
                     "bytes": sum(s["bytes"] for s in sends)},
             "comm": comm}
-
-
-def step_flops(shape: ModelShape, batch: int, seq: int, recompute: str = "none") -> float:
-    """FLOPs of a training step: 6 per matmul weight and token (forward 2, backward 4; the head
-    included, the embedding's lookup not), and attention's two (T x T) matmuls, 12·T·(h·hd) per
-    token and block; a third more with full recomputation (the blocks' forward again)."""
-    D, hd = shape.dim, shape.head_dim
-    q, kv = shape.n_head * hd, shape.n_kv_head * hd
-    block = D * (q + 2 * kv) + q * D + (3 if shape.gated_mlp else 2) * D * shape.hidden_dim
-    tokens = batch * seq
-    flops = 6 * tokens * (shape.n_layer * block + shape.vocab_size * D)
-    flops += 12 * tokens * seq * q * shape.n_layer
-    return flops * (4 / 3 if recompute == "full" else 1)
-
-
-def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: int, dp: int,
-                 sends: dict) -> float:
-    """The search's ranking proxy for a step's time: compute at ``DEVICE_FLOPS`` stretched by
-    the bubble, plus the bytes a rank sends on each group ("tp", "pp", "dp") at
-    ``NODE_BYTES_S`` when the group lies inside a node of ``GPUS_PER_NODE`` devices (the mesh
-    is ("pp", "dp", "tp"): tp innermost) and ``NETWORK_BYTES_S`` when it spans nodes; no
-    overlap."""
-    span = {"tp": tp, "dp": tp * dp, "pp": tp * dp * pp}
-    seconds = flops_per_device / DEVICE_FLOPS * (1 + bubble_fraction)
-    for group, sent in sends.items():
-        seconds += sent / (NODE_BYTES_S if span[group] <= GPUS_PER_NODE else NETWORK_BYTES_S)
-    return seconds
-
-
-def search_layouts(shape: ModelShape, devices: int, batch: int, seq: int,
-                   device_memory: float, reserve: float = 0.10,
-                   micro_batches: int | None = None, virtual: int = 1,
-                   tps: list[int] | None = None, pps: list[int] | None = None,
-                   **plan) -> dict:
-    """Every (tp, pp, dp) layout of ``devices`` devices the model and schedules allow (module
-    docstring), planned (``plan``: ``plan_pipeline``'s dtype, recompute, dp_mode, ...):
-    "layouts" that fit, ranked by ``step_seconds``, each with its worst rank's peak, the bubble
-    and the bytes that rank sends; "smallest", the layout with the lowest peak when none fits;
-    "skipped", the layouts the schedules refuse, with the reason. ``micro_batches``: None, one
-    sequence each (batch / dp); ``virtual`` applies to layouts with pp > 1; ``tps`` and ``pps``
-    restrict the search."""
-    if devices < 1:
-        raise ValueError(f"--devices {devices} must be >= 1")
-    usable = round(device_memory * (1 - reserve))
-    candidates = [t for t in range(1, min(GPUS_PER_NODE, devices) + 1)
-                  if devices % t == 0 and shape.n_head % t == 0 and (tps is None or t in tps)]
-    rows, skipped = [], []
-    flops = step_flops(shape, batch, seq, plan.get("recompute", "none")) / devices
-    for tp in candidates:
-        for pp in (p for p in range(1, devices // tp + 1) if (devices // tp) % p == 0):
-            if pps is not None and pp not in pps:
-                continue
-            dp = devices // (tp * pp)
-            v = virtual if pp > 1 else 1
-            layout = {"tp": tp, "pp": pp, "dp": dp, "virtual": v}
-            if batch % dp:
-                skipped.append(layout | {"why": f"--batch {batch} does not split over dp {dp}"})
-                continue
-            m = micro_batches or batch // dp
-            try:
-                p = plan_pipeline(shape, tp, pp, batch, seq, m, v, device_memory=device_memory,
-                                  reserve=reserve, dp=dp, **plan)
-            except ValueError as e:
-                skipped.append(layout | {"why": str(e)})
-                continue
-            sends = max(p["comm"], key=lambda c: c["tp"] + c["pp"] + c["dp"])
-            rows.append(layout | {
-                "micro_batches": m, "micro_batch": p["micro_batch"], "schedule": p["schedule"],
-                "total": p["total"], "worst": p["worst"], "fits": p["fits"],
-                "peak_at": p["stages"][p["worst"]]["peak_at"], "bubble": p["bubble"],
-                "sends": {g: sends[g] for g in ("tp", "pp", "dp")},
-                "step_seconds": step_seconds(flops, p["bubble"], tp, pp, dp,
-                                             {g: sends[g] for g in ("tp", "pp", "dp")})})
-    fits = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_seconds"], r["total"]))
-    smallest = min(rows, key=lambda r: r["total"]) if rows else None
-    return {"model": shape.name, "devices": devices, "batch": batch, "seq": seq,
-            "device_memory": device_memory, "usable": usable, "layouts": fits,
-            "smallest": None if fits else smallest, "planned": len(rows), "skipped": skipped}

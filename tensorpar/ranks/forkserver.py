@@ -38,8 +38,8 @@ PRELOAD = ["tensorpar.ranks.local"]
 _TRAINING = ["torch._dynamo", "matplotlib.backends.backend_agg"]
 COMMAND_MODULES = {
     "train": ["tensorpar.train.run", *_TRAINING],
-    "generate": ["tensorpar.gpt.generate", "tensorpar.cli.hf"],
-    "verify": ["tensorpar.cli.verify", "tensorpar.cli.hf"],
+    "generate": ["tensorpar.gpt.generate", "tensorpar.cli.generate"],
+    "verify": ["tensorpar.cli.verify", "tensorpar.cli.verify_hf"],
     "bench": ["tensorpar.bench.ranks", *_TRAINING],
 }
 # and with --hf PATH: transformers' model and generation code (4 s), the HF trainer

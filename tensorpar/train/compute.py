@@ -2,17 +2,17 @@
 with TF32 matmuls on CUDA (``--tf32``). Neither changes what is trained or saved.
 
 ``--compile``: the step calls ``torch.compile(model, backend=--compile-backend)`` for the forward
-and the loss; the backward runs through AOT autograd's compiled backward graph. The compiled
-wrapper is only called, never saved: checkpoints, the optimizer, the gradient clipping and the
-layout all use the model itself, so parameter names stay plain (no ``_orig_mod.`` prefix) and a
-run saved with ``--compile`` resumes without it and the other way round. Where dynamo cannot
-trace (a graph break), the graph is split and that part runs eagerly: the losses stay eager's to
-fp32 rounding either way (``tests/train/test_compile_train.py``). The first step compiles (with
-inductor, seconds on a GPU to a minute on a CPU; ``aot_eager`` generates no code: quick, what
-the CPU tests use). The step whose collectives and memory the summary reports (the run's second)
-runs eagerly, since its counters are TorchDispatchModes, and every other step runs compiled
-(see :func:`loss_function`: the wrapper must not hand dynamo a frame under one). Refused, in one
-line before any rank starts: TP > 1 in the GPU test mode (``--device cuda``), see
+and the loss; the backward runs through AOT autograd's compiled backward graph. The compiled wrapper
+is only called, never saved: checkpoints, the optimizer, the gradient clipping and the shard
+ownership all use the model itself, so parameter names stay plain (no ``_orig_mod.`` prefix) and a
+run saved with ``--compile`` resumes without it and the other way round. Where dynamo cannot trace
+(a graph break), the graph is split and that part runs eagerly: the losses stay eager's to fp32
+rounding either way (``tests/train/test_compile_train.py``). The first step compiles (with inductor,
+seconds on a GPU to a minute on a CPU; ``aot_eager`` generates no code: quick, what the CPU tests
+use). The step whose collectives and memory the summary reports (the run's second) runs eagerly,
+since its counters are TorchDispatchModes, and every other step runs compiled (see
+:func:`loss_function`: the wrapper must not hand dynamo a frame under one). Refused, in one line
+before any rank starts: TP > 1 in the GPU test mode (``--device cuda``), see
 :func:`check_compile_device`.
 
 ``--tf32``: fp32 matmuls (and cuDNN convolutions) on CUDA may run on TF32 tensor cores, set on

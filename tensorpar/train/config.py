@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tensorpar.dp.wrap import check_dp_mode
+from tensorpar.mesh.data_parallel import check_dp_mode
 from tensorpar.train.compute import check_compile_backend
 
 

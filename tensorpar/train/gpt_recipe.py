@@ -3,8 +3,10 @@
 The training loop (``loop.py``) and the run's start (``run.py``) know no model class: a recipe
 builds one rank's model, says how its loss is computed, which tokenizer reads the text, what a
 checkpoint's manifest records and how the planner sees the model. ``GPTRecipe`` is tensorpar's
-GPT; ``hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``).
-A recipe travels to every rank (pickled), so it holds plain values only::
+GPT; ``hf_recipe.py`` has the recipe of a Hugging Face model (``tensorpar train --hf``). Each
+kind also has the function that resolves its run from the command line (``resolve_gpt``,
+``resolve_hf``: ``run.RECIPES``, by kind). A recipe travels to every rank (pickled), so it
+holds plain values only::
 
     kind                                  the manifest's model_kind ("gpt" records none)
     check(cfg)                            the launcher, before any rank: ValueError for a run the
@@ -21,7 +23,9 @@ A recipe travels to every rank (pickled), so it holds plain values only::
                                           by it (a pass of an accumulated step)
     manifest()                            what a checkpoint records of the model ("config", ...)
     shape(), dropout                       the model as the planner sees it (the summary's plan)
-    prepare(out)                          the lead rank, before the first step: files the run keeps
+    write_run_files(out)                  the lead rank, before the first step: the files the run
+                                          keeps beside its checkpoints (a tokenizer, a model's
+                                          config)
 """
 
 from __future__ import annotations
@@ -31,15 +35,16 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
-from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
-from tensorpar.gpt.tokenizer import (
+from tensorpar.data.chat import is_chat_file
+from tensorpar.data.shards import TOKENIZER_DIR, is_shard_folder
+from tensorpar.data.tokenizer import (
     RUN_TOKENIZER,
     ByteTokenizer,
     HFTokenizer,
@@ -47,13 +52,14 @@ from tensorpar.gpt.tokenizer import (
     run_tokenizer_dir,
     same_tokenizer,
 )
+from tensorpar.gpt.model import GPT, GPTConfig
+from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.dropout import TensorParallelRNG
 from tensorpar.planner.shapes import ModelShape
-from tensorpar.train.chat import is_chat_file
 from tensorpar.train.compute import loss_function
-from tensorpar.train.config import passes
+from tensorpar.train.config import TrainConfig, passes
 from tensorpar.train.pipeline import check_pipeline
-from tensorpar.train.shards import TOKENIZER_DIR, is_shard_folder
+from tensorpar.train.resume import RunFlags, resolve_run
 
 
 @dataclass
@@ -146,7 +152,7 @@ class GPTRecipe:
     def dropout(self) -> bool:
         return self.model_cfg.dropout > 0
 
-    def prepare(self, out: Path) -> None:
+    def write_run_files(self, out: Path) -> None:
         """A copy of the tokenizer folder in ``out/tokenizer`` (atomically; a resumed run has it
         there already); nothing for bytes."""
         if self.tokenizer_dir is None:
@@ -158,3 +164,10 @@ class GPTRecipe:
         HFTokenizer(self.tokenizer_dir).save(tmp)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:
+    """``tensorpar train`` of the GPT (or ``--resume`` of a GPT run): the flags merged with the
+    run resumed (``resume.py``), the recipe from the model flags and ``--tokenizer``."""
+    return resolve_run(flags.train, partial(GPTRecipe.from_flags, flags.model, flags.tokenizer,
+                                            flags.train.get("data")))

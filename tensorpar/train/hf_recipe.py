@@ -47,7 +47,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
-from tensorpar.gpt.tokenizer import TOKENIZER_FILES, HFTokenizer
+from tensorpar.data.tokenizer import TOKENIZER_FILES, HFTokenizer
 from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.lora import (
     add_lora,
@@ -64,13 +64,13 @@ from tensorpar.hf.lora import (
     frozen_in_bf16,
     read_peft,
 )
-from tensorpar.hf.parallelize import check_layout, has_dropout
+from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import TrainConfig, lora_targets
-from tensorpar.train.run import resolve_run
+from tensorpar.train.resume import RunFlags, resolve_run
 
 HF_FILES = "hf"  # the run's copy of the source model's files, in --out
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
@@ -94,6 +94,8 @@ class HFRecipe:
     run's copy (a resumed run: config and tokenizer; ``weights`` False, zeros that the
     checkpoint fills). origin: the PATH the run started from. config: its config.json. plan:
     its tensor-parallel plan, the head ``column``. dropout: whether the model drops anything.
+    meta: the model of config.json on the meta device, built once in the launcher for the
+    checks before any rank (:meth:`meta_model`); never pickled: a rank builds its own model.
     """
 
     source: str
@@ -102,7 +104,18 @@ class HFRecipe:
     plan: dict[str, str]
     weights: bool = True
     dropout: bool = False
+    meta: nn.Module | None = field(default=None, repr=False, compare=False)
     kind = "hf"
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"meta": None}  # the ranks get plain values only
+
+    def meta_model(self) -> nn.Module:
+        """The model of ``source``'s config.json on the meta device (nothing read), built at
+        most once."""
+        if self.meta is None:
+            self.meta = _meta_model(self.source)
+        return self.meta
 
     def check(self, cfg: TrainConfig) -> None:
         if cfg.pp > 1:
@@ -122,7 +135,7 @@ class HFRecipe:
                              "which torch.compile does not trace")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
-            check_layout(_meta_model(self.source), self.plan, cfg.tp, cfg.sequence_parallel)
+            check_plan_fits(self.meta_model(), self.plan, cfg.tp, cfg.sequence_parallel)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
 
@@ -189,7 +202,7 @@ class HFRecipe:
         except ValueError:
             return None
 
-    def prepare(self, out: Path) -> None:
+    def write_run_files(self, out: Path) -> None:
         """Copy the source's files but the weights into ``out/hf`` (atomically; a resumed run
         has them there already)."""
         target, tmp = out / HF_FILES, out / f".{HF_FILES}.tmp"
@@ -279,24 +292,27 @@ def hf_recipe(path: str | None, out: str, manifest: dict | None,
         raise ValueError(f"--hf {origin}: the plan of {type(model).__name__} does not split "
                          "lm_head, so the loss cannot run on logits split by vocabulary")
     return HFRecipe(str(source), str(origin), config, plan | {"lm_head": "column"}, weights,
-                    has_dropout(model))
+                    has_dropout(model), model)
 
 
-def resolve_hf(train_args: dict, model_args: dict,
-               path: str | None) -> tuple[TrainConfig, HFRecipe, str | None]:
+def resolve_hf(flags: RunFlags) -> tuple[TrainConfig, HFRecipe, str | None]:
     """``tensorpar train --hf PATH`` (or ``--resume`` of such a run, PATH then optional): the
-    flags merged and checked as the GPT's (``train/run.py``'s ``resolve_run``), with the
-    recipe above. model_args: the GPT's model flags, which must all be None here."""
-    given = [f"--{k.replace('_', '-')}" for k, v in model_args.items() if v is not None]
+    flags merged and checked as the GPT's (``resume.py``'s ``resolve_run``), with the recipe
+    above. The GPT's model flags and ``--tokenizer`` must all be None here."""
+    path = flags.hf
+    if flags.tokenizer is not None:
+        raise ValueError("--tokenizer is the GPT's: a fine-tune reads text with its own "
+                         "model's tokenizer")
+    given = [f"--{k.replace('_', '-')}" for k, v in flags.model.items() if v is not None]
     if given:
         raise ValueError(f"--hf takes the model from {path or 'the run'}'s config.json: leave "
                          f"out the GPT's model flags {', '.join(given)}")
-    out = train_args.get("out") or TrainConfig.out
-    cfg, recipe, resume_from = resolve_run(train_args, partial(hf_recipe, path, out))
+    out = flags.train.get("out") or TrainConfig.out
+    cfg, recipe, resume_from = resolve_run(flags.train, partial(hf_recipe, path, out))
     if cfg.lora_init is not None and resume_from is None:
         _adopt_peft_config(cfg)
     if cfg.lora_rank is not None and cfg.lora_targets is not None:  # names in the blocks
-        check_targets(lora_targets(cfg), block_linear_kinds(_meta_model(recipe.source)))
+        check_targets(lora_targets(cfg), block_linear_kinds(recipe.meta_model()))
     return cfg, recipe, resume_from
 
 

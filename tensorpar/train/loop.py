@@ -37,26 +37,24 @@ import torch.distributed as dist
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
-from tensorpar.dp.mesh import dp_group, dp_rank, init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, gradient_sync
+from tensorpar.data.chat import IGNORE_INDEX, describe_examples, is_chat_file, pad_id, read_examples
+from tensorpar.data.packing import (
+    ExampleBatches,
+    TokenBatches,
+    ValidationExamples,
+    ValidationWindows,
+)
+from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.parallel.layout import Layout, clip_grad_norm_, rank_sizes
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
+from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import collectives_checked, device_for, tp_rank, tp_size
-from tensorpar.train.chat import (
-    IGNORE_INDEX,
-    ExampleBatches,
-    ValidationExamples,
-    describe_examples,
-    is_chat_file,
-    pad_id,
-    read_examples,
-)
 from tensorpar.train.compute import tf32_matmuls
 from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
-from tensorpar.train.data import TokenBatches, ValidationWindows, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
@@ -76,7 +74,7 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
     what the run measured (on every rank).
 
     group: every rank of the run (tp x dp of them; default the whole world). With ``cfg.dp`` > 1
-    they form a ("dp", "tp") mesh (``dp/mesh.py``) and each TP group trains on its slice of
+    they form a ("dp", "tp") mesh (``mesh/mesh.py``) and each TP group trains on its slice of
     every batch.
 
     A SIGTERM or SIGUSR1 that reaches any rank, from the start on, ends the run after the step in
@@ -138,7 +136,7 @@ class Run:
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
         tokenizer = recipe.tokenizer()
         self.data_note = None  # what the summary says of chat or instruction examples
-        if is_chat_file(cfg.data):  # examples, trained on their answers (chat.py)
+        if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
             examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
@@ -156,7 +154,7 @@ class Run:
                        for i in range(n)]
         self.dp = dp
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
-        # the step calls; saves, clipping and the layout use ``net``
+        # the step calls; saves, clipping and the shard ownership use ``net``
         self.validation = validation_data(cfg, tokenizer)
         self.pipeline, self.pp_group = None, None  # --pp: this rank's stages (pipeline.py)
         bf16 = torch.bfloat16 if cfg.dtype == "bf16" else None
@@ -170,7 +168,7 @@ class Run:
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
-        self.layout = Layout.gather(self.net, self.group)  # ranks go on to other jobs
+        self.ownership = ShardOwnership.gather(self.net, self.group)  # ranks go on to other jobs
         if cfg.pp > 1:
             modules = shard_stages(parts, self.mesh, cfg.dp_mode, bf16)
             self.model = self.net
@@ -195,7 +193,7 @@ class Run:
         self.out = Path(cfg.out)
         if self.lead:
             self.out.mkdir(parents=True, exist_ok=True)
-            recipe.prepare(self.out)
+            recipe.write_run_files(self.out)
         self.meta = recipe.manifest() | {
             "train": dataclasses.asdict(cfg),
             "data": {"source": self.source, "sha256_16": self.batches.digest,
@@ -220,7 +218,7 @@ class Run:
         t0 = time.perf_counter()
         x, y, *packed = self.batches.batch(step)  # the whole step's batch, on every rank
         self.data_seconds = time.perf_counter() - t0  # the step's wait for its data
-        # --pack: each row's positions restart at every example (chat.ExampleBatches)
+        # --pack: each row's positions restart at every example (packing.ExampleBatches)
         pos = packed[0].to(self.device) if packed and cfg.pack else None
         at = {} if pos is None else {"position_ids": pos}
         if self.pipeline is not None:  # the passes are the pipeline's micro-batches
@@ -249,7 +247,7 @@ class Run:
                                             **({} if pos is None else {"position_ids": pos[rows]}))
                     loss.backward()
                 loss_sum = loss_sum + loss.detach().float() / self.dp
-        norm = clip_grad_norm_(self.net, self.layout, cfg.grad_clip, self.group,
+        norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
                                dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
                                self.pp_group)
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
@@ -295,7 +293,7 @@ class Run:
     def save(self, step: int) -> None:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
                                          "epoch": round(self.batches.epoch_of(step), 4)}
-        save_checkpoint(self.out, step, self.net, self.layout, self.opt, self.group, self.meta,
+        save_checkpoint(self.out, step, self.net, self.ownership, self.opt, self.group, self.meta,
                         dp_group=dp_group(self.mesh), pp_group=self.pp_group)
 
     def agree(self, value: int) -> int:
@@ -311,7 +309,7 @@ class Run:
         the run ended; on the lead rank the metrics rows, after the plot and the summary."""
         # a text file's ids on the CPU are memory the meter counts (memory-mapped shards not)
         on_cpu = self.device.type == "cpu" and isinstance(self.batches.tokens, torch.Tensor)
-        mine = rank_sizes(self.net, self.layout) | {
+        mine = rank_sizes(self.net, self.ownership) | {
             "peak_memory": measure.peak_memory, "device": self.device.type,
             "data_bytes": self.batches.tokens.nbytes if on_cpu else 0,
             "resident_peak": resident_peak(), "tp_rank": tp_rank(self.group),

@@ -84,8 +84,8 @@ def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> N
 @dataclass
 class PipelineParts:
     """What a pipeline rank holds: ``net``, its part of the GPT (every parameter under its name
-    in the whole model: the optimizer, the layout, the norm and checkpoints use it), and
-    ``stages``, the ``GPTStage`` modules the schedule runs (over the same modules)."""
+    in the whole model: the optimizer, the shard ownership, the norm and checkpoints use it),
+    and ``stages``, the ``GPTStage`` modules the schedule runs (over the same modules)."""
 
     net: nn.Module
     stages: list[GPTStage]

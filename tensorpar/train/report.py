@@ -18,11 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tensorpar.gpt.stages import describe_split
-from tensorpar.planner.comm import predicted_comm
-from tensorpar.planner.data_parallel import dp_comm, dp_memory
-from tensorpar.planner.memory import lora_params, planner_kinds, tensorpar_memory
-from tensorpar.planner.pipeline import plan_pipeline, step_transfers
+from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
@@ -284,14 +282,19 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     it, the measured numbers alone); optimizer: the trainer's AdamW implementation
     (``optim.implementation``); dropout: whether the model drops, for the plan."""
     tp, sp = cfg.tp, cfg.sequence_parallel
-    recompute = "full" if cfg.recompute else "none"
-    how = (f", compiled ({cfg.compile_backend})" if getattr(cfg, "compile", False) else "") \
-        + (", TF32" if getattr(cfg, "tf32", False) else "")
-    dp = getattr(cfg, "dp", None) or 1
-    # the planner sees one pass's activations; a step makes each pass's collectives
-    micro = getattr(cfg, "micro_batch_size", None) or cfg.batch_size // dp
+    how = (f", compiled ({cfg.compile_backend})" if cfg.compile else "") \
+        + (", TF32" if cfg.tf32 else "")
+    # the step as the planner sees it (each pass's activations; a step makes each pass's
+    # collectives), and its numbers for the ranks measured, asked once
+    step = Step.from_train_config(cfg, shape, optimizer, dropout,
+                                  sizes[0].get("device", "cpu") if sizes else "cpu") \
+        if shape is not None else None
+    plan = None if step is None else plan_run(step, [
+        RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0), s.get("pp_rank", 0))
+        for r, s in enumerate(sizes)])
+    dp, pp, virtual = cfg.dp or 1, cfg.pp, cfg.pp_virtual
+    micro = cfg.micro_batch_size or cfg.batch_size // dp
     n = cfg.batch_size // dp // micro
-    pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
     split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
     split += f" x PP={pp}" if pp > 1 else ""
     split += f", {n} {'micro-batches' if pp > 1 else 'passes'} of {micro}" if n > 1 else ""
@@ -331,23 +334,14 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     per_param = sum(BYTES_PER_PARAM.values())
     table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
                   "weights + grads + AdamW (fp32)")
-    stages = None  # with pipeline stages, the plan's row of each pipeline rank
-    if pp > 1 and shape is not None:
-        stages = plan_pipeline(
-            shape, tp, pp, cfg.batch_size, cfg.seq_len, n, virtual,
-            "bf16-autocast" if cfg.dtype == "bf16" else "fp32", sp, recompute,
-            optimizer=optimizer, dropout=dropout, device=sizes[0].get("device", "cpu"), dp=dp,
-            dp_mode=getattr(cfg, "dp_mode", "fsdp"))["stages"]
     for r, s in enumerate(sizes):
         line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
                 f"{human_bytes(s['local'] * per_param)}")
         if s.get("peak_memory") and shape is None:
             line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
         elif s.get("peak_memory"):
-            planned = stages[s["pp_rank"]]["total"] if stages else \
-                _planned_peak(cfg, shape, s, r, micro, optimizer, dropout)
             data = s.get("data_bytes", 0)
-            planned += data
+            planned = plan.peaks[r] + data
             line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
                      f"(planned {human_bytes(planned)}"
                      + (f" with {human_bytes(data)} of token data" if data else "")
@@ -357,56 +351,31 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
         where += f" (pp {s['pp_rank']})" if pp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
-    # bf16 under FSDP2: the gathered weights, and so the activations, travel in bf16
-    bf16_params = cfg.dtype == "bf16" and dp > 1 and cfg.dp_mode == "fsdp"
+    _comm_rows(table, comm, plan, tp, sp, bool(rows))
+    return table
+
+
+def _comm_rows(table: Table, comm: dict, plan: RunPlan | None, tp: int, sp: bool,
+               ran: bool) -> None:
+    """The collectives of one measured step (``comm``: rank 0's TP ones, and its "dp" and "pp"
+    ones), each against the planner's count (``plan``; None: the planner cannot describe the
+    model)."""
     if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
-        minimum = None if shape is None or pp > 1 else predicted_comm(
-            shape, micro, cfg.seq_len, tp, sp, cfg.dtype, recompute, passes=n,
-            bf16_params=bf16_params)
+        minimum = None if plan is None else plan.tp_comm
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:
             table.add_row("analytic count (payload)", _by_source(minimum, sp))
     else:
-        table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or rows else
+        table.add_row("TP communication per step", "none (TP=1)" if tp == 1 or ran else
                       "not measured (no step ran)")
     if "dp" in comm:  # measured on rank 0 (tp rank 0), against the planner's count for it
-        expected = None if shape is None else dp_comm(shape, tp, dp, cfg.dp_mode, rank=0,
-                                                      passes=n, bf16_params=bf16_params)
+        expected = None if plan is None else plan.dp_comm
         _collective_rows(table, "dp ", comm["dp"], expected)
         if expected is not None:
             table.add_row("dp analytic count (payload)", " + ".join(
                 f"{r['source']} {human_bytes(r['bytes'])}" for r in expected["breakdown"]))
     if "pp" in comm:  # rank 0's (the first stage's) sends and receives, against the count
-        _collective_rows(table, "pp ", comm["pp"],
-                         None if shape is None else pipeline_p2p(cfg, shape, n))
-    return table
-
-
-def _planned_peak(cfg, shape: ModelShape, s: dict, r: int, micro: int, optimizer: str,
-                  dropout: bool) -> int:
-    """The planner's peak for rank ``r`` (its ``sizes`` entry ``s``) of a run without pipeline
-    stages: ``tensorpar_memory`` of one pass (LoRA's adapters counted), under data parallelism
-    ``dp_memory``."""
-    tp, dp = cfg.tp, getattr(cfg, "dp", None) or 1
-    tp_r, device = s.get("tp_rank", r), s.get("device", "cpu")
-    lora = None if getattr(cfg, "lora_rank", None) is None else \
-        lora_params(shape, tp, tp_r, cfg.lora_rank, planner_kinds(cfg.lora_targets)) | \
-        {"r": cfg.lora_rank, "base_dtype": getattr(cfg, "base_dtype", "fp32")}
-    planned = tensorpar_memory(shape, tp, micro, cfg.seq_len, cfg.sequence_parallel,
-                               "bf16-autocast" if cfg.dtype == "bf16" else "fp32",
-                               "full" if cfg.recompute else "none", cfg.fused, rank=tp_r,
-                               optimizer=optimizer, dropout=dropout, device=device, lora=lora)
-    return dp_memory(shape, tp, dp, getattr(cfg, "dp_mode", "fsdp"), planned, rank=tp_r,
-                     dp_rank=s.get("dp_rank", 0), device=device, optimizer=optimizer)["total"]
-
-
-def pipeline_p2p(cfg, shape: ModelShape, micro_batches: int) -> dict:
-    """What pipeline rank 0 sends and receives in a step (``planner.pipeline.p2p``): fp32
-    (B/m, T, D) activations out and as many gradients in, T/tp tokens a rank under sequence
-    parallelism; and what it all-reduces over the pipeline."""
-    rows = cfg.batch_size // (getattr(cfg, "dp", None) or 1) // micro_batches
-    return step_transfers(cfg.pp, getattr(cfg, "pp_virtual", 1), micro_batches, 0, rows,
-                          cfg.seq_len, shape.dim, cfg.tp, cfg.sequence_parallel)
+        _collective_rows(table, "pp ", comm["pp"], None if plan is None else plan.pp)
 
 
 def _collective_rows(table: Table, prefix: str, measured: dict, expected: dict | None) -> None:

@@ -42,7 +42,7 @@ def _train_body(work, steps):
 
     from tensorpar.bench.megatron_core import megatron_shards, setup_megatron
     from tensorpar.bench.workload import DenseLlama, batch, dense_state, make_optimizer
-    from tensorpar.cli.verify import max_rel_error
+    from tensorpar.cli.compare import max_rel_error
     from tensorpar.gpt.model import GPT
     from tensorpar.runtime.counting import CollectiveCounter
 

@@ -40,7 +40,7 @@ from tensorpar import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from tensorpar.cli.verify import dense_shard
+from tensorpar.cli.compare import dense_shard
 
 from tp_check import leaf, shard
 

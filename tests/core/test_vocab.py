@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from tensorpar.cli.verify import dense_shard
+from tensorpar.cli.compare import dense_shard
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size

@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from tensorpar.dp.mesh import init_parallel
-from tensorpar.dp.wrap import data_parallel
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.mesh.data_parallel import data_parallel
+from tensorpar.mesh.mesh import init_parallel
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm
 from tensorpar.runtime.counting import CollectiveCounter
@@ -29,7 +29,7 @@ def _bf16_step(tp, dp):
     mesh = init_parallel(tp=tp, dp=dp)
     tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
     model = GPT(GPTConfig(**MODEL), tp_group, seed=0)
-    layout = Layout.gather(model, tp_group)
+    ownership = ShardOwnership.gather(model, tp_group)
     data_parallel(model, mesh, "fsdp", param_dtype=torch.bfloat16)
     seen = {}
 
@@ -53,7 +53,7 @@ def _bf16_step(tp, dp):
         with torch.autocast("cpu", torch.bfloat16):
             loss = model(ids, ids)
         loss.backward()
-        norm = clip_grad_norm_(model, layout, 1.0, tp_group, dp_group)
+        norm = clip_grad_norm_(model, ownership, 1.0, tp_group, dp_group)
     params = {name: (p.dtype, is_dtensor(p), p.grad.dtype, is_dtensor(p.grad))
               for name, p in model.named_parameters()}
     return {"seen": seen, "params": params, "norm": norm.item(), "loss": loss.item(),

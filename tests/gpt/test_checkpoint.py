@@ -13,8 +13,8 @@ from tensorpar.checkpoint.format import CheckpointError, find_checkpoint, list_c
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.parallel.layout import Layout
 from tensorpar.parallel.mappings import gather_from_tp
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.optim import make_optimizer
 
@@ -44,7 +44,7 @@ def _save_body(path, n_kv_head):
     model = GPT(GPTConfig(**(TINY | {"n_kv_head": n_kv_head})), seed=3)
     opt = make_optimizer(model, TrainConfig())
     _step(model, opt, 0)
-    save_checkpoint(path, 1, model, Layout.gather(model), opt, meta={"config": {}})
+    save_checkpoint(path, 1, model, ShardOwnership.gather(model), opt, meta={"config": {}})
     after_save = _logits(model)
     _step(model, opt, 1)
     return after_save, _logits(model)
@@ -88,7 +88,7 @@ def test_reshard(ranks, tmp_path, saved_at, loaded_at, n_kv_head):
 
 def _saved(tmp_path, step=1, **cfg):
     model = GPT(GPTConfig(**(TINY | cfg)), seed=3)
-    save_checkpoint(tmp_path, step, model, Layout.gather(model), meta={"config": {}})
+    save_checkpoint(tmp_path, step, model, ShardOwnership.gather(model), meta={"config": {}})
     return model
 
 
@@ -169,7 +169,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     assert find_checkpoint(tmp_path).name == "step-00000010"
     load_checkpoint(tmp_path, model)
     for step in (20, 30, 30):  # saving the same step again replaces it
-        save_checkpoint(tmp_path, step, model, Layout.gather(model), meta={"config": {}})
+        save_checkpoint(tmp_path, step, model, ShardOwnership.gather(model), meta={"config": {}})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000020", "step-00000030"]
     assert sorted(os.listdir(tmp_path)) == ["step-00000020", "step-00000030"]
     # killed between the two renames of a re-save: the swapped-out copy is still found

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tensorpar.checkpoint import export
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.parallel.layout import Layout
+from tensorpar.parallel.ownership import ShardOwnership
 
 from tests_common import leftovers
 from tests_common import tensorpar_here as tensorpar
@@ -24,7 +24,7 @@ def ckpt(tmp_path_factory) -> Path:
     """A one-block GPT saved at TP=1 in this process (no ranks needed at world size 1)."""
     run = tmp_path_factory.mktemp("run")
     model = GPT(GPTConfig(vocab_size=64, n_layer=1, dim=32, n_head=4, n_kv_head=2), seed=0)
-    save_checkpoint(run, 3, model, Layout.gather(model), meta={"config": {}})
+    save_checkpoint(run, 3, model, ShardOwnership.gather(model), meta={"config": {}})
     return run
 
 

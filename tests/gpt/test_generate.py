@@ -16,8 +16,8 @@ from tensorpar.cli.main import main
 from tensorpar.gpt.generate import format_completions, generate, generate_rank, left_pad
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.sampling import check_sampling, kept_tokens, pick_token
-from tensorpar.parallel.layout import Layout
 from tensorpar.parallel.mappings import gather_from_tp
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.parallel.sharding import shard_range
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -214,7 +214,7 @@ def ckpt(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
     run = tmp_path_factory.mktemp("gen")
-    save_checkpoint(run, 1, model, Layout.gather(model),
+    save_checkpoint(run, 1, model, ShardOwnership.gather(model),
                     meta={"config": dataclasses.asdict(cfg), "tokenizer": "bytes"})
     return run
 
@@ -265,6 +265,20 @@ def test_cli_bad_values(ckpt, capsys, flags, message):
     err = capsys.readouterr().err
     assert err.startswith("tensorpar generate: ") and message in err, err
     assert err.count("\n") == 1
+
+
+def test_cli_export_is_not_a_checkpoint(ckpt, tmp_path, capsys):
+    """``--ckpt`` given the file ``tensorpar export`` wrote: one line saying it is an export and
+    how to use it, exit 2, no traceback."""
+    from tensorpar.checkpoint.export import export_dense
+
+    dense = export_dense(ckpt, tmp_path / "dense.safetensors")
+    assert main(["generate", "--ckpt", str(dense), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"tensorpar generate: {dense} is an export (a dense safetensors file "
+                   "written by tensorpar export), not a checkpoint: give --ckpt the run "
+                   "directory it came from, or generate --hf a folder written by tensorpar "
+                   "export --hf-out\n"), err
 
 
 def test_cli_bad_top_p_exits_2(ckpt):

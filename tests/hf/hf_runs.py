@@ -15,12 +15,13 @@ import transformers
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
+from tensorpar.data.text import default_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.hf.pretrained import from_pretrained
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import default_corpus
 from tensorpar.train.hf_recipe import resolve_hf
 from tensorpar.train.loop import train_model_rank
+from tensorpar.train.resume import RunFlags
 
 from tests_common import tensorpar_here
 
@@ -80,8 +81,8 @@ def save_models(root):
 def resolve(path, **flags):
     """``resolve_hf`` as the CLI calls it (None: a flag not given)."""
     train_args = {f.name: None for f in dataclasses.fields(TrainConfig)} | flags
-    return resolve_hf(train_args, {f.name: None for f in dataclasses.fields(GPTConfig)},
-                      None if path is None else str(path))
+    return resolve_hf(RunFlags(train_args, {f.name: None for f in dataclasses.fields(GPTConfig)},
+                               None if path is None else str(path)))
 
 
 def train_rank(cfg, recipe, resume_from):

@@ -1,4 +1,4 @@
-"""Chat and instruction data for ``train --hf`` (``train/chat.py``): the loss is on the
+"""Chat and instruction data for ``train --hf`` (``data/chat.py``): the loss is on the
 assistant's (the completion's) tokens alone, as transformers computes it on the dense model with
 the tokenizer's own assistant mask, packed or not; the prefix rule finds the same tokens where a
 template has no ``{% generation %}`` marks; too-long examples are cut or dropped and counted."""
@@ -11,8 +11,9 @@ import torch
 import transformers
 from hf_runs import train  # noqa: E402
 
-from tensorpar.gpt.tokenizer import HFTokenizer  # noqa: E402
-from tensorpar.train.chat import ExampleBatches, describe_examples, read_examples  # noqa: E402
+from tensorpar.data.chat import describe_examples, read_examples  # noqa: E402
+from tensorpar.data.packing import ExampleBatches  # noqa: E402
+from tensorpar.data.tokenizer import HFTokenizer  # noqa: E402
 
 TURNS = ("{%- for m in messages %}{{ '<|' + m['role'] + '|>' }}"
          "{%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + eos_token }}"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import transformers
 from hf_split import assert_split, planned_collectives  # noqa: E402
 
-from tensorpar.cli.verify import dense_shard, max_rel_error  # noqa: E402
+from tensorpar.cli.compare import dense_shard, max_rel_error  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import LLAMA_PLAN, plan_for, translate_hf_plan  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 import transformers
 from hf_split import assert_split, planned_collectives  # noqa: E402
 
-from tensorpar.cli.verify import dense_shard  # noqa: E402
-from tensorpar.dp.mesh import init_parallel  # noqa: E402
-from tensorpar.dp.wrap import data_parallel, inner, is_dp_sharded  # noqa: E402
+from tensorpar.cli.compare import dense_shard  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import LLAMA_PLAN  # noqa: E402
+from tensorpar.mesh.data_parallel import data_parallel, inner, is_dp_sharded  # noqa: E402
+from tensorpar.mesh.mesh import init_parallel  # noqa: E402
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402
 from tensorpar.train.optim import adamw  # noqa: E402

@@ -25,11 +25,11 @@ import transformers
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.cli.main import main
+from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.gpt.generate import generate
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.tokenizer import ByteTokenizer
 from tensorpar.hf import export
-from tensorpar.parallel.layout import Layout
+from tensorpar.parallel.ownership import ShardOwnership
 
 from tests_common import TINY_GPT, checkout_env, leftovers
 from tests_common import tensorpar_cli as tensorpar
@@ -109,7 +109,7 @@ def runs(tmp_path_factory):
                 p.copy_(1.5 * reader.read("embed.weight") + 0.02 * torch.randn(
                     p.shape, generator=noise) if head else reader.read(name))
         untied = root / "untied"
-        save_checkpoint(untied, 20, model, Layout.gather(model),
+        save_checkpoint(untied, 20, model, ShardOwnership.gather(model),
                         meta={"config": dataclasses.asdict(cfg), "tokenizer": "bytes"})
         found = {}
         for name, ckpt in (("tied", tied), ("untied", untied)):

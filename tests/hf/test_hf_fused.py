@@ -13,7 +13,7 @@ import torch
 import transformers
 from hf_split import assert_split  # noqa: E402
 
-from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.cli.compare import dense_shard  # noqa: E402
 from tensorpar.hf.fused_blocks import InRegionColumn  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402

@@ -9,7 +9,7 @@ import accelerate  # noqa: F401  (a dev dependency: missing, this file fails, no
 import pytest
 import transformers
 
-from tensorpar.cli.hf import generate_hf_rank  # noqa: E402
+from tensorpar.cli.generate import generate_hf_rank  # noqa: E402
 from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 

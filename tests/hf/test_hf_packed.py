@@ -14,10 +14,10 @@ from tensorpar.checkpoint.export import export_dense  # noqa: E402
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
 from tensorpar.checkpoint.load import load_checkpoint  # noqa: E402
 from tensorpar.checkpoint.save import save_checkpoint  # noqa: E402
-from tensorpar.cli.verify import dense_shard  # noqa: E402
+from tensorpar.cli.compare import dense_shard  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.plans import is_conv1d  # noqa: E402
-from tensorpar.parallel.layout import Layout, clip_grad_norm_  # noqa: E402
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_  # noqa: E402
 
 from tp_check import assert_close  # noqa: E402
 
@@ -51,11 +51,11 @@ def _grad_norm_body(path):
     dense, model = _dense(path), parallelize(_dense(path))
     _backward(dense)
     _backward(model)
-    layout = Layout.gather(model)
+    ownership = ShardOwnership.gather(model)
     ref = torch.cat([p.grad.flatten() for p in dense.parameters()]).double().norm().item()
-    norm = clip_grad_norm_(model, layout, max_norm=0.0).item()  # 0: measure only
+    norm = clip_grad_norm_(model, ownership, max_norm=0.0).item()  # 0: measure only
     # clipped to half: every shard scaled as the dense gradients are by torch's own clipping
-    clip_grad_norm_(model, layout, max_norm=ref / 2)
+    clip_grad_norm_(model, ownership, max_norm=ref / 2)
     torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm=ref / 2)
     grads = {name: p.grad for name, p in dense.named_parameters()}
     for name, p in model.named_parameters():
@@ -87,7 +87,7 @@ def _save_body(path, out):
     opt = _adam(model)
     _backward(model)
     opt.step()
-    save_checkpoint(out, 1, model, Layout.gather(model), opt, meta={"config": {}})
+    save_checkpoint(out, 1, model, ShardOwnership.gather(model), opt, meta={"config": {}})
 
 
 def _load_body(path, out):

@@ -13,7 +13,8 @@ from torch_loop import compare_rows, torch_loop
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import CheckpointReader
-from tensorpar.train.data import TokenBatches, read_corpus
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.text import read_corpus
 
 # 6 steps; clip 0.2: the first step's norm is above it (checked), so clipping acts
 STEPS = 6

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import transformers
 from hf_split import assert_split, planned_collectives  # noqa: E402
 
-from tensorpar.cli.hf import run_verify_hf  # noqa: E402
+from tensorpar.cli.verify_hf import run_verify_hf  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.runtime.counting import CollectiveCounter  # noqa: E402

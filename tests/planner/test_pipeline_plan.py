@@ -10,21 +10,26 @@ import pytest
 import torch
 
 from tensorpar.cli import plan as plan_cli
-from tensorpar.planner.layouts import plan_memory, step_memory
 from tensorpar.planner.memory import rank_params
 from tensorpar.planner.pipeline import (
-    bubble,
     micro_batch_pieces,
     p2p,
     plan_pipeline,
     rank_memory,
-    schedule_ops,
-    search_layouts,
     stage_blocks,
 )
+from tensorpar.planner.schedule import bubble, schedule_ops
+from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import preset
+from tensorpar.planner.step import Step
+from tensorpar.planner.tp_plan import plan_memory, step_memory
 
 LLAMA7, LLAMA70 = preset("llama-2-7b"), preset("llama-2-70b")
+
+
+def _pipe(shape, tp, pp, batch, seq, m, virtual=1, dtype="bf16", **kw) -> Step:
+    """The step of a (tp, pp) layout: ``batch`` sequences in ``m`` micro-batches."""
+    return Step(shape, tp, batch, seq, dtype, pp=pp, virtual=virtual, micro_batches=m, **kw)
 
 
 def _plan(*argv) -> int:
@@ -50,7 +55,7 @@ def test_bubble_formulas():
     assert bubble(4, 2, 8) == 3 / 16
     assert bubble(1, 1, 8) == 0
     for v in (1, 2):
-        assert plan_pipeline(LLAMA7, 2, 4, 8, 256, 8, v)["bubble"] == 3 / (v * 8)
+        assert plan_pipeline(_pipe(LLAMA7, 2, 4, 8, 256, 8, v))["bubble"] == 3 / (v * 8)
 
 
 def test_stages_cut_like_tensor_split():
@@ -88,13 +93,13 @@ def test_first_rank_holds_p_micro_batches():
     P, m = 4, 8
     for k in range(P):
         assert _max_in_flight(schedule_ops(P, 1, m, k), 1) == P - k
-        row = rank_memory(LLAMA7, 2, P, 1, m, k, 1, 256)
+        row = rank_memory(_pipe(LLAMA7, 2, P, m, 256, m), k)
         assert row["in_flight"] == [P - k]
     assert _max_in_flight(schedule_ops(P, 1, 2, 0), 1) == 2  # fewer micro-batches than P
     for v in (2, 4):
         chunks = _max_in_flight(schedule_ops(P, v, m, 0), v)
         assert chunks == P * v + P - 1  # (P·(1 + (P - 1)/(P·V)) micro-batches of L/P blocks)
-        assert sum(rank_memory(LLAMA7, 2, P, v, m, 0, 1, 256)["in_flight"]) == chunks
+        assert sum(rank_memory(_pipe(LLAMA7, 2, P, m, 256, m, v), 0)["in_flight"]) == chunks
 
 
 def test_p2p_counts_and_bytes():
@@ -111,7 +116,7 @@ def test_p2p_counts_and_bytes():
             assert s["bytes"] == (s["activations"] + s["gradients"]) * micro * T * D * 4
     assert p2p(P, 1, m, 1, micro, T, D, 3, True)["bytes_each"] == micro * 34 * D * 4
     assert p2p(1, 1, m, 0, micro, T, D, 1, False)["bytes"] == 0
-    plan = plan_pipeline(LLAMA7, 2, 4, 8, 256, 8, 2)
+    plan = plan_pipeline(_pipe(LLAMA7, 2, 4, 8, 256, 8, 2))
     assert plan["p2p"]["sends"] == 2 * 8 * 7
     assert [c["pp"] for c in plan["comm"]] == [s["bytes"] for s in plan["p2p"]["per_rank"]]
 
@@ -123,8 +128,8 @@ def test_stages_add_up_to_the_model(dtype, dp, mode, v):
     the same TP size (and FSDP2 share): the embedding on the first, the norm and head on the
     last, nothing twice; a middle rank holds its blocks alone."""
     P, tp = 4, 2
-    plan = plan_pipeline(LLAMA7, tp, P, 8 * dp, 128, 8, v, dtype, dp=dp, dp_mode=mode)
-    whole = plan_memory(LLAMA7, tp, dp, 128, dtype, dp=dp, dp_mode=mode)
+    plan = plan_pipeline(_pipe(LLAMA7, tp, P, 8 * dp, 128, 8, v, dtype, dp=dp, dp_mode=mode))
+    whole = plan_memory(Step(LLAMA7, tp, dp, 128, dtype, dp=dp, dp_mode=mode))
     stages = plan["stages"]
     assert sum(r["params_per_rank"] for r in stages) == rank_params(LLAMA7, tp)["total"]
     assert sum(r["weights"] for r in stages) == whole["weights"]
@@ -141,12 +146,12 @@ def test_micro_batch_pieces_make_the_model():
     ``step_memory``'s for the whole model, in each precision, with SP and recomputation."""
     for dtype, sp, rec in (("bf16", False, "none"), ("fp32", True, "full"),
                            ("bf16-autocast", True, "none")):
-        pieces = micro_batch_pieces(LLAMA7, 2, 2, 128, dtype, sp, rec, "fused", False, "cpu",
-                                    False)
-        whole = step_memory(LLAMA7, 2, 2, 128, dtype, sp, rec)
+        step = Step(LLAMA7, 2, 2, 128, dtype, sp, rec)
+        pieces = micro_batch_pieces(step)
+        whole = step_memory(step)
         L = LLAMA7.n_layer
         assert (pieces["embedding"] + L * pieces["block"] + pieces["tail"] + pieces["rope"]
-                == whole["activations"])
+                == whole.activations)
         assert min(pieces.values()) >= 0
 
 
@@ -157,16 +162,15 @@ def test_pp1_is_the_planners_row(dtype, sp, dp, mode):
     """Without a pipeline and with one micro-batch the rank's row is ``plan_memory``'s
     exactly; with two micro-batches (accumulation) it stores the same weights and states, and
     its peak holds the whole gradients besides a micro-batch's activations."""
-    plan = plan_pipeline(LLAMA7, 2, 1, 4 * dp, 128, 1, dtype=dtype, sequence_parallel=sp,
-                         dp=dp, dp_mode=mode)
-    row = plan_memory(LLAMA7, 2, 4 * dp, 128, dtype, sp, dp=dp, dp_mode=mode)
+    step = Step(LLAMA7, 2, 4 * dp, 128, dtype, sp, dp=dp, dp_mode=mode)
+    plan = plan_pipeline(step)
+    row = plan_memory(step)
     mine = plan["stages"][0]
     for key in ("weights", "grads", "optimizer", "activations", "dp_buffers", "peak_bytes",
                 "peak_at", "total"):
         assert mine[key] == row[key], key
     assert plan["bubble"] == 0 and plan["p2p"]["sends"] == 0
-    two = plan_pipeline(LLAMA7, 2, 1, 4 * dp, 128, 2, dtype=dtype, sequence_parallel=sp,
-                        dp=dp, dp_mode=mode)["stages"][0]
+    two = plan_pipeline(step.replace(micro_batches=2))["stages"][0]
     assert (two["weights"], two["optimizer"]) == (row["weights"], row["optimizer"])
     assert two["peak_bytes"] >= two["grads"] + two["activations"] and two["in_flight"] == [1]
 
@@ -175,7 +179,7 @@ def test_search_finds_layouts_for_llama_2_70b_on_64_x_80gb():
     """On 64 devices of 80 GB every layout listed fits (its largest rank's peak within the
     usable memory), uses all 64 devices with tp <= 8 dividing the heads, and the list is
     ranked by the estimated step time."""
-    out = search_layouts(LLAMA70, 64, 64, 2048, 80e9)
+    out = search_layouts(Step(LLAMA70, batch=64, seq=2048), 64, 80e9)
     assert out["layouts"] and out["smallest"] is None
     for r in out["layouts"]:
         assert r["tp"] * r["pp"] * r["dp"] == 64 and r["tp"] <= 8 and 64 % r["tp"] == 0
@@ -190,7 +194,7 @@ def test_search_finds_layouts_for_llama_2_70b_on_64_x_80gb():
 def test_search_says_nothing_fits_llama_2_70b_on_8_x_24gb(capsys):
     """On 8 devices of 24 GB nothing fits: the command says so in one line with the smallest
     peak any layout has and the device memory it would need, and exits 0 (an answer)."""
-    out = search_layouts(LLAMA70, 8, 8, 2048, 24e9)
+    out = search_layouts(Step(LLAMA70, batch=8, seq=2048), 8, 24e9)
     assert out["layouts"] == [] and out["smallest"]["total"] > out["usable"]
     assert _plan("--model", "llama-2-70b", "--devices", "8", "--device-memory", "24GB") == 0
     text = " ".join(capsys.readouterr().out.split())  # as one line, unwrapped
@@ -253,6 +257,6 @@ def test_tied_embeddings_refuse_a_pipeline():
     """A head tied to its embedding cannot be split from it over stages (the trainer refuses
     --pp with tied embeddings): the planner says so; the search keeps pp = 1 for it."""
     with pytest.raises(ValueError, match="gpt2 ties its head to its embedding"):
-        plan_pipeline(preset("gpt2"), 1, 2, 4, 64, 4)
-    out = search_layouts(preset("gpt2"), 4, 4, 64, 80e9)
+        plan_pipeline(_pipe(preset("gpt2"), 1, 2, 4, 64, 4))
+    out = search_layouts(Step(preset("gpt2"), batch=4, seq=64), 4, 80e9)
     assert {r["pp"] for r in out["layouts"]} == {1}

@@ -11,11 +11,12 @@ import torch
 from tensorpar.cli import plan as plan_cli
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.shapes import preset, shape_from_hf_config
+from tensorpar.planner.step import Step
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.train.optim import implementation
 
@@ -45,7 +46,7 @@ def _measure(cases):
         pass
     for cfg_d, sp, bf16, recompute, optimizer in cases:
         model = GPT(GPTConfig(**cfg_d), None, sp, seed=0, recompute=recompute)
-        layout = Layout.gather(model)
+        ownership = ShardOwnership.gather(model)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS[optimizer])
         assert implementation(opt) == optimizer
         ids = torch.randint(0, cfg_d["vocab_size"], (B, T))
@@ -55,7 +56,7 @@ def _measure(cases):
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = model(ids, ids)
                 loss.backward()
-                clip_grad_norm_(model, layout, 1.0)
+                clip_grad_norm_(model, ownership, 1.0)
                 counted = {k: dict(getattr(comm, k)) for k in ("counts", "bytes", "ring_bytes")}
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -79,13 +80,13 @@ def test_predictions_match_measurements(ranks, n):
             shape = gpt_shape(GPTConfig(**cfg_d))
             what = (f"rank {rank}/{n} {cfg_d} sp={sp} bf16={bf16} recompute={recompute} "
                     f"AdamW {optimizer}")
-            mem = tensorpar_memory(shape, n, B, T, sp, "bf16-autocast" if bf16 else "fp32",
-                                   "full" if recompute else "none", rank=rank,
-                                   optimizer=optimizer)
+            mem = tensorpar_memory(Step(shape, n, B, T, "bf16-autocast" if bf16 else "fp32", sp,
+                                        "full" if recompute else "none",
+                                        optimizer=optimizer), rank)
             # measured (3 runs, 2026-11-27, torch 2.13 CPU): entry at most 0.24% off, the peak
             # 4.9% (vocab 97, TP=3); 1.7% at most at TP=1, 2 and 4
-            assert got["entry"] == pytest.approx(mem["weights"] + mem["optimizer"], rel=0.02), what
-            assert got["peak"] == pytest.approx(mem["total"], rel=0.10), (what, got, mem)
+            assert got["entry"] == pytest.approx(mem.weights + mem.optimizer, rel=0.02), what
+            assert got["peak"] == pytest.approx(mem.total, rel=0.10), (what, got, mem)
             comm = predicted_comm(shape, B, T, n, sp, "bf16" if bf16 else "fp32",
                                   "full" if recompute else "none")
             assert got["comm"] == {k: comm[k] for k in ("counts", "bytes", "ring_bytes")}, what
@@ -158,19 +159,19 @@ def test_cuda_kernels_keep_less():
     B, T, N, D = 8, 2048, 8 * 2048, 2048
     for dtype, attention_copy, norm_copies in (("fp32", N * D * 4, 0),
                                                ("bf16-autocast", 0, 2 * shape.n_layer + 1)):
-        cpu = tensorpar_memory(shape, 1, B, T, dtype=dtype, device="cpu")
-        cuda = tensorpar_memory(shape, 1, B, T, dtype=dtype, device="cuda")
+        cpu = tensorpar_memory(Step(shape, 1, B, T, dtype, device="cpu"))
+        cuda = tensorpar_memory(Step(shape, 1, B, T, dtype, device="cuda"))
         saved = norm_copies * N * D * 4 + shape.n_layer * attention_copy
-        assert cpu["activations"] - cuda["activations"] == saved, dtype
+        assert cpu.activations - cuda.activations == saved, dtype
     # the H100 measurements of issue 15 (GiB, a whole tensorpar train step): within 2%
     # (planned 0.7% to 1.0% off them)
     for dtype, fused, recompute, measured in (("bf16-autocast", True, "none", 31.56),
                                               ("bf16-autocast", False, "none", 34.56),
                                               ("bf16-autocast", True, "full", 12.36),
                                               ("fp32", True, "none", 46.19)):
-        planned = tensorpar_memory(shape, 1, B, T, dtype=dtype, recompute=recompute, fused=fused,
-                                   device="cuda")["total"] / 2**30
+        planned = tensorpar_memory(Step(shape, 1, B, T, dtype, recompute=recompute, fused=fused,
+                                        device="cuda")).total / 2**30
         assert planned == pytest.approx(measured, rel=0.02), (dtype, fused, recompute, planned)
     with pytest.raises(ValueError, match="device 'tpu'"):
-        tensorpar_memory(shape, 1, B, T, device="tpu")
+        tensorpar_memory(Step(shape, 1, B, T, "fp32", device="tpu"))
     assert _cli("--model", "llama-2-7b", "--tp", "1", "--device", "cuda", "--json") == 0

@@ -117,3 +117,45 @@ def test_help_is_plain_text_and_states_defaults(module):
         assert action.help and not RST.search(action.help), flag
         if not _is_switch(action):  # a flag without a default says so ("no default")
             assert "default" in action.help, f"{flag}: {action.help}"
+
+
+def test_train_flags_plan_as_typed(capsys):
+    """``tensorpar train``'s shape flags plan as typed: --batch-size, --seq-len and
+    --micro-batch-size (sequences per pass and copy) give the plan of --batch, --seq and
+    --micro-batches (the count: batch / (dp x size)), with a pipeline or with accumulation
+    alone; both ways of giving the micro-batches at once are refused."""
+    plans = []
+    for argv in (["--batch-size", "16", "--seq-len", "512", "--micro-batch-size", "2"],
+                 ["--batch", "16", "--seq", "512", "--micro-batches", "8"]):
+        assert _plan("--model", "llama-2-7b", "--tp", "2", "--pp", "2", *argv, "--json") == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1]
+    assert (plans[0]["batch"], plans[0]["seq"], plans[0]["micro_batches"],
+            plans[0]["micro_batch"]) == (16, 512, 8, 2)
+    plans = []
+    for argv in (["--batch-size", "8", "--dp", "2", "--micro-batch-size", "2"],
+                 ["--batch", "8", "--dp", "2", "--micro-batches", "2"]):
+        assert _plan("--model", "gpt2", "--tp", "1", *argv, "--json") == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1] and plans[0]["micro_batch"] == 2
+    assert _plan("--model", "gpt2", "--micro-batch-size", "2", "--micro-batches", "4") == 2
+    assert "give one" in capsys.readouterr().err
+    assert _plan("--model", "gpt2", "--batch-size", "8", "--micro-batch-size", "3") == 2
+    err = capsys.readouterr().err
+    assert err == ("tensorpar plan: --micro-batch-size 3 does not divide the 8 sequences of "
+                   "each data-parallel copy (--batch-size / --dp)\n"), err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\xf0\x9f\x00\xff" * 8, "is not a text file (binary data); expected a JSON file"),
+    (b"n_layer = 4\n", "is not JSON (Expecting value at line 1, column 1); expected a GPTConfig"),
+])
+def test_config_that_is_not_json_is_one_line(tmp_path, capsys, content, message):
+    """``--config`` on a binary file or on text that is not JSON: one line naming the file and
+    what was expected, exit 2, no traceback."""
+    path = tmp_path / "model.bin"
+    path.write_bytes(content)
+    assert _plan("--config", str(path)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tensorpar plan: --config {path} {message}"), captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""

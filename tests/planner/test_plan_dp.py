@@ -1,5 +1,5 @@
 """The data-parallel planner against measurement: TP x DP with FSDP2 and DDP on real gloo ranks
-(``tensorpar.dp``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
+(``tensorpar.mesh``), the predicted per-rank peak within 10% of MemoryMeter's and the collectives
 on the dp group and on the tp group equal to CollectiveCounter's, exactly."""
 
 import gc
@@ -8,17 +8,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.dp.mesh import init_parallel
-from tensorpar.dp.wrap import data_parallel, dp_groups, inner
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.shape import gpt_shape
-from tensorpar.parallel.layout import Layout, clip_grad_norm_
+from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
+from tensorpar.mesh.mesh import init_parallel
+from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import ddp_buckets, dp_comm, dp_memory, fsdp_elements
-from tensorpar.planner.layouts import plan_memory
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.shapes import preset
+from tensorpar.planner.step import Step
+from tensorpar.planner.tp_plan import plan_memory
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.train.optim import adamw
 
@@ -54,7 +55,7 @@ def _measure(tp, dp, cases):
         with MemoryMeter() as before:  # what earlier cases and tests left: not ours
             pass
         model = GPT(GPTConfig(**cfg_d), tp_group, sp, seed=0, recompute=recompute)
-        layout = Layout.gather(model, tp_group)
+        ownership = ShardOwnership.gather(model, tp_group)
         # the trainer's: under bf16 FSDP2 gathers bf16 weights (its MixedPrecisionPolicy)
         wrapped = data_parallel(model, mesh, mode, param_dtype=torch.bfloat16 if bf16 else None)
         opt = adamw(wrapped.parameters())
@@ -68,7 +69,7 @@ def _measure(tp, dp, cases):
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                     loss = wrapped(ids, ids)
                 loss.backward()
-                clip_grad_norm_(inner(wrapped), layout, 1.0, tp_group,
+                clip_grad_norm_(inner(wrapped), ownership, 1.0, tp_group,
                                 dp_group if mode == "fsdp" else None)
                 reported = loss.detach().clone()
                 dist.all_reduce(reported, group=dp_group)
@@ -83,7 +84,7 @@ def _measure(tp, dp, cases):
                     "comm": {group: {k: dict(v) for k, v in counted.items()}
                              for group, counted in comm.by_group.items()},
                     "buckets": buckets})
-        del wrapped, model, opt, layout, loss, reported  # the loss's graph holds the model
+        del wrapped, model, opt, ownership, loss, reported  # the loss's graph holds the model
     return out
 
 
@@ -100,17 +101,16 @@ def test_dp_predictions_match_measurements(ranks, tp, dp):
                                                                    strict=True):
             shape = gpt_shape(GPTConfig(**cfg_d))
             what = f"rank {rank} (tp {tp_rank}, dp {dp_rank}) {mode} {cfg_d} bf16={bf16} sp={sp}"
-            mem = tensorpar_memory(shape, tp, B, T, sp, "bf16-autocast" if bf16 else "fp32",
-                                   "full" if recompute else "none", rank=tp_rank)
-            plan = dp_memory(shape, tp, dp, mode, mem, rank=tp_rank, dp_rank=dp_rank)
-            entry = plan["weights"] + plan["optimizer"] + (plan["dp_buffers"] if mode == "ddp"
-                                                           else 0)
+            step = Step(shape, tp, B * dp, T, "bf16-autocast" if bf16 else "fp32", sp,
+                        "full" if recompute else "none", dp=dp, dp_mode=mode)
+            plan = dp_memory(step, tensorpar_memory(step, tp_rank), tp_rank, dp_rank)
+            entry = plan.weights + plan.optimizer + (plan.dp_buffers if mode == "ddp" else 0)
             # measured (2026-11-28, torch 2.13 CPU): entry at most 0.68% off (FSDP2, TP=1 x
             # DP=4), the peak 2.0% (FSDP2, fp32, TP=2 x DP=2; bf16 with FSDP2's bf16 gathered
             # weights 0.8%, TP=1 x DP=4)
             assert got["entry"] == pytest.approx(entry, rel=0.02), (what, got["entry"], entry)
-            assert got["peak"] == pytest.approx(plan["total"], rel=0.10), \
-                (what, got["peak"], plan["total"], plan["peak_at"])
+            assert got["peak"] == pytest.approx(plan.total, rel=0.10), \
+                (what, got["peak"], plan.total, plan.peak_at)
             mixed = bf16 and mode == "fsdp"  # FSDP2's bf16 gathered weights
             expected = dp_comm(shape, tp, dp, mode, rank=tp_rank, bf16_params=mixed)
             assert got["comm"].pop("dp") == {k: expected[k] for k in
@@ -158,17 +158,17 @@ def test_without_dp_the_plan_is_unchanged():
     """dp=1 is the plan without data parallelism: the same row, no dp collective."""
     shape = preset("llama-2-7b")
     for dtype in ("fp32", "bf16", "bf16-autocast"):
-        row = plan_memory(shape, 2, 1, 4096, dtype, device="cuda")
-        mem = tensorpar_memory(shape, 2, 1, 4096, dtype="fp32" if dtype == "fp32" else
-                               "bf16-autocast", device="cuda")
+        row = plan_memory(Step(shape, 2, 1, 4096, dtype, device="cuda"))
+        mem = tensorpar_memory(Step(shape, 2, 1, 4096, "fp32" if dtype == "fp32" else
+                                    "bf16-autocast", device="cuda"))
         if dtype != "bf16":
-            assert row["total"] == mem["total"] and row["peak_at"] == mem["peak_at"]
+            assert row["total"] == mem.total and row["peak_at"] == mem.peak_at
         assert row["dp"] == 1 and row["dp_mode"] is None and row["dp_buffers"] == 0
     assert dp_comm(shape, 2, 1, "fsdp")["counts"] == {}
     with pytest.raises(ValueError, match="--dp 0 must be >= 1"):
-        plan_memory(shape, 1, 1, 4096, dp=0)
+        plan_memory(Step(shape, 1, 1, 4096, dp=0))
     with pytest.raises(ValueError, match="--batch 3 does not split over --dp 2"):
-        plan_memory(shape, 1, 3, 4096, dp=2)
+        plan_memory(Step(shape, 1, 3, 4096, dp=2))
 
 
 def test_llama_on_8_and_64_devices():
@@ -176,8 +176,8 @@ def test_llama_on_8_and_64_devices():
     CUDA kernels): llama-2-7b on 8 devices fits FSDP2 at TP=1 (DDP's replicas do not), and sends
     1.5 times DDP's bytes; llama-2-70b on 64 fits only with full recomputation and FSDP2."""
     def row(name, tp, world, dtype, mode, recompute="none"):
-        return plan_memory(preset(name), tp, world, 4096, dtype, False, recompute, 80e9,
-                           dp=world // tp, dp_mode=mode, device="cuda")
+        return plan_memory(Step(preset(name), tp, world, 4096, dtype, False, recompute,
+                                dp=world // tp, dp_mode=mode, device="cuda"), 80e9)
 
     assert row("llama-2-7b", 1, 8, "bf16", "fsdp")["fits"]
     assert not row("llama-2-7b", 1, 8, "fp32", "ddp")["fits"]

@@ -7,9 +7,11 @@ sent per rank at the node's bandwidth inside a node and the network's across."""
 
 import pytest
 
-from tensorpar.planner import pipeline
-from tensorpar.planner.pipeline import plan_pipeline, search_layouts, step_flops
+from tensorpar.planner import search
+from tensorpar.planner.pipeline import plan_pipeline
+from tensorpar.planner.search import search_layouts, step_flops
 from tensorpar.planner.shapes import preset
+from tensorpar.planner.step import Step
 
 # (model, devices, batch, seq, device memory, flags); each with layouts that fit and others that
 # do not (6, 1, 12 and 1 of 20 or so planned), the last with layouts refused (the batch of 4)
@@ -21,19 +23,20 @@ CASES = {
 }
 
 
-def _brute_force(shape, devices, batch, seq, memory, virtual=1, **plan):
-    """(tp, pp, dp) -> plan_pipeline's plan, for every layout of ``devices`` that fits."""
-    found = {}
+def _brute_force(step, devices, memory):
+    """(tp, pp, dp) -> plan_pipeline's plan of ``step`` laid out so, for every layout of
+    ``devices`` that fits."""
+    found, shape, batch = {}, step.shape, step.batch
     for tp in range(1, devices + 1):
         for pp in range(1, devices + 1):
             if devices % (tp * pp):
                 continue
             dp = devices // (tp * pp)
-            if tp > pipeline.GPUS_PER_NODE or shape.n_head % tp or batch % dp:
+            if tp > search.GPUS_PER_NODE or shape.n_head % tp or batch % dp:
                 continue
             try:
-                p = plan_pipeline(shape, tp, pp, batch, seq, batch // dp,
-                                  virtual if pp > 1 else 1, device_memory=memory, dp=dp, **plan)
+                p = plan_pipeline(step.replace(tp=tp, pp=pp, dp=dp, micro_batches=batch // dp,
+                                               virtual=step.virtual if pp > 1 else 1), memory)
             except ValueError:
                 continue
             if p["fits"]:
@@ -41,16 +44,17 @@ def _brute_force(shape, devices, batch, seq, memory, virtual=1, **plan):
     return found
 
 
-def _claimed_seconds(shape, devices, batch, seq, layout, p, recompute="none") -> float:
+def _claimed_seconds(step, devices, layout, p) -> float:
     """The step-time model the search states, from the plan's sends."""
     tp, pp, dp = layout
     m, v = p["micro_batches"], p["virtual"]
-    compute = step_flops(shape, batch, seq, recompute) / devices / pipeline.DEVICE_FLOPS
+    compute = step_flops(step.shape, step.batch, step.seq, step.recompute) / devices \
+        / search.DEVICE_FLOPS
     seconds = compute * (1 + (pp - 1) / (v * m))
     sends = max(p["comm"], key=lambda c: c["tp"] + c["pp"] + c["dp"])
     for group, span in (("tp", tp), ("dp", tp * dp), ("pp", tp * dp * pp)):
-        inside = span <= pipeline.GPUS_PER_NODE
-        seconds += sends[group] / (pipeline.NODE_BYTES_S if inside else pipeline.NETWORK_BYTES_S)
+        inside = span <= search.GPUS_PER_NODE
+        seconds += sends[group] / (search.NODE_BYTES_S if inside else search.NETWORK_BYTES_S)
     return seconds
 
 
@@ -59,9 +63,9 @@ def test_search_lists_exactly_the_layouts_that_fit_ranked_by_its_step_time(case)
     """The listed layouts are the brute force's fits, no more, no fewer; each one's peak and
     step time are those of its own plan and the stated model; the list is in that order."""
     name, devices, batch, seq, memory, flags = CASES[case]
-    shape = preset(name)
-    out = search_layouts(shape, devices, batch, seq, memory, **flags)
-    want = _brute_force(shape, devices, batch, seq, memory, **flags)
+    step = Step(preset(name), batch=batch, seq=seq, **flags)
+    out = search_layouts(step, devices, memory)
+    want = _brute_force(step, devices, memory)
     assert want, "the case should have fitting layouts"
     listed = [(r["tp"], r["pp"], r["dp"]) for r in out["layouts"]]
     assert sorted(listed) == sorted(want), (sorted(listed), sorted(want))
@@ -69,8 +73,7 @@ def test_search_lists_exactly_the_layouts_that_fit_ranked_by_its_step_time(case)
     for r, layout in zip(out["layouts"], listed, strict=True):
         p = want[layout]
         assert (r["total"], r["bubble"], r["virtual"]) == (p["total"], p["bubble"], p["virtual"])
-        claimed = _claimed_seconds(shape, devices, batch, seq, layout, p,
-                                   flags.get("recompute", "none"))
+        claimed = _claimed_seconds(step, devices, layout, p)
         assert r["step_seconds"] == pytest.approx(claimed, rel=1e-12), (layout, r)
         seconds.append(claimed)
     assert seconds == sorted(seconds)
@@ -79,10 +82,15 @@ def test_search_lists_exactly_the_layouts_that_fit_ranked_by_its_step_time(case)
 def test_nothing_fits_lists_nothing_and_names_the_smallest():
     """With too little memory the brute force finds no fit, the search lists none and names
     the layout of the smallest peak among all it planned."""
-    shape = preset("llama-2-70b")
-    out = search_layouts(shape, 8, 8, 2048, 24e9)
-    assert _brute_force(shape, 8, 8, 2048, 24e9) == {} and out["layouts"] == []
-    smallest = min((plan_pipeline(shape, tp, 8 // tp // dp, 8, 2048, 8 // dp, dp=dp)["total"]
-                    for tp in (1, 2, 4, 8) for dp in (1, 2, 4, 8) if (8 // tp) % dp == 0
-                    and 80 >= 8 // tp // dp), default=None)
-    assert out["smallest"]["total"] == smallest
+    step = Step(preset("llama-2-70b"), batch=8, seq=2048)
+    out = search_layouts(step, 8, 24e9)
+    assert _brute_force(step, 8, 24e9) == {} and out["layouts"] == []
+    totals = []
+    for tp in (1, 2, 4, 8):
+        for dp in (d for d in (1, 2, 4, 8) if (8 // tp) % d == 0):
+            try:
+                totals.append(plan_pipeline(step.replace(tp=tp, pp=8 // tp // dp, dp=dp,
+                                                         micro_batches=8 // dp), 24e9)["total"])
+            except ValueError:
+                continue
+    assert out["smallest"]["total"] == min(totals)

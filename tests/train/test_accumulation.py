@@ -10,11 +10,12 @@ from safetensors.torch import load_file
 
 from tensorpar.checkpoint.export import export_dense
 from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.text import load_text
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm
 from tensorpar.train.config import TrainConfig, passes
-from tensorpar.train.data import TokenBatches, load_text
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.loop import train_model_rank
 

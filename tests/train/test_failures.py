@@ -16,7 +16,7 @@ from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.parallel.layout import Layout
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.runtime.groups import tp_rank
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.optim import make_optimizer
@@ -33,7 +33,7 @@ def _save_with_nan(path, bad_rank, name):
         with torch.no_grad():
             dict(model.named_parameters())[name].view(-1)[0] = float("nan")
     try:
-        save_checkpoint(path, 7, model, Layout.gather(model), meta={"config": {}})
+        save_checkpoint(path, 7, model, ShardOwnership.gather(model), meta={"config": {}})
     except ValueError as e:
         return str(e)
     return "saved"
@@ -58,7 +58,7 @@ def test_nonfinite_optimizer_state_never_saved(tmp_path):
     opt.state[model.norm.weight]["exp_avg_sq"][0] = float("inf")
     with pytest.raises(ValueError, match=r"^refusing to save step 2: optimizer.exp_avg_sq.norm."
                                          r"weight holds inf \(rank 0\)$"):
-        save_checkpoint(tmp_path, 2, model, Layout.gather(model), opt, meta={"config": {}})
+        save_checkpoint(tmp_path, 2, model, ShardOwnership.gather(model), opt, meta={"config": {}})
     assert os.listdir(tmp_path) == []
 
 

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+from tensorpar.data import prepare as prepare_module
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.prepare import prepare
+from tensorpar.data.shards import TokenShards
+from tensorpar.data.text import check_corpus, default_corpus, digest_of
+from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.gpt.tokenizer import ByteTokenizer, HFTokenizer
-from tensorpar.train import prepare as prepare_module
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import TokenBatches, check_corpus, default_corpus, digest_of
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.loop import train_model_rank
-from tensorpar.train.prepare import prepare
-from tensorpar.train.shards import TokenShards
 
 from tests_common import bpe_tokenizer, char_tokenizer, tensorpar_here
 

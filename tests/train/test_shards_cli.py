@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tensorpar import launch
+from tensorpar.data.shards import FORMAT, INDEX, TOKENIZER_DIR, VERSION
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.loop import train_model_rank
-from tensorpar.train.shards import FORMAT, INDEX, TOKENIZER_DIR, VERSION
 
 from tests_common import bpe_tokenizer, tensorpar_here
 
@@ -31,7 +31,7 @@ def test_prepare_train_generate_export(tok_dir, tmp_path):
     and logits as the run."""
     import transformers
 
-    from tensorpar.train.data import default_corpus
+    from tensorpar.data.text import default_corpus
 
     (tmp_path / "text.txt").write_text(default_corpus()[:80_000])
     shards = tmp_path / "shards"

@@ -10,9 +10,10 @@ from torch_loop import compare_rows, torch_loop
 
 from tensorpar.checkpoint.export import export_dense
 from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import TokenBatches, read_corpus
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.loop import train_model_rank
 

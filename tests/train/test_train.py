@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tensorpar.checkpoint.format import find_checkpoint
+from tensorpar.data.packing import TokenBatches
+from tensorpar.data.text import ByteTokenizer, default_corpus, has_tokens
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import ByteTokenizer, TokenBatches, default_corpus, has_tokens
 from tensorpar.train.loop import train_rank
 
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}

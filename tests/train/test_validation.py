@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
+from tensorpar.data.packing import ValidationWindows
+from tensorpar.data.text import default_corpus, token_ids
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import ValidationWindows, default_corpus, token_ids
 from tensorpar.train.loop import train_rank
 
 from tests_common import board_scalars, tensorpar_here

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import wandb  # noqa: F401  (a dev dependency: missing, this file fails, not skips)
 
+from tensorpar.data.text import default_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.data import default_corpus
 from tensorpar.train.loop import train_rank
 
 from tests_common import read_metrics, tensorpar_here

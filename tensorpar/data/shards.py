@@ -11,7 +11,7 @@ A shard folder holds::
 
 Each document is its ids followed by one end-of-text id; the shards read in order are one
 sequence of ids, and the trainer cuts that sequence into windows exactly as it cuts a text
-file's ids (``data.py``), a window running across a shard's end into the next.
+file's ids (``text.py``), a window running across a shard's end into the next.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ device.
 
 What tensorpar's own code needs of a parameter survives the wrapping: FSDP2 replaces each
 parameter by a DTensor (sharded on dim 0 over dp) and the ``tp_shard`` tag (``ShardSpec``) is
-copied onto it, so the layout, the checkpoint and the gradient norm read it as before; its shape
+copied onto it, so the ownership, the checkpoint and the gradient norm read it as before; its shape
 is the whole TP shard's. DDP keeps the parameters; the model is ``wrapped.module``.
 """
 
@@ -167,7 +167,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 def inner(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (the model itself otherwise): parameter names without
-    DDP's ``module.`` prefix, for checkpoints and the layout."""
+    DDP's ``module.`` prefix, for checkpoints and the shard ownership."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 

@@ -1,16 +1,18 @@
-"""The 2D device mesh: data parallelism (``dp``) across tensor-parallel groups (``tp``).
+"""The device mesh: data parallelism (``dp``) across tensor-parallel groups (``tp``), and
+pipeline stages (``pp``) across both.
 
 ``init_parallel(tp=2, dp=4)`` starts torch.distributed (as ``init_tensor_parallel`` does, from
 torchrun's environment) and returns a ``torch.distributed.device_mesh.DeviceMesh`` with the dims
-("dp", "tp"). The TP ranks of one group are consecutive: with torchrun's node-major rank order,
-a TP group stays inside a node (on NVLink) and data parallelism runs across nodes::
+("dp", "tp"), or ("pp", "dp", "tp") with pipeline stages (``pp=``). The TP ranks of one group are
+consecutive: with torchrun's node-major rank order, a TP group stays inside a node (on NVLink) and
+data parallelism runs across nodes::
 
     world 8 = dp 2 x tp 4        tp group   ranks         dp group   ranks
                                  0          0 1 2 3       0          0 4
                                  1          4 5 6 7       1          1 5   (... 2 6, 3 7)
 
 Every tensorpar layer takes ``mesh["tp"].get_group()`` as its ``group``; FSDP2 and DDP take the
-``mesh["dp"]`` dimension (``wrap.py``). Everything is checked before the mesh is built
+``mesh["dp"]`` dimension (``data_parallel.py``). Everything is checked before the mesh is built
 (before any collective), so a size that does not fit the world fails alike on every rank.
 """
 
@@ -62,7 +64,7 @@ def init_parallel(tp: int | None = None, dp: int | None = None, *, pp: int = 1,
     backend, timeout, check_collectives: as for ``init_tensor_parallel``.
 
     Use ``mesh["tp"].get_group()`` for tensorpar's layers, ``GPT`` and ``parallelize``, and
-    ``mesh`` for :func:`tensorpar.dp.wrap.data_parallel`. On one process (no torchrun)
+    ``mesh`` for :func:`tensorpar.mesh.data_parallel.data_parallel`. On one process (no torchrun)
     it is a 1 x 1 mesh.
     """
     world = world_size_to_be()

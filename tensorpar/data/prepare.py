@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tensorpar.gpt.tokenizer import HFTokenizer
-from tensorpar.train.shards import TOKENIZER_DIR, ShardWriter, id_dtype, write_index
+from tensorpar.data.shards import TOKENIZER_DIR, ShardWriter, id_dtype, write_index
+from tensorpar.data.tokenizer import HFTokenizer
 
 JSON_LINES = (".jsonl", ".ndjson")
 PIECE_CHARS = 1 << 18  # 256 Ki characters: a text file's pieces, encoded in parallel

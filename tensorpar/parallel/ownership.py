@@ -1,6 +1,6 @@
 """Where every parameter of a sharded model lives across the TP group, and what that is used for.
 
-``Layout.gather(model, group)`` collects each rank's ``param.tp_shard`` once (one
+``ShardOwnership.gather(model, group)`` collects each rank's ``param.tp_shard`` once (one
 ``all_gather_object`` at setup). From it, every rank knows which dense slice it *owns*: its own
 slice minus what a lower rank already holds. Ownership makes each dense element count once, even
 where ranks hold copies (replicated norms, KV heads shared when there are fewer KV heads than
@@ -27,14 +27,15 @@ from tensorpar.runtime.groups import tp_rank, tp_size
 
 
 @dataclass(frozen=True)
-class Layout:
-    """shapes[name]: the dense shape; shards[name][r]: rank r's ShardSpec of it."""
+class ShardOwnership:
+    """Which rank owns which slice of each parameter. shapes[name]: the dense shape;
+    shards[name][r]: rank r's ShardSpec of it."""
 
     shapes: dict[str, tuple[int, ...]]
     shards: dict[str, list[ShardSpec]]
 
     @classmethod
-    def gather(cls, model: nn.Module, group: ProcessGroup | None = None) -> Layout:
+    def gather(cls, model: nn.Module, group: ProcessGroup | None = None) -> ShardOwnership:
         mine = {name: getattr(p, "tp_shard", REPLICATED) for name, p in model.named_parameters()}
         shapes = {name: dense_shape(p) for name, p in model.named_parameters()}
         every = [mine]
@@ -45,7 +46,7 @@ class Layout:
             if theirs.keys() != mine.keys():
                 raise ValueError(f"rank {r} has different parameters than rank {tp_rank(group)}: "
                                  f"{sorted(theirs.keys() ^ mine.keys())[:5]}")
-        for name in mine:  # ownership compares ranges within one block layout
+        for name in mine:  # ownership compares ranges within one cut into blocks
             cuts = [(theirs[name].dim, theirs[name].full_size, theirs[name].parts)
                     for theirs in every]
             if len(set(cuts)) > 1:
@@ -78,13 +79,14 @@ class Layout:
         return math.prod(self.shapes[name])
 
 
-def owned_pieces(layout: Layout, name: str, t: torch.Tensor, rank: int) -> list[torch.Tensor]:
+def owned_pieces(ownership: ShardOwnership, name: str, t: torch.Tensor,
+                 rank: int) -> list[torch.Tensor]:
     """Views of the parts of ``t`` (this rank's local shard of ``name``, or a same-shaped gradient
     or optimizer state) that ``rank`` owns, one per dense range of ``owned_ranges``.
 
     The local tensor stacks the P blocks' slices, each ``stop - start`` long along ``dim``: block
     i's owned range [s, e) sits at local offset i·(stop - start) + (s - start)."""
-    owned, spec = layout.owned(name, rank), layout.shards[name][rank]
+    owned, spec = ownership.owned(name, rank), ownership.shards[name][rank]
     if owned is None or spec.dim is None:
         return [] if owned is None else [t]
     width = spec.stop - spec.start
@@ -92,17 +94,18 @@ def owned_pieces(layout: Layout, name: str, t: torch.Tensor, rank: int) -> list[
             for i in range(spec.parts)]
 
 
-def owned_local(layout: Layout, name: str, t: torch.Tensor, rank: int) -> torch.Tensor | None:
+def owned_local(ownership: ShardOwnership, name: str, t: torch.Tensor,
+                rank: int) -> torch.Tensor | None:
     """The part of ``t`` that ``rank`` owns (``owned_pieces`` concatenated along the split dim,
     in the order of ``owned_ranges``), or None."""
-    pieces = owned_pieces(layout, name, t, rank)
+    pieces = owned_pieces(ownership, name, t, rank)
     if len(pieces) <= 1:
         return pieces[0] if pieces else None
-    return torch.cat(pieces, dim=layout.shards[name][rank].dim)
+    return torch.cat(pieces, dim=ownership.shards[name][rank].dim)
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
+def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float,
                     group: ProcessGroup | None = None,
                     dp_group: ProcessGroup | None = None,
                     pp_group: ProcessGroup | None = None) -> torch.Tensor:
@@ -128,11 +131,11 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     for name, g in grads:
         if is_dtensor(g):
             dp_sharded = True
-            g = _owned_dp_local(layout, name, g, rank)
+            g = _owned_dp_local(ownership, name, g, rank)
             if g is not None:
                 sq += g.float().pow(2).sum()
             continue
-        for piece in owned_pieces(layout, name, g, rank):  # every block of a fused dim
+        for piece in owned_pieces(ownership, name, g, rank):  # every block of a fused dim
             sq += piece.float().pow(2).sum()
     if tp_size(group) > 1:
         dist.all_reduce(sq, group=group)
@@ -150,27 +153,27 @@ def clip_grad_norm_(model: nn.Module, layout: Layout, max_norm: float,
     return norm
 
 
-def _owned_dp_local(layout: Layout, name: str, g, rank: int) -> torch.Tensor | None:
+def _owned_dp_local(ownership: ShardOwnership, name: str, g, rank: int) -> torch.Tensor | None:
     """The part of this dp rank's piece of an FSDP2 gradient that TP rank ``rank`` owns.
 
     Ownership is all or nothing for every parameter tensorpar makes (a column or row shard is
     its own; a replicated tensor or a KV head another rank also holds belongs to the lowest such
     rank): then the local piece counts whole or not at all. Anything else (a fused dim that
     another rank partly holds) is gathered over dp and cut as without data parallelism; every
-    dp rank of the TP rank takes the same branch, since they share the layout."""
-    owned = layout.owned_ranges(name, rank)
-    spec = layout.shards[name][rank]
+    dp rank of the TP rank takes the same branch, since they share the ownership map."""
+    owned = ownership.owned_ranges(name, rank)
+    spec = ownership.shards[name][rank]
     if not owned:
         return None
     whole = spec.dim is None or owned == [(a, b) for a, b in spec.ranges()]
     if whole:
         return g.to_local()
-    pieces = owned_pieces(layout, name, g.full_tensor(), rank)
+    pieces = owned_pieces(ownership, name, g.full_tensor(), rank)
     return torch.cat([piece.reshape(-1) for piece in pieces]) if dist.get_rank(
         g.device_mesh.get_group()) == 0 else None
-def rank_sizes(model: nn.Module, layout: Layout) -> dict[str, int]:
+def rank_sizes(model: nn.Module, ownership: ShardOwnership) -> dict[str, int]:
     """Elements this rank holds (of an FSDP2 DTensor, its own piece), and the dense model's
     element count."""
     local = sum(local_part(p).numel() for p in model.parameters())
-    dense = sum(layout.numel(name) for name in layout.shapes)
+    dense = sum(ownership.numel(name) for name in ownership.shapes)
     return {"local": local, "dense": dense}

@@ -1,3 +1,0 @@
-"""Data parallelism around a tensor-parallel model: the ("dp", "tp") DeviceMesh (``mesh``) and
-torch's own FSDP2 or DDP over "dp" (``wrap``). Imports the core packages and ``ranks`` (the
-check mode's question whether a group checks its collectives) only."""

@@ -1,0 +1,106 @@
+"""The search for a (tp, pp, dp) layout of a number of devices that fits, and the device
+constants its ranking proxy assumes.
+
+``search_layouts``: every tp <= 8 that divides the devices and the query heads, every pp that
+divides the rest with P·V <= L, dp the rest; the batch split over dp, the micro-batches one
+sequence each unless given. A layout fits when its largest rank's peak
+(``pipeline.plan_pipeline``) is within the device memory less the reserve. Fits are ranked by an
+estimated step time (``step_seconds``): the model's FLOPs per device at ``DEVICE_FLOPS``
+stretched by the bubble, plus each group's bytes sent per rank at ``NODE_BYTES_S`` inside a node
+of ``GPUS_PER_NODE`` devices and ``NETWORK_BYTES_S`` between nodes, with no overlap of
+communication and compute: a ranking proxy that weighs a bubble against bytes, not a prediction.
+"""
+
+from __future__ import annotations
+
+from tensorpar.planner.pipeline import plan_pipeline
+from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import Step
+
+# the search's ranking proxy (step_seconds): an H100-class device at about 40% of its dense bf16
+# peak, NVLink inside a node (per direction), one 400 Gb/s NIC per device between nodes
+GPUS_PER_NODE = 8
+DEVICE_FLOPS = 400e12
+NODE_BYTES_S = 450e9
+NETWORK_BYTES_S = 50e9
+
+
+def step_flops(shape: ModelShape, batch: int, seq: int, recompute: str = "none") -> float:
+    """FLOPs of a training step: 6 per matmul weight and token (forward 2, backward 4; the head
+    included, the embedding's lookup not), and attention's two (T x T) matmuls, 12·T·(h·hd) per
+    token and block; a third more with full recomputation (the blocks' forward again)."""
+    D, hd = shape.dim, shape.head_dim
+    q, kv = shape.n_head * hd, shape.n_kv_head * hd
+    block = D * (q + 2 * kv) + q * D + (3 if shape.gated_mlp else 2) * D * shape.hidden_dim
+    tokens = batch * seq
+    flops = 6 * tokens * (shape.n_layer * block + shape.vocab_size * D)
+    flops += 12 * tokens * seq * q * shape.n_layer
+    return flops * (4 / 3 if recompute == "full" else 1)
+
+
+def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: int, dp: int,
+                 sends: dict) -> float:
+    """The search's ranking proxy for a step's time: compute at ``DEVICE_FLOPS`` stretched by
+    the bubble, plus the bytes a rank sends on each group ("tp", "pp", "dp") at
+    ``NODE_BYTES_S`` when the group lies inside a node of ``GPUS_PER_NODE`` devices (the mesh
+    is ("pp", "dp", "tp"): tp innermost) and ``NETWORK_BYTES_S`` when it spans nodes; no
+    overlap."""
+    span = {"tp": tp, "dp": tp * dp, "pp": tp * dp * pp}
+    seconds = flops_per_device / DEVICE_FLOPS * (1 + bubble_fraction)
+    for group, sent in sends.items():
+        seconds += sent / (NODE_BYTES_S if span[group] <= GPUS_PER_NODE else NETWORK_BYTES_S)
+    return seconds
+
+
+def search_layouts(step: Step, devices: int, device_memory: float, reserve: float = 0.10,
+                   micro_batches: int | None = None, tps: list[int] | None = None,
+                   pps: list[int] | None = None, micro_batch_size: int | None = None) -> dict:
+    """Every (tp, pp, dp) layout of ``devices`` devices the model and schedules allow (module
+    docstring), planned as ``step`` (its shape, batch, sequence, precision, recompute,
+    dp_mode, ...; its tp, pp, dp and micro-batches are the search's): "layouts" that fit,
+    ranked by ``step_seconds``, each with its worst rank's peak, the bubble and the bytes that
+    rank sends; "smallest", the layout with the lowest peak when none fits; "skipped", the
+    layouts the schedules refuse, with the reason. ``micro_batches``: None, one sequence each
+    (batch / dp), or ``micro_batch_size`` sequences each; ``step.virtual`` applies to layouts
+    with pp > 1; ``tps`` and ``pps`` restrict the search."""
+    if devices < 1:
+        raise ValueError(f"--devices {devices} must be >= 1")
+    shape, batch = step.shape, step.batch
+    usable = round(device_memory * (1 - reserve))
+    candidates = [t for t in range(1, min(GPUS_PER_NODE, devices) + 1)
+                  if devices % t == 0 and shape.n_head % t == 0 and (tps is None or t in tps)]
+    rows, skipped = [], []
+    flops = step_flops(shape, batch, step.seq, step.recompute) / devices
+    for tp in candidates:
+        for pp in (p for p in range(1, devices // tp + 1) if (devices // tp) % p == 0):
+            if pps is not None and pp not in pps:
+                continue
+            dp = devices // (tp * pp)
+            v = step.virtual if pp > 1 else 1
+            layout = {"tp": tp, "pp": pp, "dp": dp, "virtual": v}
+            if batch % dp:
+                skipped.append(layout | {"why": f"--batch {batch} does not split over dp {dp}"})
+                continue
+            if micro_batch_size and (batch // dp) % micro_batch_size:
+                skipped.append(layout | {"why": f"--micro-batch-size {micro_batch_size} does "
+                                         f"not divide the {batch // dp} sequences of a copy"})
+                continue
+            m = micro_batches or batch // dp // (micro_batch_size or 1)
+            try:
+                p = plan_pipeline(step.replace(tp=tp, pp=pp, dp=dp, virtual=v, micro_batches=m),
+                                  device_memory, reserve)
+            except ValueError as e:
+                skipped.append(layout | {"why": str(e)})
+                continue
+            sends = max(p["comm"], key=lambda c: c["tp"] + c["pp"] + c["dp"])
+            sent = {g: sends[g] for g in ("tp", "pp", "dp")}
+            rows.append(layout | {
+                "micro_batches": m, "micro_batch": p["micro_batch"], "schedule": p["schedule"],
+                "total": p["total"], "worst": p["worst"], "fits": p["fits"],
+                "peak_at": p["stages"][p["worst"]]["peak_at"], "bubble": p["bubble"],
+                "sends": sent, "step_seconds": step_seconds(flops, p["bubble"], tp, pp, dp, sent)})
+    fits = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_seconds"], r["total"]))
+    smallest = min(rows, key=lambda r: r["total"]) if rows else None
+    return {"model": shape.name, "devices": devices, "batch": batch, "seq": step.seq,
+            "device_memory": device_memory, "usable": usable, "layouts": fits,
+            "smallest": None if fits else smallest, "planned": len(rows), "skipped": skipped}
