@@ -62,6 +62,7 @@ SLOW = (
     "tests/hf/test_hf.py::test_cli_generate_under_torchrun",
     "tests/core/test_check_collectives.py::test_lost_rank_under_torchrun",
     "tests/core/test_fused.py::test_compiled_",
+    "tests/core/test_launch.py::test_ranks_start_again_when_their_port_was_taken",
     # more sizes and modes of what the fast tier checks at one or two
     "tests/gpt/test_generate.py::test_tokens_equal_across_tp",
     "tests/train/test_train.py::test_resume_repeats_uninterrupted_run[2-2-False-0.1]",
