@@ -39,11 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.gpt.model import GPT, GPTConfig  # noqa: E402
-from tensorpar.gpt.shape import gpt_shape  # noqa: E402
 from tensorpar.planner import memory as plan  # noqa: E402
 from tensorpar.planner.activations import block_terms  # noqa: E402
 from tensorpar.planner.meter import MemoryMeter  # noqa: E402
 from tensorpar.planner.step import Step  # noqa: E402
+from tensorpar.train.shape import gpt_shape  # noqa: E402
 
 MODES = ("fp32", "bf16", "fp32-unfused", "bf16-unfused", "fp32-recompute", "bf16-recompute")
 SDPA = ("auto", "flash", "efficient", "cudnn", "math")

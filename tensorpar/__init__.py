@@ -4,7 +4,7 @@ The packages, and the one direction their imports flow (each imports only those 
 
     runtime      the ground floor: process groups, seeds, collective counting   \
     parallel     f/g collectives, column/row/vocab layers, loss, norms, dropout   | the core
-    transformer  attention and MLP blocks, the dense reference                   /
+    transformer  attention, MLP and MoE blocks, the dense reference              /
     ranks        local ranks, torchrun's ranks, signals, failures, check mode
     data         text, token shards, their writer (prepare), chat examples, packing, tokenizers
     checkpoint   sharded checkpoints that load at any TP size
@@ -45,6 +45,9 @@ _WHERE = {
     "RankPool": "ranks.local", "launch": "ranks.local",
     "data_parallel": "mesh.data_parallel", "init_parallel": "mesh.mesh",
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
+    "MoEConfig": "transformer.moe", "ParallelMoE": "transformer.moe",
+    "combine_from_experts": "parallel.expert_dispatch",
+    "dispatch_to_experts": "parallel.expert_dispatch",
 }
 
 __version__ = "0.1.0"

@@ -49,13 +49,15 @@ def test_verify_pipeline_passes(flags):
     """``verify --pp``: one pipelined step equals the whole model on one rank (loss, every
     gradient, the norm), and each pipeline rank's sends, receives and TP collectives are the
     planner's count. 11 tokens over TP 2 under SP: the TP ranks send shards of 6 and 5 tokens.
-    At pp 4 the middle ranks send twice what the ends send, under the check mode (verify's
+    The default GPT ties its head to its embedding: the first and the last rank all-reduce the
+    table's gradient once more than the middle ones. At pp 4 the middle ranks send twice what
+    the ends send, under the check mode (verify's
     default), which numbers sends and collectives together on a group: the schedule's transfers
     have their own group, or the loss's all-reduce after them would be called a mismatch."""
     out = tensorpar_here("verify", *flags)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the loss, every gradient and every transfer match" in out.stdout
-    for name in ("grad blocks.0.attn.q_proj.weight", "grad lm_head.weight", "gradient norm",
+    for name in ("grad blocks.0.attn.q_proj.weight", "grad embed.weight", "gradient norm",
                  "pp send", "pp recv"):
         assert name in out.stdout
     if "--sequence-parallel" in flags:  # 2 micro-batch rows x 6 or 5 tokens x 64 x 4 bytes
@@ -64,6 +66,10 @@ def test_verify_pipeline_passes(flags):
         sends = next(line for line in out.stdout.splitlines() if line.startswith("pp send "))
         assert sends.split()[2:] == ["8", "/", "8", "16", "/", "16", "16", "/", "16", "8", "/",
                                      "8"], sends
+        sums = next(line for line in out.stdout.splitlines()
+                    if line.startswith("pp all_reduce "))
+        assert sums.split()[2:] == ["3", "/", "3", "2", "/", "2", "2", "/", "2", "3", "/",
+                                    "3"], sums
     assert "MISMATCH" not in out.stdout
 
 

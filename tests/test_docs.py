@@ -1,18 +1,19 @@
-"""The README's and the docs' examples run as written, the docs site builds strictly, and every
-flag the docs name exists.
+"""The README's and the docs' examples run as written and print what the pages show.
 
-Every ```python block of README.md and docs/*.md is a whole program whose first line says how
-to run it (``# NAME.py: run with `COMMAND` ``); it is saved as NAME.py in an empty directory and
-run with that command (``torchrun`` as ``python -m torch.distributed.run``; ``python NAME.py``
-in this process, as ``__main__``, its ranks forked from the session's server: ``_python_here``).
-Every line of a ```bash block either runs here, in order, or is in ``NOT_RUN`` with the reason;
-a ``tensorpar`` line runs through ``cli.main`` in this process (``_run``), others as processes.
-A line that runs keeps its words; only flags that make it small are added (``SMALL``), step
-counts are divided by ``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and
-placeholder paths (``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never
-into the repository. The README's lines run in a directory of their own; the docs pages' in one
-directory shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an
-earlier one trained (the planner's page plans the run the training page wrote).
+Every ```python block (docs_source.py) is saved as NAME.py in an empty directory and run with
+the command its first line gives (``torchrun`` as ``python -m torch.distributed.run``; ``python
+NAME.py`` in this process, as ``__main__``, its ranks forked from the session's server, its
+RNGs and environment put back after: ``_python_here``); what it prints is compared with the
+```text block the page shows after it (docs_compare.py). Every line of a ```bash block either
+runs here, in order, or is in ``NOT_RUN`` with the reason; a ``tensorpar`` line runs through
+``cli.main`` in this process (``_run``), others as processes. A line that runs keeps its words;
+only flags that make it small are added (``SMALL``), step counts are divided by
+``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and placeholder paths
+(``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
+repository. The README's lines run in a directory of their own; the docs pages' in one directory
+shared in the site's order (``mkdocs.yml``'s nav), so that a page finds what an earlier one
+trained (the planner's page plans the run the training page wrote). The pages' static checks
+(flags, the CLI reference, the site, the figures) are test_docs_pages.py's.
 """
 
 import os
@@ -24,35 +25,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from docs_compare import differences
+from docs_source import (
+    DOCS,
+    NOT_RUN,
+    README,
+    ROOT,
+    bash_lines,
+    env,
+    page_name,
+    python_blocks,
+    shown_commands,
+    tensorpar_at,
+)
 
 from tensorpar.data.text import default_corpus
 
 from tests_common import bpe_tokenizer, char_tokenizer, tensorpar_here
-
-ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-
-
-def _nav_pages() -> list[Path]:
-    """The docs pages in the site's order (mkdocs.yml's nav: one ``- Title: page.md`` a line)."""
-    names = re.findall(r"^\s+- [^:]+: (\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
-    return [ROOT / "docs" / n for n in names]
-
-
-DOCS = [README, *_nav_pages()]
-
-# Lines of the README's bash blocks that do not run here, each with the reason. A line neither
-# run nor listed fails test_every_bash_line_runs_or_is_listed.
-NOT_RUN = {
-    "make demo": "installs the pinned packages, then trains the default model for 400 steps "
-                 "(~4 min); its train and generate commands run below, small, as the README's "
-                 "own tensorpar lines (make -n checks the target)",
-    "make test": "runs the whole suite, this test included (make -n checks the target)",
-    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
-    "--rdzv-id job1 -m tensorpar train --tp 8 --out /shared/runs/gpt":
-        "needs two machines of 8 ranks each; tests/dp/test_multinode.py runs the same two-node "
-        "rendezvous on this machine (2 x 2 ranks)",
-}
 
 STEP_SCALE = 100  # --steps 400 -> 4; runs/gpt/step-00000800 -> step-00000008
 DEFAULT_TRAIN_STEPS = 400  # a train line without --steps trains this many (tensorpar train)
@@ -69,75 +58,8 @@ SMALL = {
 # words of the README that stand for a user's own file; filled in by the fixture of that name
 PLACEHOLDERS = {"path/to/model": "hf_model", "path/to/tokenizer": "tokenizer_dir",
                 "path/to/corpus/*.txt": "text_files",
-                "path/to/instructions.jsonl": "instructions"}
-
-
-def _blocks(path: Path) -> list[tuple[str, int, str]]:
-    """(language, line number of the opening fence, text) of every fenced block of ``path``."""
-    blocks, lang, start, body = [], None, 0, []
-    for no, line in enumerate(path.read_text().splitlines(), 1):
-        if lang is None and line.startswith("```"):
-            lang, start, body = line[3:].strip(), no, []
-        elif lang is not None and line.startswith("```"):
-            blocks.append((lang, start, "\n".join(body) + "\n"))
-            lang = None
-        elif lang is not None:
-            body.append(line)
-    assert lang is None, f"{_name(path)}:{start}: unclosed ``` block"
-    return blocks
-
-
-def _name(path: Path) -> str:
-    return str(path.relative_to(ROOT))
-
-
-def _strip_comment(line: str) -> str:
-    """The command without its trailing ``# comment`` (a # outside quotes, after a space)."""
-    for m in re.finditer(r"\s#", line):
-        head = line[:m.start()]
-        if head.count('"') % 2 == 0 and head.count("'") % 2 == 0:
-            return head.strip()
-    return line.strip()
-
-
-def _bash_lines(path: Path) -> list[tuple[int, str]]:
-    """(line number, command) of every command in ``path``'s bash blocks, comments dropped."""
-    found, pending = [], ""
-    for lang, start, text in _blocks(path):
-        if lang == "bash":
-            for i, line in enumerate(text.splitlines(), start + 1):
-                if line.endswith("\\"):  # continued on the next line
-                    pending += line[:-1]
-                    continue
-                line, pending = pending + line, ""
-                if _strip_comment(line) and not line.lstrip().startswith("#"):
-                    found.append((i, _strip_comment(line)))
-    return found
-
-
-def _python_blocks() -> list[tuple[str, int, str, str, str]]:
-    """(page, line number, file name, run command, program) of every python block; a program
-    that a page before it shows word for word (the README's, again in the docs) runs once."""
-    found, seen = [], set()
-    for path in DOCS:
-        for lang, start, text in _blocks(path):
-            if lang == "python" and text not in seen:
-                seen.add(text)
-                m = re.match(r"# (\w+\.py): run with `([^`]+)`", text)
-                assert m, (f"{_name(path)}:{start}: a python block starts with "
-                           "'# NAME.py: run with `COMMAND`'")
-                found.append((_name(path), start, m[1], m[2], text))
-    return found
-
-
-def _tensorpar_at(words: list[str]) -> int | None:
-    """Index of the word ``tensorpar`` that starts the tensorpar command, or None."""
-    if words[0] == "tensorpar":
-        return 0
-    for i in range(1, len(words)):
-        if words[i] == "tensorpar" and words[i - 1] == "-m":
-            return i
-    return None
+                "path/to/instructions.jsonl": "instructions", "path/to/chat.jsonl": "chat",
+                "path/to/held-out.txt": "held_out"}
 
 
 def _small(sub: str, args: list[str]) -> list[str]:
@@ -176,16 +98,9 @@ def _program(words: list[str]) -> list[str]:
 def _argv(command: str, paths: dict[str, str]) -> list[str]:
     """A bash line's command, its placeholders filled in, made small."""
     words = [paths.get(w, w) for w in shlex.split(command)]
-    at = _tensorpar_at(words)
+    at = tensorpar_at(words)
     assert at is not None, f"{command!r}: not a tensorpar command; run it or add it to NOT_RUN"
     return _program(words[:at + 2] + _small(words[at + 1], words[at + 2:]))
-
-
-def _env() -> dict[str, str]:
-    """This checkout first on the path; no launcher environment inherited from pytest's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _python_here(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -199,7 +114,8 @@ def _python_here(script: str, cwd: Path) -> subprocess.CompletedProcess:
     import traceback
 
     out, err, code = io.StringIO(), io.StringIO(), 0
-    argv, path = sys.argv, list(sys.path)
+    argv, path, env = sys.argv, list(sys.path), dict(os.environ)
+    rng = _random_states()
     try:
         sys.argv, sys.path[0:0] = [script], [str(cwd)]
         with (contextlib.chdir(cwd), contextlib.redirect_stdout(out),
@@ -212,13 +128,35 @@ def _python_here(script: str, cwd: Path) -> subprocess.CompletedProcess:
             except Exception:  # as a process would: the traceback on stderr, exit status 1
                 traceback.print_exc(file=err)
                 code = 1
-    finally:
+    finally:  # what a process would have kept to itself: arguments, path, environment, RNGs
         sys.argv, sys.path[:] = argv, path
+        os.environ.clear()
+        os.environ.update(env)
+        _set_random_states(rng)
     return subprocess.CompletedProcess([sys.executable, script], code, out.getvalue(),
                                        err.getvalue())
 
 
-def _run(argv: list[str], cwd: Path, what: str) -> None:
+def _random_states() -> tuple:
+    """The generators a program may draw from or seed: torch's, Python's and numpy's."""
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _set_random_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
+def _run(argv: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
     if len(argv) == 2 and argv[1].endswith(".py"):  # python NAME.py
         out = _python_here(argv[1], cwd)
     elif argv[1:3] == ["-m", "tensorpar"]:
@@ -229,10 +167,11 @@ def _run(argv: list[str], cwd: Path, what: str) -> None:
         # test_stop_resume.py, tests/test_cli.py, tests/hf run the commands as processes)
         out = tensorpar_here(*argv[3:], cwd=cwd)
     else:
-        out = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
+        out = subprocess.run(argv, cwd=cwd, env=env(), capture_output=True, text=True,
                              timeout=300)
     assert out.returncode == 0, (f"{what}\n$ {shlex.join(argv)}\nexit {out.returncode}\n"
                                  f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
 
 
 def _writes_only_runs(cwd: Path, own: set[str]) -> None:
@@ -243,11 +182,11 @@ def _writes_only_runs(cwd: Path, own: set[str]) -> None:
 def test_every_bash_line_runs_or_is_listed():
     """Each bash line is a tensorpar command (run by test_bash_line) or in NOT_RUN; NOT_RUN
     names only lines the docs still have; the make targets it lists exist (make -n)."""
-    lines = [cmd for path in DOCS for _, cmd in _bash_lines(path)]
+    lines = [cmd for path in DOCS for _, cmd in bash_lines(path)]
     for cmd in lines:
         if cmd not in NOT_RUN:
             words = shlex.split(cmd)
-            assert _tensorpar_at(words) is not None, \
+            assert tensorpar_at(words) is not None, \
                 f"README line {cmd!r} does not run here: make it a tensorpar command or list it " \
                 "in NOT_RUN with the reason"
     assert not set(NOT_RUN) - set(lines), f"NOT_RUN lists {set(NOT_RUN) - set(lines)}: gone"
@@ -258,37 +197,89 @@ def test_every_bash_line_runs_or_is_listed():
             assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("page,line,name,command,program", _python_blocks(),
-                         ids=[f"{b[0]}:{b[1]}-{b[2]}" for b in _python_blocks()])
-def test_python_block(tmp_path, page, line, name, command, program):
-    """The block, saved as the file its first line names, runs with the command given there and
-    writes nothing outside runs/."""
+@pytest.mark.parametrize("page,line,name,command,program,shown", python_blocks(),
+                         ids=[f"{b[0]}:{b[1]}-{b[2]}" for b in python_blocks()])
+def test_python_block(tmp_path, page, line, name, command, program, shown):
+    """The block, saved as the file its first line names, runs with the command given there,
+    writes nothing outside runs/, and prints what the page shows after it (the numbers within
+    docs_compare's tolerances); it leaves this process's RNGs and environment as they were."""
     assert name in shlex.split(command), f"{page}:{line}: {command!r} does not run {name}"
-    if re.search(r"^(from|import) transformers", program, re.M):
-        pytest.importorskip("transformers")
     (tmp_path / name).write_text(program)
-    _run(_program(shlex.split(command)), tmp_path, f"{page}:{line}")
+    before, env = _random_states(), dict(os.environ)
+    out = _run(_program(shlex.split(command)), tmp_path, f"{page}:{line}")
     _writes_only_runs(tmp_path, {name})
+    after = _random_states()
+    assert torch.equal(before[0], after[0]) and before[1] == after[1], "an RNG leaked"
+    assert all((a == b).all() if hasattr(a, "all") else a == b
+               for a, b in zip(before[2], after[2], strict=True)), "numpy's RNG leaked"
+    assert dict(os.environ) == env, "the environment leaked"
+    if shown is not None:
+        diff = differences(shown, out.stdout)
+        assert not diff, f"{page}:{line}: {name} prints other numbers than the page shows\n" + \
+            "\n".join(diff)
+
+
+@pytest.mark.parametrize("page,line,command,shown", shown_commands(),
+                         ids=[f"{c[0]}:{c[1]}" for c in shown_commands()])
+def test_shown_command_output(tmp_path, page, line, command, shown):
+    """A tensorpar command a page shows with its output (learn.md's plan) prints it now."""
+    words = shlex.split(command)
+    assert words[0] == "tensorpar", f"{page}:{line}: {command!r}"
+    out = tensorpar_here(*words[1:], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    diff = differences(shown, out.stdout)
+    assert not diff, f"{page}:{line}: {command} prints other numbers than the page shows\n" + \
+        "\n".join(diff)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> str:
     """``path/to/model``: a tiny random Llama with a tokenizer (4 heads, 2 KV heads, width 64)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the dev extra: missing is a broken install, not a skip
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=128)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# "u:" or "a:" and the text, a line each (short: a character a token, the SMALL 32 a row); the
+# generation prompt opens the assistant's line
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> str:
+    """``path/to/chat.jsonl``: conversations, a user's question and the assistant's answer."""
+    import json
+
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    words = default_corpus()[:4_000].split()
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": " ".join(words[i:i + 2])[:12]},
+                {"role": "assistant", "content": words[i + 2][:8]}]}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> str:
+    """``path/to/held-out.txt``: a text the training files do not hold."""
+    path = tmp_path_factory.mktemp("held-out") / "held-out.txt"
+    path.write_text(default_corpus()[-20_000:])
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
     """``path/to/tokenizer``: a byte-level BPE tokenizer with an end-of-text token."""
-    pytest.importorskip("transformers")
     return str(bpe_tokenizer(tmp_path_factory.mktemp("tokenizer")))
 
 
@@ -344,7 +335,7 @@ def run_through(tmp_path_factory, request):
 
 def _line_id(page: str, no: int, cmd: str) -> str:
     words = shlex.split(cmd)
-    at = _tensorpar_at(words)
+    at = tensorpar_at(words)
     return f"{page}:{no}-{words[at + 1] if at is not None else words[0]}"
 
 
@@ -352,11 +343,11 @@ def _words(cmd: str) -> tuple[str, ...]:
     return tuple(sorted(shlex.split(cmd)))
 
 
-_DOCS_LINES = [(_name(path), no, cmd) for path in DOCS[1:] for no, cmd in _bash_lines(path)
+_DOCS_LINES = [(page_name(path), no, cmd) for path in DOCS[1:] for no, cmd in bash_lines(path)
                if cmd not in NOT_RUN]
 # a README line that a docs page runs with the same words runs there, in the page's order (the
 # README's train, resume, generate and plan lines are the training and learner's pages' own)
-_RUN_LINES = {"README.md": [("README.md", no, cmd) for no, cmd in _bash_lines(README)
+_RUN_LINES = {"README.md": [("README.md", no, cmd) for no, cmd in bash_lines(README)
                             if cmd not in NOT_RUN
                             and _words(cmd) not in {_words(c) for *_, c in _DOCS_LINES}],
               "docs": _DOCS_LINES}
@@ -373,67 +364,3 @@ def test_bash_line(run_through, group, index):
     run_through(group, index)
 
 
-# flags of other programs the docs name (torchrun, pip, pytest, make, tensorboard, git)
-OTHER_FLAGS = {"--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
-               "--rdzv-id", "--no-deps", "--index-url", "--durations", "--logdir", "--strict",
-               "--site-dir"}
-
-
-def _tensorpar_flags() -> set[str]:
-    """Every option of ``tensorpar`` and of each of its commands."""
-    from tensorpar.cli.main import build_parser
-
-    parser, flags = build_parser(), set()
-    commands = parser._subparsers._group_actions[0].choices.values()
-    for p in (parser, *commands):
-        flags |= {s for a in p._actions for s in a.option_strings if s.startswith("--")}
-    return flags
-
-
-def test_every_flag_the_docs_name_exists():
-    """A ``--flag`` written anywhere in the README or the docs is an option of ``tensorpar`` or
-    of one of its commands (as ``--help`` lists them), or a flag of another program the docs
-    name (OTHER_FLAGS), with ``--no-X`` for a boolean ``--X``."""
-    known = _tensorpar_flags() | OTHER_FLAGS
-    unknown = set()
-    for path in DOCS:
-        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", path.read_text()):
-            if flag not in known:
-                unknown.add(f"{_name(path)}: {flag}")
-    assert not unknown, sorted(unknown)
-
-
-def test_docs_site_builds_strictly(tmp_path):
-    """``mkdocs build --strict``: every page in the nav, every link resolving, the API reference
-    generated from the docstrings without a warning."""
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                          str(tmp_path / "site")], cwd=ROOT, env=_env() | {
-                              "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert (tmp_path / "site" / "api" / "index.html").is_file()
-
-
-def test_docs_keep_dates_and_issue_numbers_out():
-    """Prose carries no dates and no internal issue numbers: measurements cite the dated reports
-    of benchmarks/ by file name; the README at most 250 lines."""
-    assert len(README.read_text().splitlines()) <= 250
-    for path in DOCS:
-        text = re.sub(r"benchmarks/(reports|results)/[\w./-]+", "", path.read_text())
-        assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), _name(path)
-        assert not re.search(r"\b[Ii]ssue \d+", text), _name(path)
-
-
-def test_figures_are_drawn_by_the_script(tmp_path):
-    """docs/figures/*.png are what ``python docs/figures/draw.py`` draws now, byte for byte:
-    regenerated, not pasted; and every figure the docs show is one of them."""
-    figures = ROOT / "docs" / "figures"
-    subprocess.run([sys.executable, str(figures / "draw.py"), str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
-    drawn = {p.name for p in tmp_path.glob("*.png")}
-    assert drawn == {p.name for p in figures.glob("*.png")}
-    for name in drawn:
-        assert (tmp_path / name).read_bytes() == (figures / name).read_bytes(), name
-    shown = {m for path in DOCS
-             for m in re.findall(r"\(figures/([\w.-]+\.png)\)", path.read_text())}
-    assert shown <= drawn, shown - drawn

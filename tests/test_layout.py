@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "checkpoint": CORE,
     "planner": CORE,
     "mesh": CORE | {"ranks"},
-    "gpt": CORE | {"data", "checkpoint", "planner"},
+    "gpt": CORE | {"data", "checkpoint"},
     "hf": CORE | {"ranks", "data", "checkpoint", "planner", "mesh"},
     "train": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf"},
     "bench": CORE | {"ranks", "data", "checkpoint", "planner", "mesh", "gpt", "hf", "train"},

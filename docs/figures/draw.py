@@ -268,9 +268,149 @@ def sequence_parallel():
     save(fig, "sequence_parallel.png")
 
 
+def vocab_loss():
+    """The vocab-parallel loss: two numbers a token cross the ranks, never the logits."""
+    fig, ax = canvas(7, 3.4)
+    text(ax, 3.5, 3.2, "Vocab-parallel cross-entropy: the logits stay split", size=12,
+         weight="bold")
+    for r, y in enumerate((2.15, 0.95)):
+        box(ax, 0.2, y, 1.75, 0.7, f"logits z$_{r}$\n(B, T, V/2): ids\n{r * 500}-{r * 500 + 499}",
+            RANK[r], color="white", size=9.5)
+        arrow(ax, 1.95, y + 0.35, 2.25, y + 0.35)
+        box(ax, 2.25, y, 1.85, 0.7, f"logsumexp of z$_{r}$\nz[target] if rank {r}\nholds it",
+            LIGHT[r], size=9.5)
+        arrow(ax, 4.1, y + 0.35, 4.45, y + 0.35)
+    box(ax, 4.45, 0.95, 0.55, 1.9, "", "#EADCF3", edge=COMM)
+    text(ax, 4.72, 1.9, "all-gather", size=11, color=COMM, rotation=90, weight="bold")
+    arrow(ax, 5.0, 1.9, 5.25, 1.9)
+    box(ax, 5.25, 1.4, 1.6, 1.0, "loss =\nlogsumexp(l$_0$, l$_1$)\n- z[target]", GREY, size=9.5)
+    text(ax, 0.2, 0.55, "Forward sends 2 numbers per token and rank; the (B, T, V) logits are "
+         "never gathered.", ha="left", size=10)
+    text(ax, 0.2, 0.25, "Backward (softmax - onehot on each slice) needs only the global "
+         "logsumexp: nothing sent.", ha="left", size=10)
+    save(fig, "vocab_loss.png")
+
+
+# Llama-2-7B, bf16, batch 1 x 2048, 80 GB (learn.md's plan): weights, AdamW + master, peak
+MEMORY = {1: (13.48, 80.86, 109.21), 2: (6.74, 40.43, 57.24), 4: (3.37, 20.22, 31.37),
+          8: (1.69, 10.11, 18.44)}
+
+
+def memory():
+    """A step's peak per rank, by what holds it, against the device."""
+    fig = plt.figure(figsize=(7, 3.6))
+    ax = fig.add_axes((0.09, 0.1, 0.56, 0.78))
+    xs = range(len(MEMORY))
+    parts = [("bf16 weights", [w for w, _, _ in MEMORY.values()], RANK[0]),
+             ("AdamW moments\n+ fp32 master weights", [o for _, o, _ in MEMORY.values()],
+              RANK[1]),
+             ("the step's largest\nmoment: gradients,\nactivations, temporaries",
+              [p - w - o for w, o, p in MEMORY.values()], COMM)]
+    bottom = [0.0] * len(MEMORY)
+    for label, values, color in parts:
+        ax.bar(xs, values, 0.6, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (_, _, peak) in zip(xs, MEMORY.values(), strict=True):
+        ax.text(x, peak + 2, f"{peak:.1f}", ha="center", fontsize=9.5)
+    ax.axhline(80, color=INK, lw=1)
+    ax.axhline(72, color=INK, lw=1, ls="--")
+    ax.text(3.45, 81, "80 GB device", fontsize=9, ha="right", va="bottom")
+    ax.text(3.45, 71, "72 GB usable", fontsize=9, ha="right", va="top")
+    ax.set_xticks(list(xs), [f"TP={tp}" for tp in MEMORY])
+    ax.set_ylabel("GB per rank")
+    ax.set_ylim(0, 120)
+    ax.set_title("Llama-2-7B, bf16 training, 1 x 2,048 tokens: peak per rank", fontsize=11)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, frameon=False,
+              labelspacing=1.0)
+    save(fig, "memory.png")
+
+
+def layout():
+    """16 ranks as ("pp", "dp", "tp") = (2, 2, 4): a stage per machine, TP innermost."""
+    fig, ax = canvas(7, 3.4)
+    text(ax, 3.5, 3.2, "16 ranks, PP=2 x DP=2 x TP=4: rank = 8 pp + 4 dp + tp", size=12,
+         weight="bold")
+    for pp in range(2):
+        x0 = 0.2 + pp * 3.5
+        box(ax, x0, 0.55, 3.1, 2.3, "", "white", edge="#999999")
+        text(ax, x0 + 1.55, 2.65, f"machine {pp}: pipeline stage {pp}", size=10)
+        for dp in range(2):
+            y = 1.75 - dp * 0.95
+            box(ax, x0 + 0.1, y - 0.05, 2.9, 0.7, "", LIGHT[dp], edge=RANK[dp])
+            text(ax, x0 + 0.15, y + 0.55, f"TP group (dp {dp})", size=8.5, ha="left",
+                 color=RANK[dp])
+            for tp in range(4):
+                rank = 8 * pp + 4 * dp + tp
+                box(ax, x0 + 0.2 + tp * 0.7, y, 0.6, 0.45, f"{rank}", RANK[dp], color="white",
+                    size=10, weight="bold")
+    arrow(ax, 3.3, 1.7, 3.7, 1.7, color=COMM, lw=2)
+    text(ax, 3.5, 1.95, "PP", size=10, color=COMM, weight="bold")
+    text(ax, 0.2, 0.3, "TP: ranks 4k..4k+3 (fast links, every block); DP: rank r with r + 4 "
+         "(gradients, once a step);", ha="left", size=9.5)
+    text(ax, 0.2, 0.08, "PP: rank r with r + 8 (one activation per micro-batch, across "
+         "machines).", ha="left", size=9.5)
+    save(fig, "layout.png")
+
+
+def one_f_one_b(p, m):
+    """Start times of each stage's forwards and backwards under 1F1B (forward 1, backward 2)."""
+    order = []
+    for s in range(p):
+        warm = min(p - 1 - s, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        order.append(ops + [("B", i) for i in range(m - warm, m)])
+    done, clock, pos = {}, [0] * p, [0] * p
+    while any(pos[s] < len(order[s]) for s in range(p)):
+        for s in range(p):
+            while pos[s] < len(order[s]):
+                kind, i = order[s][pos[s]]
+                need = ([("F", s - 1, i)] if kind == "F" and s else
+                        [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else []))
+                if kind == "F" and not s:
+                    need = []
+                if any(n not in done for n in need):
+                    break
+                start = max([clock[s]] + [done[n] for n in need])
+                done[(kind, s, i)] = start + (1 if kind == "F" else 2)
+                clock[s] = done[(kind, s, i)]
+                pos[s] += 1
+    return done
+
+
+def bubble():
+    """1F1B on 4 stages and 8 micro-batches: where each stage idles."""
+    p, m = 4, 8
+    done = one_f_one_b(p, m)
+    end = max(done.values())
+    fig, ax = canvas(7, 2.9)
+    unit = 6.2 / end
+    text(ax, 3.5, 2.7, f"1F1B, {p} stages, {m} micro-batches: the bubble is grey", size=12,
+         weight="bold")
+    for s in range(p):
+        y = 2.1 - s * 0.42
+        text(ax, 0.35, y + 0.17, f"stage {s}", size=9.5)
+        ax.add_patch(Rectangle((0.7, y), end * unit, 0.34, facecolor=GREY, edgecolor="none"))
+        for (kind, stage, i), t in done.items():
+            if stage == s:
+                w = 1 if kind == "F" else 2
+                box(ax, 0.7 + (t - w) * unit, y, w * unit, 0.34, f"{i}",
+                    LIGHT[0] if kind == "F" else RANK[1], size=8)
+    text(ax, 0.35, 0.3, "light: a micro-batch's forward; orange: its backward (twice as long)",
+         ha="left", size=9.5)
+    text(ax, 0.35, 0.08, f"each stage idles {p - 1} forwards and {p - 1} backwards in all: "
+         f"({p} - 1) / {m} of its work", ha="left", size=9.5)
+    save(fig, "bubble.png")
+
+
 if __name__ == "__main__":
     column_split()
     row_split()
     mlp()
     attention()
     sequence_parallel()
+    vocab_loss()
+    memory()
+    layout()
+    bubble()

@@ -6,9 +6,9 @@ import sys
 
 from tensorpar.cli.bench import add_parser, main
 
-parser = argparse.ArgumentParser(prog="python -m tensorpar.bench")
+parser = argparse.ArgumentParser(prog="python -m tensorpar.bench", allow_abbrev=False)
 sub = parser.add_subparsers(dest="command")
-add_parser(sub)
+add_parser(sub).allow_abbrev = False
 args = parser.parse_args(["bench", *sys.argv[1:]])
 args.command_line = "tensorpar bench " + shlex.join(sys.argv[1:])
 sys.exit(main(args))

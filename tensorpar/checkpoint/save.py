@@ -39,9 +39,17 @@ from tensorpar.checkpoint.format import (
     sha256_of,
 )
 from tensorpar.parallel.ownership import ShardOwnership, owned_local
+from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.output import write_atomically
+
+
+def saved(model) -> list:
+    """The (name, parameter) pairs this rank's part of a checkpoint holds: ``checkpointed``'s,
+    less a pipeline stage's copy of another stage's parameter (a tied table on the last stage:
+    the first stage saves it; both load it)."""
+    return [(n, p) for n, p in checkpointed(model) if not is_stage_copy(p)]
 
 
 def _agree(status, group) -> list:
@@ -162,7 +170,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
     any TP and pipeline size."""
     tensors = {}
     rank = tp_rank(group)
-    for name, p in checkpointed(model):  # every dp rank: FSDP2's gathers are collectives
+    for name, p in saved(model):  # every dp rank: FSDP2's gathers are collectives
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
                                               for s in ADAM_STATES if s in state]:
@@ -272,7 +280,7 @@ def _pieces(ownership: ShardOwnership, name: str, n: int, first_file: int = 0) -
 def _entries(model, ownership, optimizer, n: int, first_file: int) -> dict:
     """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too)."""
     tensors = {}
-    for name, p in checkpointed(model):
+    for name, p in saved(model):
         pieces = _pieces(ownership, name, n, first_file)
         entry = {"shape": list(ownership.shapes[name]),
                  "dtype": str(p.dtype).removeprefix("torch."),

@@ -34,7 +34,7 @@ def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
         raise ValueError(f"--tp must be >= 1, got {n}")
     head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
     if cfg.dim % cfg.num_heads:
-        raise ValueError(f"--dim {cfg.dim} does not divide by --num-heads {cfg.num_heads}")
+        raise ValueError(f"--dim {cfg.dim} does not divide by --n-head {cfg.num_heads}")
     for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):
         if value < n:
             raise ValueError(f"{flag} {value} cannot be split over --tp {n}")

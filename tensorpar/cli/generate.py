@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
                    help="sample among the most likely tokens whose probabilities sum to p; "
                    "1: all (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered by the model's chat template "
+                   "with the generation prompt; prints the reply alone, without special tokens "
+                   "(a Hugging Face model: --hf, or a run of train --hf, LoRA too) (default off)")
     p.set_defaults(func=run)
 
 
@@ -57,21 +61,35 @@ def prompts_of(args) -> list[str] | None:
         return None
     prompts = list(args.prompt or [])
     if args.prompt_file is not None:
-        try:
-            text = open(args.prompt_file, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt-file {args.prompt_file}: {e}") from None
+        text = _read_prompts(args.prompt_file)
         prompts += [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise ValueError(f"--prompt-file {args.prompt_file} holds no prompt")
     return prompts
 
 
+def _read_prompts(path: str) -> str:
+    """The text of --prompt-file, or one line on why it cannot be read."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--prompt-file {path} is a folder: expected a UTF-8 file of prompts, "
+                         "one a line")
+    if not p.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                         f"at offset {e.start:,})") from None
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: {e.strerror or e}") from None
+
+
 def run(args) -> int:
     if args.hf:
         return run_generate_hf(args.hf, args.tp, prompts_of(args), args.prompt_ids,
                                args.max_new_tokens, args.temperature, args.seed,
-                               top_k=args.top_k, top_p=args.top_p)
+                               top_k=args.top_k, top_p=args.top_p, chat=args.chat)
     from tensorpar.checkpoint.format import model_kind
     from tensorpar.checkpoint.load import CheckpointReader
 
@@ -79,7 +97,11 @@ def run(args) -> int:
     if model_kind(CheckpointReader(args.ckpt).manifest) == "hf":  # a run of train --hf
         return run_generate_hf(None, args.tp, prompts, args.prompt_ids, args.max_new_tokens,
                                args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p,
-                               ckpt=args.ckpt)
+                               ckpt=args.ckpt, chat=args.chat)
+    if args.chat:
+        raise ValueError(f"--chat renders prompts with a Hugging Face model's chat template: "
+                         f"{args.ckpt} is tensorpar's GPT (generate --ckpt of a run of train "
+                         "--hf, or --hf PATH)")
     if prompts is None:
         raise ValueError("--prompt or --prompt-file is required with --ckpt")
     return run_generate(args.ckpt, args.tp, prompts, args.max_new_tokens,
@@ -138,17 +160,23 @@ def _model(path: str, ckpt: str | None, group):
 
 def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int] | None,
                      max_new_tokens: int, temperature: float, seed: int, top_k: int = 0,
-                     top_p: float = 1.0, ckpt: str | None = None, group=None) -> list[str]:
+                     top_p: float = 1.0, ckpt: str | None = None, chat: bool = False,
+                     group=None) -> list[str]:
     """Load ``path`` (or the run's checkpoint ``ckpt``, see ``_model``) tensor-parallel and
     continue the prompts (one left-padded batch) or the single sequence ``prompt_ids`` with
     transformers' ``generate``; each sequence stops at its end-of-text token. Returns the
-    texts (or the ids, space-separated) on every rank."""
+    texts (or the ids, space-separated) on every rank. chat: each prompt is a user message
+    rendered by the tokenizer's chat template with the generation prompt, and the text is the
+    reply alone, without special tokens."""
     from tensorpar.gpt.generate import left_pad
 
     transformers = quiet_transformers()
     model = _model(path, ckpt, group)
     tok = transformers.AutoTokenizer.from_pretrained(path) if prompts is not None else None
-    seqs = [tok(p)["input_ids"] for p in prompts] if tok is not None else [prompt_ids]
+    if chat:
+        seqs = [chat_ids(tok, p) for p in prompts]
+    else:
+        seqs = [tok(p)["input_ids"] for p in prompts] if tok is not None else [prompt_ids]
     for i, seq in enumerate(seqs):
         if not seq:
             raise ValueError(f"prompt {i + 1} of {len(seqs)} gives no token")
@@ -165,14 +193,38 @@ def generate_hf_rank(path: str, prompts: list[str] | None, prompt_ids: list[int]
     for row, seq in zip(out, seqs, strict=True):
         new = row[ids.shape[1]:]
         ends = [i for i, t in enumerate(new) if t in eos]
-        row = seq + new[:ends[0] + 1 if ends else len(new)]  # no left padding, none after eos
+        new = new[:ends[0] + 1 if ends else len(new)]  # none after eos
+        if chat:
+            texts.append(tok.decode(new, skip_special_tokens=True))
+            continue
+        row = seq + new  # no left padding
         texts.append(tok.decode(row) if tok is not None else " ".join(map(str, row)))
     return texts
 
 
+def chat_ids(tok, prompt: str) -> list[int]:
+    """``prompt`` as a user message, rendered by the chat template with the generation prompt:
+    the ids the model continues with its reply."""
+    return list(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                        add_generation_prompt=True,
+                                        return_dict=True)["input_ids"])
+
+
+def _check_chat(path: str, prompts: list[str] | None) -> None:
+    """--chat needs prompts and a tokenizer with a chat template."""
+    if prompts is None:
+        raise ValueError("--chat renders --prompt as a user message: give --prompt or "
+                         "--prompt-file, not --prompt-ids")
+    tok = quiet_transformers().AutoTokenizer.from_pretrained(path)
+    if not tok.chat_template:
+        raise ValueError(f"--chat: the tokenizer of {path} has no chat template (its "
+                         "tokenizer_config.json's chat_template, or chat_template.jinja)")
+
+
 def run_generate_hf(path: str | None, n: int, prompts: list[str] | None,
                     prompt_ids: str | None, max_new_tokens: int, temperature: float, seed: int,
-                    top_k: int = 0, top_p: float = 1.0, ckpt: str | None = None) -> int:
+                    top_k: int = 0, top_p: float = 1.0, ckpt: str | None = None,
+                    chat: bool = False) -> int:
     """``tensorpar generate --hf PATH`` (or ``--ckpt RUN`` of a run of ``train --hf``, full or
     LoRA; ``path`` None): continue each prompt (or the ``--prompt-ids`` sequence) on ``n``
     ranks and print the texts: one prompt, its text; several, separated by ``--- i`` lines
@@ -199,6 +251,8 @@ def run_generate_hf(path: str | None, n: int, prompts: list[str] | None,
     if prompts is not None and not any((Path(path) / f).is_file()
                                        for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{path} has no tokenizer: pass --prompt-ids instead of --prompt")
+    if chat:
+        _check_chat(path, prompts)
     ids = None
     if prompt_ids is not None:
         try:
@@ -207,7 +261,7 @@ def run_generate_hf(path: str | None, n: int, prompts: list[str] | None,
             raise ValueError(f"--prompt-ids {prompt_ids!r}: expected token ids like 1,2,3") \
                 from None
     results = run_hf_ranks(generate_hf_rank, n, path, prompts, ids, max_new_tokens, temperature,
-                           seed, top_k, top_p, ckpt)
+                           seed, top_k, top_p, ckpt, chat)
     if speaks():  # rank 0's completions, once (under torchrun too)
         sys.stdout.write(format_completions(results[0]))
     return 0

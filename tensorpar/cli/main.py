@@ -95,7 +95,8 @@ class _GlobalGroup:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tensorpar`` parser with every command (one module each, ``tensorpar/cli/``)."""
     parser = argparse.ArgumentParser(
-        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch.",
+        prog="tensorpar", allow_abbrev=False,
+        description="Megatron-style tensor parallelism for PyTorch.",
         epilog="Errors a user can act on (a bad flag or checkpoint, a full disk, a non-finite "
         "training step, ranks that fed a collective different shapes under "
         "--check-collectives), on any rank, end with one line naming the rank and the cause; exit "
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"tensorpar.cli.{name}").add_parser(sub)
     for command in sub.choices.values():
+        command.allow_abbrev = False  # --micro-batch is no --micro-batch-size: flags in full
         _add_global_flags(command, argparse.SUPPRESS)
     return parser
 

@@ -31,7 +31,6 @@ import re
 import sys
 from pathlib import Path
 
-from tensorpar.gpt.shape import load_shape
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
@@ -48,6 +47,7 @@ from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import PRESETS, preset
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, Step
 from tensorpar.planner.tp_plan import plan_memory
+from tensorpar.train.shape import load_shape
 
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_TP = "1,2,4,8"

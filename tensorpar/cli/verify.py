@@ -165,6 +165,11 @@ def run_verify(n: int, sequence_parallel: bool, seed: int, cfg: BlockConfig) -> 
     return report(results, cfg, n, sequence_parallel, say)
 
 
+
+# the block's sizes under train's flag names (the dataclass's own names stay as aliases)
+TRAIN_NAMES = {"num_heads": "--n-head", "num_kv_heads": "--n-kv-head"}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compare the TP layers with the dense model, print errors "
                        "and collective counts; exit 1 on any mismatch")
@@ -189,7 +194,9 @@ def add_parser(sub) -> None:
                    "that is not even)")
     for f in dataclasses.fields(BlockConfig):
         extra = " (with --pp: a micro-batch's)" if f.name == "batch_size" else ""
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, dest=f.name,
+        old = f"--{f.name.replace('_', '-')}"  # --num-heads: kept, an alias of train's name
+        names = [TRAIN_NAMES[f.name], old] if f.name in TRAIN_NAMES else [old]
+        p.add_argument(*names, type=int, default=f.default, dest=f.name,
                        help=f"{f.metadata['help']}{extra} (default {f.default})")
     p.set_defaults(func=run, check_collectives_by_default=True)
 

@@ -1,13 +1,16 @@
 """``tensorpar verify --pp N``: one pipelined step of the GPT against the whole model on one
 device, number by number, and the transfers each rank made against the analytic count.
 
-Every rank builds the whole GPT at TP=1 (its own one-rank group) and runs forward and backward on
+The GPT is the default one, its head tied to its embedding (the table on the first and the
+last stage, its gradient summed over the two). Every rank builds the whole GPT at TP=1 (its own
+one-rank group) and runs forward and backward on
 the step's batch: the reference. Then its part of the pipelined model, the stages of its
 pipeline rank (``gpt/stages.py``) split over its TP group, runs the same batch under the
 trainer's schedule (``train/pipeline.py``: torch's 1F1B, or the interleaved schedule with
 ``--pp-virtual``) in ``--micro-batches`` micro-batches. The report gives the loss's error and
 every gradient's (each rank against its slice of the reference), then, for each pipeline rank,
-the sends and receives of the step against ``planner.pipeline.p2p`` and the TP collectives
+the sends, receives and all-reduces of the step against ``planner.pipeline.p2p`` and
+``tied_sync``, and the TP collectives
 against ``planner.pipeline.rank_tp_comm``. Exits non-zero on any mismatch.
 
     python -m tensorpar verify --pp 2
@@ -26,17 +29,18 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.cli.compare import TOLERANCE, check_config, dense_shard, max_rel_error
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.gpt.stages import GPTStage, describe_split, rank_part
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
-from tensorpar.planner.pipeline import rank_tp_comm, step_transfers
+from tensorpar.parallel.stages import check_pipeline
+from tensorpar.planner.pipeline import add_transfers, rank_tp_comm, step_transfers, tied_sync
 from tensorpar.planner.step import Step
 from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.torchrun import say
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.pipeline import PipelineParts, Schedule, check_pipeline
+from tensorpar.train.pipeline import PipelineParts, Schedule
+from tensorpar.train.shape import gpt_shape
 from tensorpar.transformer.reference import BlockConfig
 
 PP_KINDS = ("send", "recv", "all_reduce")  # the transfers; the loss and the norm summed over pp
@@ -59,14 +63,20 @@ class PipelineCheck:
 
     @property
     def model(self) -> GPTConfig:
-        s = self.sizes  # an untied head: the embedding and the head sit on different stages
+        s = self.sizes  # the default GPT: its head tied to the embedding (first, last stage)
         return GPTConfig(vocab_size=s.vocab_size, n_layer=self.n_layer, dim=s.dim,
-                         n_head=s.num_heads, n_kv_head=s.num_kv_heads, hidden_dim=s.hidden_dim,
-                         tie_embeddings=False)
+                         n_head=s.num_heads, n_kv_head=s.num_kv_heads, hidden_dim=s.hidden_dim)
 
     @property
     def batch(self) -> int:
         return self.sizes.batch_size * self.micro_batches
+
+    @property
+    def step(self) -> Step:
+        """The step as the planner sees it (fp32, one data-parallel copy)."""
+        return Step(gpt_shape(self.model), self.tp, self.batch, self.sizes.seq_len, "fp32",
+                    self.sequence_parallel, pp=self.pp, virtual=self.virtual,
+                    micro_batches=self.micro_batches)
 
     def check(self) -> None:
         """ValueError, naming the numbers, before any rank starts."""
@@ -85,10 +95,12 @@ class PipelineCheck:
 
 def expected_transfers(check: PipelineCheck, pp_rank: int, tp_rank: int) -> dict:
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) sends, receives and all-reduces
-    over pp in the step (``planner.pipeline.step_transfers``)."""
+    over pp in the step (``planner.pipeline.step_transfers``, and ``tied_sync``: the tied
+    table's gradient sum)."""
     s = check.sizes
-    return step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
+    sent = step_transfers(check.pp, check.virtual, check.micro_batches, pp_rank, s.batch_size,
                           s.seq_len, s.dim, check.tp, check.sequence_parallel, tp_rank)
+    return add_transfers(sent, tied_sync(check.step, pp_rank, tp_rank))
 
 
 def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
@@ -96,10 +108,8 @@ def expected_tp(check: PipelineCheck, pp_rank: int) -> dict[str, int]:
     if check.tp == 1:
         return {}
     part = rank_part(check.n_layer, check.pp, check.virtual, pp_rank)[2]
-    step = Step(gpt_shape(check.model), check.tp,
-                check.sizes.batch_size * check.micro_batches, check.sizes.seq_len, "fp32",
-                check.sequence_parallel, micro_batches=check.micro_batches)
-    return rank_tp_comm(step, len(part["blocks"]), part["embed"], part["head"])["counts"]
+    return rank_tp_comm(check.step, len(part["blocks"]), part["embed"],
+                        part["head"])["counts"]
 
 
 def verify_pipeline_rank(check: PipelineCheck, seed: int,
@@ -132,7 +142,7 @@ def verify_pipeline_rank(check: PipelineCheck, seed: int,
     ownership = ShardOwnership.gather(part, tp_group)
     schedule.step(ids, targets, tokens)  # the first step sets up its transfers (not counted)
     part.zero_grad()
-    counter = CollectiveCounter({"pp": [pp_group, schedule.transfers], "tp": tp_group})
+    counter = CollectiveCounter({"pp": schedule.groups(), "tp": tp_group})
     with counter:  # a steady step, as the trainer's summary counts it, and its gradient norm
         loss_pp = schedule.step(ids, targets, tokens)
         norm = clip_grad_norm_(part, ownership, float("inf"), tp_group, pp_group=pp_group)
@@ -174,7 +184,8 @@ def report_pipeline(results: list[dict], check: PipelineCheck, write=print) -> b
         shape = str(results[0]["shapes"][name])
         write(f"{name:<{width}}{shape:<16}{err:>12.2e}  "
               f"{'ok' if err <= TOLERANCE else 'MISMATCH'}")
-    rows = [("pp", k, "counts") for k in PP_KINDS] + [("pp", "send", "bytes")]
+    rows = [("pp", k, "counts") for k in PP_KINDS] + [("pp", k, "bytes")
+                                                      for k in ("send", "all_reduce")]
     rows += [("tp", k, "counts") for k in TP_KINDS] if check.tp > 1 else []
     write("\nper step, each pipeline rank (measured / analytic)")
     write(f"{'':<22}" + "".join(f"  {f'pp rank {p}':>26}" for p in range(check.pp)))

@@ -1,7 +1,9 @@
 """Chat and instruction data: JSON lines of examples, each trained on its answer alone.
 
-A ``--data`` file ending in ``.jsonl`` whose first record has ``"messages"`` or ``"prompt"`` is
-read as examples, one a line (otherwise a ``.jsonl`` file is plain text)::
+A ``--data`` file ending in ``.jsonl`` (or ``.ndjson``) is read as examples, one a line, in any
+form ``formats.py`` recognises (chat ``messages``, ``prompt`` / ``completion``, ShareGPT,
+Alpaca); a record it refuses stops the run naming its line, or with ``--skip-bad-examples`` is
+skipped and counted::
 
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
     {"prompt": "Translate: chat", "completion": " cat"}
@@ -29,27 +31,17 @@ confined to it (``packing.ExampleBatches``).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
+
+from tensorpar.data.formats import BadExample, is_json_lines, read_record, records
 
 IGNORE_INDEX = -100  # a target that counts for no loss (the losses' ignore_index)
 
 
 def is_chat_file(path: str | None) -> bool:
-    """Whether ``path`` is a JSON-lines file of examples (its first record has ``messages`` or
-    ``prompt``)."""
-    if path is None or not str(path).endswith(".jsonl") or not Path(path).is_file():
-        return False
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
-    return False
+    """Whether ``path`` is a JSON-lines file, read as examples (``formats.py``)."""
+    return is_json_lines(path)
 
 
 @dataclass
@@ -62,46 +54,63 @@ class Examples:
     truncated: int = 0
     dropped: int = 0
     masking: str = ""  # how the answers were found: "template mask", "prefix", "completion"
+    forms: tuple = ()  # the file forms read (formats.Example.form), in order of first use
+    skipped: list = dataclasses.field(default_factory=list)  # the malformed records' errors
 
 
-def read_examples(path: str, tokenizer, seq_len: int, flag: str = "--data") -> Examples:
+def read_examples(path: str, tokenizer, seq_len: int, flag: str = "--data",
+                  skip_bad: bool = False) -> Examples:
     """The examples of ``path``, tokenized by ``tokenizer`` (an ``HFTokenizer``), each cut to
-    ``seq_len`` + 1 tokens (see the module docstring). ValueError, naming the line, for a record
-    that is neither form."""
+    ``seq_len`` + 1 tokens (see the module docstring). A malformed record (``formats.py``)
+    raises its ``BadExample``, naming the line; with ``skip_bad`` it is skipped and counted."""
     tok = getattr(tokenizer, "tok", None)
     if tok is None:
         raise ValueError(f"{flag} {path}: chat and instruction examples need a Hugging Face "
                          "tokenizer (train --hf, or the GPT with --tokenizer DIR)")
     out = Examples([], [])
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    for n, record in records(path, flag):
+        try:
+            if isinstance(record, BadExample):
+                raise record
+            ids, trained, how, form = _tokenized(tok, record, f"{flag} {path} line {n}")
+        except BadExample as e:
+            if not skip_bad:
+                raise
+            out.skipped.append(str(e))
+            continue
+        out.masking = out.masking or how
+        out.forms += (form,) * (form not in out.forms)
+        if len(ids) > seq_len + 1:
+            ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
+            if not any(trained[1:]):
+                out.dropped += 1
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path} line {n}: not JSON ({e})") from None
-            if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                ids, trained, how = _conversation(tok, record["messages"], f"{path} line {n}")
-            elif isinstance(record, dict) and isinstance(record.get("prompt"), str) and \
-                    isinstance(record.get("completion"), str):
-                ids, trained, how = _completion(tok, record["prompt"], record["completion"])
-            else:
-                raise ValueError(f"{flag} {path} line {n}: expected {{\"messages\": [...]}} or "
-                                 "{\"prompt\": ..., \"completion\": ...}")
-            out.masking = out.masking or how
-            if len(ids) > seq_len + 1:
-                ids, trained = ids[:seq_len + 1], trained[:seq_len + 1]
-                if not any(trained[1:]):
-                    out.dropped += 1
-                    continue
-                out.truncated += 1
-            if any(trained[1:]):
-                out.ids.append(ids)
-                out.trained.append(trained)
+            out.truncated += 1
+        out.ids.append(ids)
+        out.trained.append(trained)
     if not out.ids:
-        raise ValueError(f"{flag} {path}: no example with an answer to train on")
+        skipped = f" ({len(out.skipped)} malformed, skipped)" if out.skipped else ""
+        raise ValueError(f"{flag} {path}: no example with an answer to train on{skipped}")
     return out
+
+
+def _tokenized(tok, record, where: str) -> tuple[list[int], list[bool], str, str]:
+    """A record's ids, which of them are trained, how the answer was found, and its form."""
+    example = read_record(record, where)
+    if example.messages is None:
+        return *_completion(tok, example.prompt, example.completion), example.form
+    if tok.chat_template is None:
+        what = "messages" if example.form == "messages" else f"{example.form} records"
+        raise ValueError(f"{where}: the tokenizer has no chat template for {what}")
+    try:
+        ids, trained, how = _conversation(tok, list(example.messages), where)
+    except ValueError:
+        raise
+    except Exception as e:  # the template's own refusal (jinja's TemplateError): this record's
+        raise BadExample(f"{where}: the chat template refused it: {e}") from None
+    if not any(trained[1:]):
+        raise BadExample(f"{where}: the chat template renders no assistant token")
+    return ids, trained, how, example.form
 
 
 def _completion(tok, prompt: str, completion: str) -> tuple[list[int], list[bool], str]:
@@ -113,8 +122,6 @@ def _completion(tok, prompt: str, completion: str) -> tuple[list[int], list[bool
 
 
 def _conversation(tok, messages: list, where: str) -> tuple[list[int], list[bool], str]:
-    if tok.chat_template is None:
-        raise ValueError(f"{where}: the tokenizer has no chat template for \"messages\"")
     if "{% generation %}" in tok.chat_template or "{%- generation %}" in tok.chat_template:
         rendered = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                            return_assistant_tokens_mask=True)
@@ -145,7 +152,13 @@ def _render(tok, messages: list, generation_prompt: bool) -> list[int]:
 def describe_examples(examples: Examples, seq_len: int) -> str:
     """The summary's line on the examples: how many, how the answers were found, the policy's
     counts."""
-    line = f"{len(examples.ids):,} examples (answers by {examples.masking})"
+    n = len(examples.ids)
+    converted = [f for f in examples.forms if f in ("ShareGPT", "Alpaca")]
+    read_as = f"; {' and '.join(converted)} read as messages" if converted else ""
+    line = f"{n:,} example{'s' * (n != 1)} (answers by {examples.masking}{read_as})"
+    if examples.skipped:
+        k = len(examples.skipped)
+        line += f"; {k} malformed skipped (--skip-bad-examples), the first: {examples.skipped[0]}"
     if examples.truncated or examples.dropped:
         line += (f"; longer than --seq-len {seq_len} + 1: {examples.truncated} cut, "
                  f"{examples.dropped} dropped (no answer token left)")

@@ -253,7 +253,8 @@ class _Progress:
 def summary(out: str, index: dict) -> str:
     """The line prepare ends with."""
     shards = len(index["shards"])
-    return (f"tensorpar prepare: wrote {out}: {index['documents']:,} documents, "
+    docs = index["documents"]
+    return (f"tensorpar prepare: wrote {out}: {docs:,} document{'s' * (docs != 1)}, "
             f"{index['tokens']:,} tokens ({index['dtype']}, {shards} shard"
             f"{'s' if shards != 1 else ''}) from {len(index['sources'])} file"
             f"{'s' if len(index['sources']) != 1 else ''} in {index['seconds']:.1f} s, "

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from tensorpar.data.chat import is_chat_file, read_examples
+from tensorpar.data.chat import Examples, is_chat_file, read_examples
+from tensorpar.data.formats import check_not_json_examples, example_keys
 from tensorpar.data.shards import TokenShards, ids_hash, update_ids
 from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, describe, same_tokenizer
 
@@ -80,12 +81,15 @@ def open_shards(path: str, tokenizer, flag: str = "--data") -> TokenShards:
     return shards
 
 
-def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data") -> None:
+def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data",
+                 skip_bad: bool = False) -> Examples | None:
     """What the launcher refuses before any rank: a path that is neither a text file nor a shard
-    folder of the run's tokenizer, or data shorter than one window of ``seq_len + 1`` tokens."""
-    if is_chat_file(path):  # examples: each one read, its errors named by line
-        read_examples(path, tokenizer, seq_len, flag)
-        return
+    folder of the run's tokenizer, or data shorter than one window of ``seq_len + 1`` tokens.
+    Examples (a JSON-lines file) are each read, a malformed one named by its line (skipped with
+    ``skip_bad``), and returned."""
+    if is_chat_file(path):
+        return read_examples(path, tokenizer, seq_len, flag, skip_bad)
+    check_not_json_examples(path, flag)
     if path is not None and Path(path).is_dir():
         n = len(open_shards(path, tokenizer, flag))
         enough = n >= seq_len + 1
@@ -94,6 +98,26 @@ def check_corpus(path: str | None, tokenizer, seq_len: int, flag: str = "--data"
     if not enough:
         raise ValueError(f"{flag} {path} has fewer than --seq-len {seq_len} + 1 tokens"
                          + (": not one validation window" if flag == "--val-data" else ""))
+    return None
+
+
+def overlap_warning(data: str | None, val_data: str | None) -> str | None:
+    """A warning when the validation data is (partly) the training data: the same file, the
+    same bytes, or examples found in both; None otherwise."""
+    if val_data is None:
+        return None
+    train, val = Path(data) if data is not None else None, Path(val_data)
+    if train is not None and train.exists() and val.exists():
+        if train.resolve() == val.resolve() or (train.is_file() and val.is_file() and
+                                                train.read_bytes() == val.read_bytes()):
+            return (f"--val-data {val_data} is the --data file: the validation loss is the "
+                    "training data's, not held-out data's")
+        if is_chat_file(data) and is_chat_file(val_data):
+            theirs, ours = example_keys(data), example_keys(val_data, "--val-data")
+            if shared := len(theirs & ours):
+                return (f"{shared} of the {len(ours)} --val-data examples are also in --data "
+                        f"{data}: the validation loss is not all held-out data's")
+    return None
 
 
 def digest_of(ids: torch.Tensor) -> str:

@@ -40,6 +40,7 @@ from tensorpar.parallel.fused import fused_column
 from tensorpar.parallel.linear import ColumnParallelLinear, column_linears
 from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
+from tensorpar.parallel.stages import mark_stage_copy
 from tensorpar.runtime.groups import tp_size
 from tensorpar.runtime.seeds import derive_seed
 from tensorpar.transformer.attention import (
@@ -163,7 +164,9 @@ class GPT(nn.Module):
     blocks, embed, head: a pipeline rank's part of the model (``gpt/stages.py``): only the
         blocks of those indices (default all), the embedding only if ``embed``, the final norm
         and the head only if ``head``; every parameter has its name and its values in the whole
-        model. A tied head needs the embedding in the same part.
+        model. A tied head without the embedding holds a copy of the embedding table
+        (``parallel.stages.mark_stage_copy``): the trainer sums the two copies' gradients over
+        the first and last pipeline stages, so they stay equal.
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
@@ -173,10 +176,6 @@ class GPT(nn.Module):
                  blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True):
         super().__init__()
         cfg.check(tp_size(group))
-        if cfg.tie_embeddings and head != embed:
-            raise ValueError("a tied head (--tie-embeddings) reuses the embedding table, so "
-                             "both must be in the same part of the model: under pipeline "
-                             "stages train with --no-tie-embeddings")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         self.fused, self.recompute = fused, recompute
         self.keep_gathered_input = keep_gathered_input
@@ -184,7 +183,10 @@ class GPT(nn.Module):
         kw = {"sequence_parallel": sequence_parallel, "group": group, "device": device}
         # built on the meta device, then every parameter drawn by ``init_weights``
         meta = {**kw, "device": "meta"}
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta) if embed else None
+        # a tied head without the first stage holds a copy of the table (``mark_stage_copy``)
+        copy = cfg.tie_embeddings and head and not embed
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, **meta) \
+            if embed or copy else None
         held = range(cfg.n_layer) if blocks is None else blocks
         self.blocks = BlockDict({str(i): Block(cfg, sequence_parallel, group, self.rng, "meta",
                                                fused, keep_gathered_input) for i in held})
@@ -197,6 +199,8 @@ class GPT(nn.Module):
         self.lm_head = None if cfg.tie_embeddings or not head else \
             ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **meta)
         self.init_weights(seed, device)
+        if copy:  # drawn from its name as the first stage's: the same initial values
+            mark_stage_copy(self.embed.weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int, device=None) -> None:

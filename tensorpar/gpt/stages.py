@@ -17,7 +17,13 @@ and a resume at another pipeline size see the same tensors. Each stage is a ``GP
 module over the part's embedding, blocks, norm and head (the same module objects), whose forward
 is what ``PipelineStage`` runs for one micro-batch: token ids in on the first stage, the residual
 stream (B, T, D) between stages (under sequence parallelism this TP rank's (B, T_r, D) shard),
-this rank's logits (B, T, V_local) out of the last.
+this rank's logits (B, T, V_local) out of the last. The cut itself and what a pipeline may be
+are ``parallel/stages.py``'s.
+
+A tied head (the default GPT's) is the embedding table: the last stage's part holds a copy of
+it (``parallel.stages.mark_stage_copy``), drawn from the same name, so equal at the start; the
+trainer sums the two copies' gradients after each step's backward (``train/pipeline.py``), so
+they stay equal.
 
 Dropout: a stage counts the micro-batches it runs within a step and gives block i of
 micro-batch j the key number j · L + i + 1 of its stream, the number the whole model's forward
@@ -31,15 +37,16 @@ import torch
 from torch import nn
 
 from tensorpar.gpt.model import GPT, BlockDict
-from tensorpar.planner.pipeline import rank_stages, stage_blocks
+from tensorpar.parallel.stages import check_pipeline, rank_stages, stage_blocks
 
-__all__ = ["GPTStage", "describe_split", "rank_part", "rank_stages", "stage_blocks"]
+__all__ = ["GPTStage", "describe_split", "rank_part"]
 
 
 def rank_part(n_layer: int, pp: int, virtual: int, rank: int) -> tuple[list[int], list[range],
                                                                         dict]:
     """Pipeline rank ``rank``'s stages, every stage's blocks, and the rank's part of the GPT as
     ``GPT(..., **part)`` takes it: {"blocks": [...], "embed": bool, "head": bool}."""
+    check_pipeline(pp, virtual, n_layer)
     count = pp * virtual
     ranges = stage_blocks(n_layer, count)
     mine = rank_stages(pp, virtual, rank)
@@ -59,13 +66,13 @@ def describe_split(n_layer: int, pp: int, virtual: int = 1) -> str:
 class GPTStage(nn.Module):
     """Stage ``index`` of ``count`` of a GPT, over ``gpt`` (this rank's part of the model)
     holding its ``blocks``: the embedding first if it is the first stage, the norm and head
-    after if it is the last."""
+    after if it is the last (a tied head: the embedding table, a copy of the first stage's)."""
 
     def __init__(self, gpt: GPT, index: int, count: int, blocks: range):
         super().__init__()
         self.index, self.count = index, count
         self.first, self.last = index == 0, index == count - 1
-        if self.first:
+        if self.first or (self.last and gpt.lm_head is None):  # a tied head: the table
             self.embed = gpt.embed
         self.blocks = BlockDict({str(i): gpt.blocks[i] for i in blocks})
         if self.last:

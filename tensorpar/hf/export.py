@@ -300,6 +300,10 @@ def export_peft(ckpt: str | Path, out_dir: str | Path) -> Path:
 
     out = check_hf_target(out_dir, "--peft-out")
     reader = CheckpointReader(ckpt)
+    if model_kind(reader.manifest) != "hf":
+        raise ValueError(f"--peft-out writes a LoRA run's adapters (train --hf PATH --lora-rank "
+                         f"R): {reader.dir} is tensorpar's GPT, which trains every weight; "
+                         "--hf-out or --out writes it")
     reader.verify()
     write = peft_writer(reader, run_files(reader))
     try:

@@ -20,6 +20,7 @@ tensors (``check_tensors``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
@@ -37,17 +38,24 @@ Writer = Callable[[Path], None]
 WRITTEN = ("config.json", "generation_config.json")
 
 
-def save_model(model, folder: Path, max_shard_size: int) -> None:
-    """``model.save_pretrained(folder)`` without transformers' progress bars."""
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' progress bars off (loading and writing weights), as they were after."""
     import transformers
 
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        yield
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+
+
+def save_model(model, folder: Path, max_shard_size: int) -> None:
+    """``model.save_pretrained(folder)`` without transformers' progress bars."""
+    with no_progress_bars():
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
 
 
 def check_tensors(reader: CheckpointReader, names: dict, model: str) -> None:
@@ -139,7 +147,8 @@ def merged_lora_model(reader: CheckpointReader, files: Path, max_shard_size: int
     factors = checkpoint_factors(reader)
 
     def write(folder: Path) -> None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        with no_progress_bars():
+            model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         conv = {n for n, m in model.named_modules() if is_conv1d(m)}
         state = model.state_dict()
         merge_factors(state, factors, settings["alpha"] / settings["rank"], conv)

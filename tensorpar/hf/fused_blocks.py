@@ -41,9 +41,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_column
-from tensorpar.parallel.grad_sync import sum_grads_in_backward, sum_shared_shard_grads
+from tensorpar.parallel.grad_sync import sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear
-from tensorpar.parallel.lora import column_update, dropped_column_products, drops, has_lora
+from tensorpar.parallel.lora import (
+    column_factors,
+    column_update,
+    dropped_column_products,
+    drops,
+    has_lora,
+)
 from tensorpar.parallel.mappings import gather_from_tp
 from tensorpar.parallel.sharding import ShardSpec
 
@@ -102,37 +108,34 @@ class Region:
     def _leave(self, module, args, out):
         self._input = self._handed = self._products = None
 
-    def _weights(self, columns: list[InRegionColumn], adapted: list[InRegionColumn],
-                 fuse_a: bool):
-        """Each column's (weight, bias), and (``fuse_a``) the LoRA factors A of the adapted
-        ones as more weights of the op (``parallel/lora.py``); the shared rows' gradients and
-        A's summed in one all-reduce each. Returns the weights, the biases and the adapted
-        columns' B."""
+    def _weights(self, columns: list[InRegionColumn], adapted: list[InRegionColumn]):
+        """Each column's (weight, bias), the shared rows' gradients summed in one all-reduce,
+        and the adapted columns' B (``parallel/lora.py``)."""
         ws, bs = [c.weight for c in columns], [c.bias for c in columns]
-        shared = [i for i, c in enumerate(columns) if c.shared]
         b_lora = [c.lora_B.weight for c in adapted]
-        shared_b = [j for j, c in enumerate(adapted) if c.shared]
-        if shared:
-            summed = sum_shared_shard_grads([ws[i] for i in shared] + [bs[i] for i in shared]
-                                            + [b_lora[j] for j in shared_b],
-                                            self.group, columns[shared[0]].shard_spec)
-            for j, i in enumerate(shared):
-                ws[i], bs[i] = summed[j], summed[len(shared) + j]
-            for k, j in enumerate(shared_b):
-                b_lora[j] = summed[2 * len(shared) + k]
-        if not fuse_a:
-            return ws, bs, b_lora
-        a_lora = sum_grads_in_backward([c.lora_A.weight for c in adapted], self.group)
-        return ws + a_lora, bs + [None] * len(adapted), b_lora
+        # (list, index) of each tensor of shared rows that trains (a frozen one needs no sum)
+        places = [(t, i) for t, cs in ((ws, columns), (bs, columns), (b_lora, adapted))
+                  for i, c in enumerate(cs)
+                  if c.shared and t[i] is not None and t[i].requires_grad]
+        if places:
+            spec = next(c for c in columns if c.shared).shard_spec
+            summed = sum_shared_shard_grads([t[i] for t, i in places], self.group, spec)
+            for (t, i), s in zip(places, summed, strict=True):
+                t[i] = s
+        return ws, bs, b_lora
 
     def _products_of(self, columns: list[InRegionColumn], x: torch.Tensor,
                      length: int | None) -> list[torch.Tensor]:
         adapted = [c for c in columns if has_lora(c)]
-        # an adapter that drops has an input of its own: A leaves the fused op
-        fuse_a = not any(drops(c) for c in adapted)
-        ws, bs, b_lora = self._weights(columns, adapted, fuse_a)
-        outs = column_op(x, ws, bs, self.group, length)
-        zs = outs[len(columns):] if fuse_a else \
+        ws, bs, b_lora = self._weights(columns, adapted)
+        # the adapters' A as more weights of the op; one that drops has an input of its own:
+        # then A leaves the fused op
+        fuse_a, partial = adapted and not any(drops(c) for c in adapted), 0
+        if fuse_a:
+            a_lora, partial = column_factors(adapted, x, self.group, length is not None)
+            ws, bs = ws + a_lora, bs + [None] * len(adapted)
+        outs = column_op(x, ws, bs, self.group, length, partial)
+        zs = outs[len(columns):] if fuse_a or not adapted else \
             dropped_column_products(x, adapted, self.group, length)
         ys = list(outs[:len(columns)])
         for j, c in enumerate(adapted):
@@ -154,13 +157,15 @@ class Region:
 
 
 def column_op(x: torch.Tensor, weights, biases, group: ProcessGroup | None,
-              seq_len: int | None = None) -> tuple[torch.Tensor, ...]:
+              seq_len: int | None = None, partial: int = 0) -> tuple[torch.Tensor, ...]:
     """``fused_column`` on an input of any shape (..., D) (it takes (B, T, D)); ``seq_len``:
-    under sequence parallelism T, x being this rank's (B, T_r, D) shard."""
+    under sequence parallelism T, x being this rank's (B, T_r, D) shard; ``partial``: as
+    ``fused_column``'s."""
     if x.dim() == 3:
         return fused_column(x, weights, biases, sequence_parallel=seq_len is not None,
-                            group=group, seq_len=seq_len)
-    ys = fused_column(x.reshape(1, -1, x.shape[-1]), weights, biases, group=group)
+                            group=group, seq_len=seq_len, partial=partial)
+    ys = fused_column(x.reshape(1, -1, x.shape[-1]), weights, biases, group=group,
+                      partial=partial)
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
@@ -178,8 +183,9 @@ class FusedColumnLinear(ColumnParallelLinear):
             (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
             y = column_update(y, dropped_column_products(x, [self], self.group, seq_len)[0], self)
         elif has_lora(self):
-            (a,) = sum_grads_in_backward([self.lora_A.weight], self.group)
-            y, z = column_op(x, [self.weight, a], [self.bias, None], self.group, seq_len)
+            (a,), partial = column_factors([self], x, self.group, seq_len is not None)
+            y, z = column_op(x, [self.weight, a], [self.bias, None], self.group, seq_len,
+                             partial)
             y = column_update(y, z, self)
         else:
             (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)

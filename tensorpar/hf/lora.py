@@ -154,6 +154,7 @@ def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
+    _check_folder(folder)
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text())
         tensors = load_file(str(folder / ADAPTER_WEIGHTS))
@@ -175,6 +176,59 @@ def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             name = name.replace(f".{factor}.default.weight", f".{factor}.weight")
         factors[name] = t
     return config, factors
+
+
+def _check_folder(folder: Path) -> None:
+    """One line for a path that is no adapter folder: missing, a file, a training run, or a
+    folder without PEFT's two files."""
+    if not folder.exists():
+        raise ValueError(f"--lora-init {folder}: no such folder")
+    if not folder.is_dir():
+        raise ValueError(f"--lora-init {folder} is a file: expected a PEFT adapter folder "
+                         f"({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})")
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (folder / f).is_file()]
+    if missing and ((folder / "metrics.jsonl").is_file() or (folder / "manifest.json").is_file()
+                    or any(folder.glob("step-*"))):
+        raise ValueError(f"--lora-init {folder} is a training run, not a PEFT adapter folder: "
+                         f"write its adapters with tensorpar export --ckpt {folder} --peft-out "
+                         f"DIR, or continue it with tensorpar train --resume --out {folder}")
+    if missing:
+        raise ValueError(f"--lora-init {folder}: no {' or '.join(missing)} (a PEFT adapter "
+                         f"folder has {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+
+
+def check_init(factors: dict[str, torch.Tensor], rank: int, targets: list[str] | None,
+               model: nn.Module, folder: str) -> None:
+    """The factors of a PEFT folder against the model (as transformers builds it, on the meta
+    device): a pair of the rank's shapes for each targeted projection of the blocks, none for a
+    module it lacks; ValueError naming the first that differs."""
+    from tensorpar.hf.plans import is_conv1d
+
+    blocks = _blocks(model)
+    inside = {id(m) for m in blocks.modules()} if blocks is not None else set()
+    linears = {n: m for n, m in model.named_modules()
+               if id(m) in inside and (isinstance(m, nn.Linear) or is_conv1d(m))}
+    adapted = sorted({n.rsplit(".", 2)[0] for n in factors})
+    for name in adapted:
+        if name not in linears:
+            raise ValueError(f"--lora-init {folder}: it adapts {name}, which the model does "
+                             "not have in its blocks: an adapter made for another model")
+    kinds = targets or sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    for name, m in sorted(linears.items()):
+        if name.rsplit(".", 1)[-1] not in kinds:
+            continue
+        fan_in, fan_out = (m.weight.shape[0], m.nf) if is_conv1d(m) else \
+            (m.in_features, m.out_features)
+        for factor, want in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
+            got = factors.get(f"{name}.{factor}.weight")
+            if got is None:
+                raise ValueError(f"--lora-init {folder}: no {factor} for {name}, one of its "
+                                 f"targets ({', '.join(kinds)})")
+            if tuple(got.shape) != want:
+                raise ValueError(f"--lora-init {folder}: {name}.{factor} is "
+                                 f"{tuple(got.shape)}, the model needs {want} (rank {rank}, "
+                                 f"{name} {fan_in} -> {fan_out}): an adapter made for a model "
+                                 "of another size")
 
 
 def lora_settings(manifest: dict) -> dict | None:

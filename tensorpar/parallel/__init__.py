@@ -7,8 +7,11 @@
 - ``cross_entropy``: the vocab-parallel loss (logits never gathered)
 - ``norm``, ``dropout``: LayerNorm/RMSNorm and dropout on sequence shards, the RNG streams
 - ``fused``: the overlapped column op and the in-place row reduction (opt-in performance)
-- ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``grad_sync``: gradient sums for
-  parameters several ranks hold; ``layout``: who owns which slice, the global gradient norm
+- ``expert_dispatch``: tokens to their experts and back (the all-to-all pair), split and
+  gathered over TP
+- ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``stages``: the same over layers
+  (pipeline stages) and ``check_pipeline``; ``grad_sync``: gradient sums for parameters several
+  ranks hold; ``layout``: who owns which slice, the global gradient norm
 
 Part of the core: imports ``tensorpar.runtime`` only.
 """

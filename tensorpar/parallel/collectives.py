@@ -154,6 +154,20 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> tor
     return trim_shard(out, dim, x.shape[dim], group)
 
 
+def all_to_all(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+               group: ProcessGroup | None) -> torch.Tensor:
+    """Rank r sends rows ``[sum(send_sizes[:s]), +send_sizes[s])`` of ``x`` to rank s and
+    receives ``recv_sizes[s]`` rows from each rank s, concatenated in rank order, in a fresh
+    tensor (uneven sizes allowed: each rank's ``recv_sizes`` are the others' ``send_sizes`` to
+    it)."""
+    x = x.contiguous()
+    if is_compiling():
+        return funcol.all_to_all_single(x, recv_sizes, send_sizes, _pg(group))
+    out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv_sizes, send_sizes, group=group)
+    return out
+
+
 def exchange_sizes(size: int, group: ProcessGroup | None, device: torch.device) -> list[int]:
     """Every rank's ``size``, in rank order (one all-gather of an int64 per rank)."""
     mine = torch.tensor([size], dtype=torch.int64, device=device)

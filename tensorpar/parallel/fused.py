@@ -27,6 +27,11 @@ The matmuls themselves stay separate: concatenating the weights into one GEMM wa
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
+LoRA's replicated factor A can be one more weight of the op (``partial``): each rank's gradient
+of its product is then a part of the whole, and travels in the input gradient's all-reduce,
+beside sum_i dy_i W_i, so that A's gradient comes out whole (``_grads_with_partials``,
+``parallel/lora.py``).
+
 Under ``torch.compile`` a traced backward would wait for each functional collective at once, so
 the backward is one custom op (``tensorpar::column_backward``) that runs the eager code above.
 
@@ -74,7 +79,7 @@ class _FusedColumn(torch.autograd.Function):
     reduce-scatter) of the input gradient, overlapped with the weight-gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes, keep_gathered, has_bias, *weights_and_biases):
+    def forward(ctx, x, group, sizes, keep_gathered, has_bias, partial, *weights_and_biases):
         weights, biases = _split_params(has_bias, weights_and_biases)
         n = tp_size(group)
         sp = sizes is not None  # the sequence shard sizes, under SP with n > 1
@@ -87,6 +92,7 @@ class _FusedColumn(torch.autograd.Function):
         # the shard, cast like x_full: gathering the cast shard gives the cast x_full exactly
         ctx.save_for_backward(cast(x) if ctx.regather else x_full, *weights)
         ctx.group, ctx.sizes, ctx.n, ctx.has_bias = group, sizes, n, has_bias
+        ctx.partial = partial
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
@@ -94,23 +100,27 @@ class _FusedColumn(torch.autograd.Function):
         x_saved, *weights = ctx.saved_tensors
         # what autograd wants (the same on every rank): no dW for a frozen weight, no dx (nor
         # its collective) for an input that needs none, as the plain path's autograd skips them
-        need_dx, need = ctx.needs_input_grad[0], ctx.needs_input_grad[5:5 + len(weights)]
+        need_dx, need = ctx.needs_input_grad[0], ctx.needs_input_grad[6:6 + len(weights)]
         if ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
             got = iter(column_backward(list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape,
                                        ctx.sizes or [], ctx.regather, group_name(ctx.group),
-                                       need_dx, list(need)))
+                                       need_dx, list(need), ctx.partial))
             dx, dws = next(got) if need_dx else None, [next(got) if k else None for k in need]
         else:
             dx, dws = _column_grads(dys, x_saved, weights, ctx.x_dtype, ctx.sizes, ctx.regather,
-                                    ctx.group, need_dx, need)
-        return (dx, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
+                                    ctx.group, need_dx, need, ctx.partial)
+        return (dx, None, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
 
 
-def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need):
+def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need,
+                  partial=0):
     """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
     sizes (None without SP); regather: x_saved is this rank's shard, to gather again; need_dx,
-    need[i]: whether dx and dW_i are wanted (None in their place when not)."""
+    need[i]: whether dx and dW_i are wanted (None in their place when not); partial: the last
+    weights are replicated factors whose output gradients are partial sums (``fused_column``)."""
     n, regather = tp_size(group), regather and any(need)  # no dW wanted: nothing to gather
+    if partial and n > 1:
+        return _grads_with_partials(dys, x_saved, weights, x_dtype, group, need, partial)
     if not need_dx:
         x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather else x_saved
         return None, _weight_grads(dys, x_full, need)
@@ -178,19 +188,22 @@ _CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", Non
 @torch.library.custom_op("tensorpar::column_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def column_backward(dys: list[torch.Tensor], x_saved: torch.Tensor, weights: list[torch.Tensor],
                     x_dtype: torch.dtype, x_shape: list[int], sizes: list[int], regather: bool,
-                    group: str, need_dx: bool, need: list[bool]) -> list[torch.Tensor]:
+                    group: str, need_dx: bool, need: list[bool],
+                    partial: int) -> list[torch.Tensor]:
     """[dx, dW_i, ...]: ``_column_grads`` for compiled graphs (sizes: [] without SP), over the
     group named ``group``; dx if ``need_dx``, dW_i where ``need[i]``; bias gradients are the
     caller's. The inputs are cast already (forward did), so autocast is off inside: the dtypes
-    are the fake's."""
+    are the fake's. Outputs that share a buffer (``partial``) are copied apart: a custom op's
+    outputs may not alias."""
     with torch.autocast(x_saved.device.type, enabled=False):
         dx, dws = _column_grads(dys, x_saved, weights, x_dtype, sizes or None, regather,
-                                _resolve_process_group(group), need_dx, need)
-        return [t for t in (dx, *dws) if t is not None]
+                                _resolve_process_group(group), need_dx, need, partial)
+        out = [t for t in (dx, *dws) if t is not None]
+        return [t.clone() for t in out] if partial else out
 
 
 @column_backward.register_fake
-def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group, need_dx, need):
+def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group, need_dx, need, partial):
     """dx of the input's shape and dtype; each dW (out_i, D) in the matmuls' dtype."""
     dx = [x_saved.new_empty(x_shape, dtype=x_dtype)] if need_dx else []
     return [*dx, *(dy.new_empty((dy.shape[-1], x_saved.shape[-1]))
@@ -207,19 +220,53 @@ def autocast_cast(device: str):
     return lambda t: None if t is None else t.to(dtype)
 
 
-def _input_grad(dys, weights, dtype) -> torch.Tensor:
-    """sum_i dy_i W_i, accumulated in one buffer (the plain path sums separate products).
+def _input_grad(dys, weights, dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_i dy_i W_i, accumulated in one buffer (the plain path sums separate products);
+    ``out``: that buffer, (N, D) for N tokens, else a new one shaped as dy.
 
     Computed in the dtype of the matmuls and returned in the input's (fp32 under bf16 autocast),
     so the collective moves what the plain path's ``f`` would."""
-    dx = torch.matmul(dys[0], weights[0]).to(dtype)
+    if out is None:
+        dx = torch.matmul(dys[0], weights[0]).to(dtype)
+    elif dys[0].dtype == dtype:
+        dx = torch.mm(dys[0].reshape(-1, dys[0].shape[-1]), weights[0], out=out)
+    else:
+        dx = out.copy_(torch.mm(dys[0].reshape(-1, dys[0].shape[-1]), weights[0]))
     dx_2d = dx.view(-1, dx.shape[-1])
     for dy, w in zip(dys[1:], weights[1:], strict=True):
         if dy.dtype == dtype:  # accumulate in place: no temporary
             dx_2d.addmm_(dy.reshape(-1, dy.shape[-1]), w)
         else:  # bf16 products summed in fp32, as the plain path's autograd sums them
-            dx.add_(torch.matmul(dy, w))
+            dx_2d.add_(torch.mm(dy.reshape(-1, dy.shape[-1]), w))
     return dx
+
+
+def _grads_with_partials(dys, x_full, weights, x_dtype, group, need, partial):
+    """(dx, [dW_i]) without SP when the last ``partial`` weights are replicated factors (LoRA's
+    A) whose output gradients dz_j are each rank's part: the dz_j travel in the input
+    gradient's all-reduce, beside the base's sum_i dy_i W_i (one flat buffer, one collective),
+    so that afterwards dx = sum_i dy_i W_i + sum_j dz_j A_j and dA_j = dz_j^T x are whole on
+    every rank: no all-reduce of A's gradients. The base's dW_i compute while it travels."""
+    k = len(weights) - partial
+    (N, D), widths = x_full.reshape(-1, x_full.shape[-1]).shape, [w.shape[0] for w in weights[k:]]
+    flat = dys[0].new_empty(N * (D + sum(widths)), dtype=x_dtype)
+    dx, dz = flat[:N * D].view(N, D), flat[N * D:].view(N, sum(widths))
+    _input_grad(dys[:k], weights[:k], x_dtype, out=dx)
+    torch.cat([dy.reshape(N, -1) for dy in dys[k:]], dim=-1, out=dz)
+    wait = start_all_reduce(flat, group)
+    dws = _weight_grads(dys[:k], x_full, need[:k])  # while the collective is in flight
+    flat = wait()  # in place in eager; a new tensor when compiled
+    dx, dz = flat[:N * D].view(N, D), flat[N * D:].view(N, sum(widths))
+    a = torch.cat(weights[k:]) if partial > 1 else weights[k]  # (R, D)
+    if a.dtype == x_dtype:
+        dx.addmm_(dz, a)
+    else:  # the matmuls' dtype (bf16 autocast), summed into the fp32 gradient
+        dx.add_(torch.mm(dz.to(a.dtype), a))
+    x_2d = x_full.reshape(N, D)
+    da = dz.to(x_2d.dtype).t().mm(x_2d) if any(need[k:]) else None  # (R, D), whole
+    das = da.split(widths) if da is not None else [None] * partial
+    dws += [d if want else None for d, want in zip(das, need[k:], strict=True)]
+    return dx.view(*dys[0].shape[:-1], D), dws
 
 
 def _weight_grads(dys, x_full, need):
@@ -247,8 +294,8 @@ def _flat_params(weights, biases, n_weights: int):
 def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
                  biases: list[torch.Tensor | None] | None = None, *,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                 keep_gathered_input: bool = False,
-                 seq_len: int | None = None) -> tuple[torch.Tensor, ...]:
+                 keep_gathered_input: bool = False, seq_len: int | None = None,
+                 partial: int = 0) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(enter_tp_region(x), w_i, b_i) for i)`` as one autograd op whose backward
     overlaps its collectives with the matmuls.
 
@@ -258,7 +305,14 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     for weights without one (or None: no biases). Returns one (B, T, out_i) tensor per weight.
     keep_gathered_input: under SP, keep the gathered (B, T, D) input for backward instead of the
     shard (no all-gather in backward; n times the memory for it).
+    partial: the last ``partial`` weights are replicated on every rank, and each rank's gradient
+    of their outputs is its part of the whole (LoRA's A: ``parallel/lora.py``); those output
+    gradients join the input gradient's all-reduce and their weight gradients come out whole.
+    Only without SP, on an input that needs a gradient (``lora.column_factors`` decides);
+    elsewhere pass 0 and sum their gradients yourself (``grad_sync.sum_grads_in_backward``).
     """
+    if partial and sequence_parallel:
+        raise ValueError("fused_column: partial weights are not taken under SP")
     if x.dim() != 3:
         raise ValueError(f"fused_column: expected activations (B, T, D), got {tuple(x.shape)}")
     try:
@@ -268,7 +322,7 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     sizes = None
     if sequence_parallel and tp_size(group) > 1:
         sizes = sequence_sizes(x, group, seq_len, "fused_column")
-    return _FusedColumn.apply(x, group, sizes, keep_gathered_input, has_bias, *tensors)
+    return _FusedColumn.apply(x, group, sizes, keep_gathered_input, has_bias, partial, *tensors)
 
 
 def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: list[torch.Tensor],

@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_row, regathering_column
 from tensorpar.parallel.grad_sync import sum_grads_in_backward
-from tensorpar.parallel.lora import has_lora, row_addend
+from tensorpar.parallel.lora import has_lora, lora_row, row_addend
 from tensorpar.parallel.mappings import (
     enter_tp_region,
     exit_tp_region,
@@ -269,7 +269,9 @@ class RowParallelLinear(_ParallelLinear):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear")
             x = scatter_to_tp(x, self.group)
-        if has_lora(self):  # the update joins the partial product before its reduction
+        if has_lora(self) and not self.sequence_parallel and tp_size(self.group) > 1:
+            y = lora_row(x, self)  # the adapter's A_i x_i rides the product's all-reduce
+        elif has_lora(self):  # the update joins the partial product before its reduction
             (b,) = sum_grads_in_backward([self.lora_B.weight], self.group)
             if self.fused and not self.sequence_parallel:
                 y = fused_row(x, self.weight, self.group, row_addend(x, self, b))

@@ -7,27 +7,38 @@ Column-parallel base (W split by output features)::
     A replicated (r, in)        z = A x          x: the layer's input inside the TP region
     B split like W's rows       y_i = W_i x + s · B_i z
 
-    A's product is one more output of the block's fused column op, so its input gradient joins
-    the base's all-reduce (or reduce-scatter) in backward: Σ_i (W_i^T dy_i + A^T B_i^T s dy_i),
-    exactly the dense input gradient. A's weight gradient on a rank is its part
-    B_i^T s dy_i x^T, so A's gradients are summed over the group in backward: one all-reduce of
-    r · in values per op (``grad_sync.sum_grads_in_backward``), the price of keeping A whole.
+    A's product z is one more output of the block's fused column op. Each rank's gradient of it,
+    dz_i = s B_i^T dy_i, is its part of the whole dz. Without SP dz_i travels in the base's
+    input-gradient all-reduce (``fused_column``'s ``partial``): after it every rank holds
+    Σ_i W_i^T dy_i and dz, so dx = Σ_i W_i^T dy_i + A^T dz is the dense input gradient and
+    dA = dz x^T is whole: no collective of A's own. Under SP (each rank's dA is over its tokens),
+    and where the input needs no gradient (the first block's, the embedding frozen), A's product's
+    gradient joins the input gradient's reduce-scatter as in the plain op and A's gradients are
+    summed over the group in backward: one all-reduce of r · in values per op
+    (``grad_sync.sum_grads_in_backward``).
 
 Row-parallel base (W split by input features)::
 
     A split like W's columns    z_i = A_i x_i    (a partial sum of z = A x)
     B replicated (out, r)       y = g(W_i x_i + s · B z_i)
 
-    B z_i is added to the partial product before the reduction, and the sum of the B z_i is
-    B z: the update rides on the base's all-reduce (or reduce-scatter). B's weight gradient on a
-    rank is s · dy z_i^T, a part of s · dy z^T, so B's gradients are summed in backward: one
-    all-reduce of out · r values.
+    Without SP z_i travels in the base's forward all-reduce, beside the partial product
+    (``lora_row``: one flat buffer, one collective), and the update s · B z is added after it:
+    B's gradient s · dy z^T and z's, s B^T dy, are then whole on every rank, and A_i's,
+    dz x_i^T, is its columns of the dense one; backward is local. Under SP B z_i is added to the
+    partial product before its reduce-scatter, and the sum of the B z_i is B z; B's weight
+    gradient on a rank is s · dy_r z_r^T over its tokens, so B's gradients are summed in
+    backward: one all-reduce of out · r values.
 
-So LoRA adds no collective on activations; it adds one all-reduce of the replicated factor's
-gradient per adapted op (A for a block's column op, B for each row layer), r/(B·T) of the
-activations' size. Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform,
-a = sqrt(5)) drawn dense from a generator seeded by the layer's name, B zeros; so every TP size
-starts from the same adapter.
+So LoRA adds no collective without SP: z (r values a token) rides each row layer's forward
+all-reduce and dz each column op's input-gradient all-reduce; only a column op whose input
+needs no gradient (the first block's attention) sums its A's gradients in one all-reduce of its
+own. Under SP it adds one all-reduce of the replicated factor's gradient per adapted op (A for
+a block's column op, B for each row layer), r/(B·T) of the activations' size.
+
+Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform, a = sqrt(5)) drawn dense
+from a generator seeded by the layer's name, B zeros; so every TP size starts from the same
+adapter.
 
 Dropout (PEFT's ``lora_dropout``: ``B A dropout(x)``, a mask of its own per adapted layer)::
 
@@ -54,7 +65,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.parallel.collectives import start_all_reduce
 from tensorpar.parallel.dropout import dropout_mask
+from tensorpar.parallel.fused import autocast_cast
 from tensorpar.parallel.grad_sync import sum_grads_in_backward
 from tensorpar.parallel.mappings import enter_tp_region
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
@@ -182,6 +195,72 @@ def column_update(y: torch.Tensor, z: torch.Tensor, layer: nn.Module,
     # one addmm: y + s · z B^T, with no pass over y for the scale
     return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
                        alpha=layer.lora_scale).view(y.shape)
+
+
+def column_factors(layers: list[nn.Module], x: torch.Tensor, group: ProcessGroup | None,
+                   sequence_parallel: bool) -> tuple[list[torch.Tensor], int]:
+    """The A factors of the column ``layers`` as more weights of their fused column op on ``x``,
+    and how many of them it takes as ``partial`` (``fused.fused_column``): all of them without
+    SP on an input that needs a gradient (their products' gradients ride the input gradient's
+    all-reduce), else none, their gradients then summed by one all-reduce of their own."""
+    factors = [c.lora_A.weight for c in layers]
+    if not sequence_parallel and tp_size(group) > 1 and x.requires_grad \
+            and torch.is_grad_enabled():
+        return factors, len(factors)
+    return sum_grads_in_backward(factors, group), 0
+
+
+class _LoRARow(torch.autograd.Function):
+    """forward: the row-parallel matmul and the adapter's z_i = A_i x_i, all-reduced together
+    (one flat buffer), then y = P + s · z B^T; backward: local (z's and B's gradients are whole,
+    A_i's is its columns of the dense one)."""
+
+    @staticmethod
+    def forward(ctx, x, x_a, weight, a, b, scale, group):
+        cast = autocast_cast(x.device.type)  # what autocast's linears would compute
+        ctx.x_dtype, ctx.scale = x.dtype, scale
+        x, weight, a, b = cast(x), cast(weight), cast(a), cast(b)
+        x_a = x if x_a is None else cast(x_a)  # the adapter's input: x, or x dropped
+        x_2d = x.reshape(-1, x.shape[-1])
+        (N, out), r = (x_2d.shape[0], weight.shape[0]), a.shape[0]
+        flat = x_2d.new_empty(N * (out + r))  # (N, out) partial product, then (N, r) z_i
+        torch.mm(x_2d, weight.t(), out=flat[:N * out].view(N, out))
+        torch.mm(x_a.reshape(N, -1), a.t(), out=flat[N * out:].view(N, r))
+        flat = start_all_reduce(flat, group)()  # in place (eager)
+        z = flat[N * out:].view(N, r).clone()  # (a view would keep the product for backward)
+        y = torch.addmm(flat[:N * out].view(N, out), z, b.t(), alpha=scale)
+        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, x_a, weight, a, b, z)
+        ctx.own_input = ctx.needs_input_grad[1]  # x_a is a tensor of its own
+        return y.view(*x.shape[:-1], out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, x_a, weight, a, b, z = ctx.saved_tensors
+        need_dx, need_dxa, need_dw, need_da, need_db = ctx.needs_input_grad[:5]
+        dy_2d = dy.reshape(-1, dy.shape[-1])
+        dz = dy_2d.mm(b) * ctx.scale  # (N, r), whole: s B^T dy
+        db = dy_2d.t().mm(z) * ctx.scale if need_db else None
+        da = dz.t().mm(x_a.reshape(dz.shape[0], -1)) if need_da else None
+        dx = dxa = None
+        if need_dx:
+            dx = dy_2d.mm(weight).to(ctx.x_dtype)
+            if not ctx.own_input:  # the adapter's input is x: its gradient joins dx
+                dx = dx.addmm_(dz, a) if a.dtype == dx.dtype else dx.add_(dz.mm(a))
+            dx = dx.view(*dy.shape[:-1], -1)
+        if need_dxa:
+            dxa = dz.mm(a).view(*dy.shape[:-1], -1).to(ctx.x_dtype)
+        dw = dy_2d.t().mm(x.reshape(dy_2d.shape[0], -1)) if need_dw else None
+        return dx, dxa, dw, da, db, None, None
+
+
+def lora_row(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """The reduced output of row ``layer`` (a ``RowParallelLinear`` with an adapter, without SP)
+    for its input shard ``x`` (..., in_i): sum_i W_i x_i + s · B A x, the adapter's z_i riding
+    the product's all-reduce (``_LoRARow``); x_i with its part of the dense mask for the
+    adapter when it drops."""
+    x_a = dropped_input(x, layer, layer.group) if drops(layer) else None
+    return _LoRARow.apply(x, x_a, layer.weight, layer.lora_A.weight, layer.lora_B.weight,
+                          layer.lora_scale, layer.group)
 
 
 def row_addend(x: torch.Tensor, layer: nn.Module, b: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, dense_shape
+from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor, local_part
 from tensorpar.runtime.groups import tp_rank, tp_size
 
@@ -121,14 +122,18 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
     each rank holds 1/dp of its TP shard's gradient, so the sum is all-reduced over ``dp_group``
     too. DDP's gradients are whole (the same on every dp rank): no second all-reduce.
     pp_group: with pipeline stages, each rank holds its stages' parameters alone, so the sum is
-    all-reduced over the pipeline too.
+    all-reduced over the pipeline too; a stage's copy of another stage's parameter (a tied
+    table on the last stage, ``stages.mark_stage_copy``) is counted once, by the other.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    copies = {name for name, p in model.named_parameters() if is_stage_copy(p)}
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     dp_sharded = False
     for name, g in grads:
+        if name in copies:  # another stage's parameter too: counted there, scaled here
+            continue
         if is_dtensor(g):
             dp_sharded = True
             g = _owned_dp_local(ownership, name, g, rank)
@@ -173,7 +178,8 @@ def _owned_dp_local(ownership: ShardOwnership, name: str, g, rank: int) -> torch
         g.device_mesh.get_group()) == 0 else None
 def rank_sizes(model: nn.Module, ownership: ShardOwnership) -> dict[str, int]:
     """Elements this rank holds (of an FSDP2 DTensor, its own piece), and the dense model's
-    element count."""
+    element count (of its part, another stage's parameters left out)."""
     local = sum(local_part(p).numel() for p in model.parameters())
-    dense = sum(ownership.numel(name) for name in ownership.shapes)
+    dense = sum(ownership.numel(name) for name, p in model.named_parameters()
+                if not is_stage_copy(p))  # a tied table's copy: the first stage's counts
     return {"local": local, "dense": dense}

@@ -7,6 +7,6 @@ search for a layout of ranks that fits (``search``), a training run's expected n
 (``expected``), the measured peak (``meter``) and the tables (``report``). ``tensorpar plan`` is
 ``tensorpar/cli/plan.py``.
 
-Imports the core only: it reasons about a ``ModelShape``, never a model class (tensorpar's GPT
-describes itself in ``tensorpar/gpt/shape.py``).
+Imports the core only: it reasons about a ``ModelShape``, never a model class (the trainer
+describes tensorpar's GPT in ``tensorpar/train/shape.py``).
 """

@@ -22,6 +22,11 @@ tokens, width D, TP size t > 1::
     SP norms    backward: 1 all-reduce of each norm's weight gradient (2 per block + final)
     shared KV   backward: 1 all-reduce per block of the dense K and V weight gradient (fp32),
                 when some KV head is held by several ranks (fewer KV heads than ranks)
+    LoRA        ``lora`` (``lora_sites``): the base frozen, so no weight gradient of its own is
+                summed (SP norms, row biases, shared KV, the embedding's backward), no
+                column op re-gathers its input under SP unless it holds an adapter, and the
+                first block's column ops before its first adapter take no input gradient
+                (the embedding's output needs none); the adapters' own terms: ``lora_rows``
     recompute   each block's forward runs again in backward up to its last saved tensor: the
                 attention's exit and the MLP's entry (SP: all-gather) run again, not the MLP's
                 exit (non-reentrant checkpointing stops once every saved tensor is recomputed;
@@ -95,9 +100,10 @@ class _TPRows:
                           "bytes": calls * payload,
                           "ring_bytes": calls * round(payload * ring_share(kind, self.t))})
 
-    def exit_region(self, source: str, phase: str, calls: int, dtype_bytes: int) -> None:
+    def exit_region(self, source: str, phase: str, calls: int, dtype_bytes: int,
+                    extra: int = 0) -> None:
         self.add(source, phase, "reduce_scatter" if self.sp else "all_reduce", calls,
-                 self.act * dtype_bytes)
+                 self.act * dtype_bytes + extra)
 
     def exit_backward(self, source: str, calls: int, dtype_bytes: int) -> None:
         if self.sp:  # the reduce-scatter's backward all-gathers the gradient
@@ -107,9 +113,9 @@ class _TPRows:
         if self.sp:  # all-gather of the normed activations
             self.add(source, phase, "all_gather", calls, self.act * self.res_b)
 
-    def enter_backward(self, source: str, calls: int) -> None:
+    def enter_backward(self, source: str, calls: int, extra: int = 0) -> None:
         self.add(source, "backward", "reduce_scatter" if self.sp else "all_reduce", calls,
-                 self.act * self.res_b)
+                 self.act * self.res_b + extra)
 
     def regather(self, source: str, calls: int) -> None:
         if self.sp and self.regather_input:  # the kept shard, cast to the matmuls' dtype
@@ -119,7 +125,8 @@ class _TPRows:
 def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
                    recompute: str = "none", keep_gathered_input: bool = False,
-                   passes: int = 1, bf16_params: bool = False) -> dict:
+                   passes: int = 1, bf16_params: bool = False,
+                   lora: dict | None = None) -> dict:
     """Collectives of one step of tensorpar's GPT of ``shape`` (forward, backward, grad norm).
 
     keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
@@ -127,7 +134,7 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     passes of the step (gradient accumulation), ``batch`` sequences each: their collectives
     are made once a pass, the gradient norm's once a step. bf16_params: the model computes with
     bf16 copies of its weights (FSDP2's mixed precision; with dtype "bf16"): see the module
-    docstring.
+    docstring. lora: LoRA fine-tuning of a converted Hugging Face model (``lora_sites``).
 
     Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
@@ -145,35 +152,136 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
         r.add("embedding", "forward", "all_reduce", 1, N * D * res_b)
     else:
         r.exit_region("embedding", "forward", 1, res_b)
-    r.exit_backward("embedding", 1, res_b)  # the split's backward all-gathers as a scatter's
+    if lora is None or lora["input_grad"]:  # the split's backward all-gathers as a scatter's
+        r.exit_backward("embedding", 1, res_b)
+    ride = {p: lora_riding(lora, p, N, out_b, res_b) if lora and not sp else (0, 0)
+            for p in ("attention", "mlp")}
     for part in ("attention", "mlp"):
+        # LoRA: the first block's ops before its first adapter take no input gradient, and
+        # without SP the adapters' z and dz ride the rows' and columns' all-reduces
+        first = lora["first_block"][part] if lora else {"dx": True, "dy": True}
         r.enter_region(f"{part} (x{L} blocks)", "forward", L)
-        r.exit_region(f"{part} (x{L} blocks)", "forward", L, out_b)
-        r.enter_backward(f"{part} (x{L} blocks)", L)
-        r.regather(f"{part} input re-gather (x{L} blocks)", L)
-        r.exit_backward(f"{part} (x{L} blocks)", L, out_b)
+        r.exit_region(f"{part} (x{L} blocks)", "forward", L, out_b, ride[part][0])
+        r.enter_backward(f"{part} (x{L} blocks)", L - (not first["dx"]), ride[part][1])
+        if lora is None or (lora["columns"][part] and not lora["dropout"]):  # A's gradient
+            r.regather(f"{part} input re-gather (x{L} blocks)", L)
+        r.exit_backward(f"{part} (x{L} blocks)", L - (not first["dy"]), out_b)
     if recompute == "full":
         r.enter_region("recompute: attention", "backward", L)
-        r.exit_region("recompute: attention", "backward", L, out_b)
+        r.exit_region("recompute: attention", "backward", L, out_b, ride["attention"][0])
         r.enter_region("recompute: mlp entry", "backward", L)
-        if shape.recompute_block_exit:
-            r.exit_region("recompute: mlp exit", "backward", L, out_b)
+        # LoRA under SP: the row layer's last saved tensors (A's input, z) come before its
+        # reduce-scatter, so the recompute stops short of it (measured on a Llama)
+        if shape.recompute_block_exit and not (sp and lora is not None):
+            r.exit_region("recompute: mlp exit", "backward", L, out_b, ride["mlp"][0])
     r.enter_region("LM head f", "forward", 1)
     r.enter_backward("LM head f", 1)
-    r.regather("LM head input re-gather", 1)
+    if lora is None:  # a frozen head: no weight gradient, nothing to gather again
+        r.regather("LM head input re-gather", 1)
     r.add("loss statistics", "forward", "all_gather", 1, 2 * t * N * 4)
-    if sp:
+    if sp and lora is None:
         norm_elems = D * (2 if shape.norm == "layer" else 1)
         r.add(f"norm weight grads (x{2 * L + 1})", "backward", "all_reduce", 2 * L + 1,
               norm_elems * res_b)
         if shape.bias:
             r.add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * res_b)
-    if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
+    if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2] and lora is None:
         kv = 2 * shape.n_kv_head * shape.head_dim * (D + (shape.bias or shape.qkv_bias))
         r.add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * res_b)
+    if lora is not None:
+        lora_rows(r.add, lora, shape, batch, seq, t, sp, recompute, out_b, res_b)
     r.add("grad norm", "step", "all_reduce", 1, 4)
     minimum = 2 * L * N * D * (out_b + res_b)
     return totals(r.rows) | {"minimum_block_bytes": minimum if t > 1 else 0}
+
+
+def lora_sites(shape: ModelShape, r: int, targets: str | None = None,
+               dropout: bool = False, input_grad: bool = False) -> dict:
+    """LoRA of rank ``r`` on the block projections ``targets`` (``--lora-targets``, Hugging
+    Face names; None: every projection) as the communication count sees it: per block the
+    adapted column layers of the attention's and the MLP's column op (``columns``), whether
+    their row layers are adapted (``rows``), the k and v adapters (``kv``: their B's rows are
+    shared by ranks where KV heads are), whether the adapters drop their input, and which of
+    the first block's ops take a gradient (``first_block``: the input gradient of its column
+    op, "dx"; its row output's, "dy"), the embedding being frozen; ``input_grad``: its output
+    takes a gradient all the same (transformers' gradient checkpointing makes it require one,
+    ``enable_input_require_grads``: the trainer's ``--recompute``)."""
+    gpt2 = shape.learned_pos > 0  # GPT-2's Conv1D: c_attn (q, k, v in one), c_fc, c_proj
+    if gpt2:
+        sites = {"c_attn": [("attention", "column")], "c_fc": [("mlp", "column")],
+                 "c_proj": [("attention", "row"), ("mlp", "row")]}
+    else:
+        sites = {name: [(part, "column")] for part, names in
+                 (("attention", ("q_proj", "k_proj", "v_proj")),
+                  ("mlp", ("gate_proj", "up_proj") if shape.gated_mlp else ("up_proj",)))
+                 for name in names} | {"o_proj": [("attention", "row")],
+                                       "down_proj": [("mlp", "row")]}
+    chosen = list(sites) if targets is None else [t.strip() for t in targets.split(",")]
+    columns, rows = {"attention": 0, "mlp": 0}, {"attention": False, "mlp": False}
+    for name in chosen:
+        for part, kind in sites.get(name, []):
+            if kind == "column":
+                columns[part] += 1
+            else:
+                rows[part] = True
+    first, grad = {}, input_grad  # whether the residual stream needs a gradient yet
+    for part in ("attention", "mlp"):
+        first[part] = {"dx": grad, "dy": grad or bool(columns[part]) or rows[part]}
+        grad = first[part]["dy"]
+    kv = 0 if gpt2 else sum(name in chosen for name in ("k_proj", "v_proj"))
+    return {"r": r, "columns": columns, "rows": rows, "kv": kv, "dropout": dropout,
+            "first_block": first, "input_grad": input_grad}
+
+
+def lora_riding(lora: dict, part: str, N: int, out_b: int, res_b: int) -> tuple[int, int]:
+    """Without SP, the bytes LoRA's ``part`` (attention or MLP) adds to the base's collectives
+    of a block: z (N x r, the matmuls' dtype) in the row layer's forward all-reduce, and the
+    column adapters' dz (N x r each, the input gradient's dtype) in the column op's
+    input-gradient all-reduce, unless the adapters drop (A then leaves the op)."""
+    z = N * lora["r"] * out_b if lora["rows"][part] else 0
+    dz = 0 if lora["dropout"] else N * lora["r"] * lora["columns"][part] * res_b
+    return z, dz
+
+
+def lora_rows(add, lora: dict, shape: ModelShape, batch: int, seq: int, t: int, sp: bool,
+              recompute: str, out_b: int, res_b: int) -> None:
+    """The collectives of LoRA's own (``parallel/lora.py``) through ``add`` (predicted_comm's),
+    beyond what rides the base's (``lora_riding``): per block,
+
+        without SP   a column op whose input takes no gradient (the first block's first):
+                     one all-reduce of its A's gradients (R x D); with dropout, each column
+                     op's dz instead, (N x R) in the matmuls' dtype, through f's all-reduce
+        under SP     each adapted column op: one all-reduce of its A's gradients; each adapted
+                     row layer: one of its B's (D x r); with dropout, each column op's z
+                     all-gathered (forward, and again when recomputed) and its dz
+                     reduce-scattered, (N x R) padded as the activations
+        shared KV    where ranks share KV heads, one all-reduce of the k and v adapters' dense
+                     B (their rows summed over the ranks holding them)
+    """
+    L, D, r = shape.n_layer, shape.dim, lora["r"]
+    N, padded = batch * seq, batch * (t * -(-seq // t) if sp else seq)
+    drop = lora["dropout"]
+    for part in ("attention", "mlp"):
+        R = r * lora["columns"][part]
+        if R and drop:
+            if sp:
+                add(f"LoRA {part} z (x{L} blocks)", "forward", "all_gather", L,
+                    padded * R * out_b)
+                add(f"LoRA {part} dz (x{L} blocks)", "backward", "reduce_scatter", L,
+                    padded * R * out_b)
+                if recompute == "full":
+                    add(f"recompute: LoRA {part} z", "backward", "all_gather", L,
+                        padded * R * out_b)
+            else:
+                add(f"LoRA {part} dz (x{L} blocks)", "backward", "all_reduce", L, N * R * out_b)
+        own = L if sp else 0 if drop else int(not lora["first_block"][part]["dx"])
+        if R and own:
+            add(f"LoRA {part} A grads (x{own})", "backward", "all_reduce", own, R * D * res_b)
+        if sp and lora["rows"][part]:
+            add(f"LoRA {part} B grads (x{L})", "backward", "all_reduce", L, D * r * res_b)
+    if lora["kv"] and head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
+        kv = lora["kv"] * shape.n_kv_head * shape.head_dim * r
+        add(f"LoRA shared KV B grads (x{L})", "backward", "all_reduce", L, kv * res_b)
 
 
 def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,

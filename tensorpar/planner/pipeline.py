@@ -18,8 +18,8 @@ micro-batch (``tp_plan.step_memory`` at its batch; ``micro_batch_pieces``):
 - weights, gradients, AdamW states: those of the rank's blocks, plus the embedding (and a
   learned position table) on the rank of stage 0, the final norm and the head on the rank of
   stage S - 1 (``stage_tensors``); under FSDP2 each rank's 1/dp share, as
-  ``data_parallel.py`` counts it. A tied head cannot be cut from its embedding (the trainer
-  refuses ``--pp`` with tied embeddings, and so does the planner).
+  ``data_parallel.py`` counts it. A tied head is a copy of the embedding table on the rank of
+  stage S - 1 (weights, gradients and AdamW states there too).
 - activations, per micro-batch of a stage: its blocks' kept tensors (``block``), the
   embedding's output, ids and mask on stage 0 (``embedding``), the final norm's, head's and
   loss's on stage S - 1 (``tail``), and once per rank the rotary tables (``rope``).
@@ -48,7 +48,8 @@ P = 1 with one micro-batch is ``tp_plan.plan_memory``'s row itself.
 forward and one gradient backward, (micro, T, D) fp32 each (T/tp tokens under sequence
 parallelism: each TP rank sends its own shard to the same TP rank of the next stage); a step
 makes 2·m·(S - 1) sends; rank k sends m·(V - [k = P-1]) activations and m·(V - [k = 0])
-gradients.
+gradients. A tied table adds, on the first and the last rank, one all-reduce of its gradient
+(the rank's shard of it) over the two (``tied_sync``).
 
 The search over (tp, pp, dp) layouts that fit a number of devices is ``search.py``.
 """
@@ -57,7 +58,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.parallel.sharding import shard_range, shard_sizes
+from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.parallel.stages import check_pipeline, rank_stages, stage_blocks
 from tensorpar.planner.activations import rank_shapes
 from tensorpar.planner.comm import predicted_comm, totals
 from tensorpar.planner.data_parallel import (
@@ -74,48 +76,6 @@ from tensorpar.planner.tp_plan import check_shape, check_step, plan_memory, step
 from tensorpar.runtime.counting import ring_share
 
 ACTIVATION_BYTES = 4  # the residual stream between stages: fp32, as the trainer declares it
-
-
-def stage_blocks(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each of ``stages`` stages: consecutive, as ``torch.tensor_split`` cuts
-    ``n_layer`` (sizes differ by at most one, the larger first)."""
-    return [range(*shard_range(n_layer, stages, s)) for s in range(stages)]
-
-
-def rank_stages(pp: int, virtual: int, rank: int) -> list[int]:
-    """The stages pipeline rank ``rank`` runs: rank, rank + pp, ... (torch's loop placement)."""
-    return [rank + k * pp for k in range(virtual)]
-
-
-def check_pipeline(shape: ModelShape, pp: int, virtual: int, micro_batches: int,
-                   per_copy: int) -> None:
-    """ValueError, naming the flags and numbers, for a pipeline the trainer or torch's schedules
-    refuse: ``per_copy`` sequences per dp copy, split into ``micro_batches``."""
-    for flag, value in (("--pp", pp), ("--pp-virtual", virtual),
-                        ("--micro-batches", micro_batches)):
-        if value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
-    if per_copy % micro_batches:
-        raise ValueError(f"--micro-batches {micro_batches} does not divide the {per_copy} "
-                         "sequences of each data-parallel copy (--batch / --dp)")
-    if pp == 1:
-        if virtual > 1:
-            raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
-        return
-    if shape.tie_embeddings:
-        raise ValueError(f"--pp {pp}: {shape.name} ties its head to its embedding, which "
-                         "--pp puts on different stages (tensorpar train refuses it too)")
-    if pp * virtual > shape.n_layer:
-        raise ValueError(f"--pp {pp} x --pp-virtual {virtual} = {pp * virtual} stages, but "
-                         f"{shape.name} has {shape.n_layer} blocks: each stage needs one")
-    if micro_batches < pp:
-        raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step (1F1B keeps "
-                         f"every stage busy only then), got --micro-batches {micro_batches}")
-    rounds = max(1, micro_batches // pp)
-    if virtual > 1 and micro_batches % rounds:
-        raise ValueError(f"--pp-virtual {virtual}: torch's interleaved schedule runs the "
-                         f"{micro_batches} micro-batches in {rounds} rounds; make "
-                         f"--micro-batches a multiple of --pp {pp}")
 
 
 def p2p(pp: int, virtual: int, micro_batches: int, rank: int, micro: int, seq: int,
@@ -141,6 +101,27 @@ def step_transfers(pp: int, virtual: int, micro_batches: int, rank: int, micro: 
     n = sent["activations"] + sent["gradients"]
     return {"counts": {"send": n, "recv": n, "all_reduce": 2},
             "bytes": {"send": sent["bytes"], "recv": sent["bytes"], "all_reduce": 8}}
+
+
+def tied_sync(step: Step, rank: int, tp_rank: int = 0) -> dict:
+    """The tied table's gradient sum on pipeline rank ``rank`` (TP rank ``tp_rank``, dp rank 0)
+    in ``step``, as ``step_transfers`` counts: one all-reduce over the embedding group (the
+    first and the last pipeline rank) of its (vocab / tp, D) shard's gradient, its dp rank's
+    chunk of rows under FSDP2; nothing on a middle rank, for an untied head or without a
+    pipeline."""
+    shape, pp = step.shape, step.pp
+    if pp == 1 or not shape.tie_embeddings or rank not in (0, pp - 1):
+        return {"counts": {}, "bytes": {}}
+    rows = shard_sizes(shape.vocab_size, step.tp)[tp_rank]
+    rows = -(-rows // step.dp) if step.fsdp else rows  # FSDP2's first chunk
+    grad_bytes = _dtype_bytes(step.dtype)[0]
+    return {"counts": {"all_reduce": 1}, "bytes": {"all_reduce": rows * shape.dim * grad_bytes}}
+
+
+def add_transfers(a: dict, b: dict) -> dict:
+    """Two counts ({"counts": {kind: calls}, "bytes": {kind: payload}}) added."""
+    return {k: {kind: a[k].get(kind, 0) + b[k].get(kind, 0) for kind in a[k].keys() | b[k].keys()}
+            for k in ("counts", "bytes")}
 
 
 def micro_batch_pieces(step: Step) -> dict:
@@ -179,10 +160,13 @@ def micro_batch_pieces(step: Step) -> dict:
 def stage_tensors(shape: ModelShape, tp: int, first: bool, last: bool) -> dict:
     """TP rank 0's parameter tensors (name, dim 0, elements per row) of a pipeline rank: "root"
     (the embedding and a position table if it holds stage 0, the final norm and the head if it
-    holds the last) and "block" (one block's, as ``data_parallel.tensor_shapes``)."""
+    holds the last: a tied head is a copy of the embedding table) and "block" (one block's, as
+    ``data_parallel.tensor_shapes``)."""
     t = tensor_shapes(shape, tp, 0)
+    tied = last and shape.tie_embeddings  # the last stage's head: a copy of the table
     root = [x for x in t["root"] if (first and x[0].startswith(("embed.", "pos.")))
-            or (last and x[0].startswith(("norm.", "lm_head.")))]
+            or (last and x[0].startswith(("norm.", "lm_head.")))
+            or (tied and not first and x[0].startswith("embed."))]
     return {"root": root, "block": t["block"]}
 
 
@@ -395,7 +379,10 @@ def plan_pipeline(step: Step, device_memory: float | None = None,
     ``step.batch`` is the step's, split over dp copies and then into its micro-batches."""
     check_step(step)
     pp, virtual, m = step.pp, step.virtual, step.micro_batches
-    check_pipeline(step.shape, pp, virtual, m, step.batch // step.dp)
+    if m >= 1 and (step.batch // step.dp) % m:
+        raise ValueError(f"--micro-batches {m} does not divide the {step.batch // step.dp} "
+                         "sequences of each data-parallel copy (--batch / --dp)")
+    check_pipeline(pp, virtual, step.shape.n_layer, m)
     check_shape(step)
     S = pp * virtual
     usable = None if device_memory is None else round(device_memory * (1 - reserve))
@@ -414,7 +401,8 @@ def plan_pipeline(step: Step, device_memory: float | None = None,
         sent = p2p(pp, virtual, m, rank, step.micro, step.seq, step.shape.dim, step.tp,
                    step.sequence_parallel)
         sends.append(sent)
-        comm.append({"tp": sum(tp_c["ring_bytes"].values()), "pp": sent["bytes"],
+        tied = tied_sync(step, rank)["bytes"].get("all_reduce", 0)
+        comm.append({"tp": sum(tp_c["ring_bytes"].values()), "pp": sent["bytes"] + tied,
                      "dp": sum(dp_c["ring_bytes"].values()), "tp_counts": tp_c["counts"],
                      "dp_counts": dp_c["counts"]})
     worst = max(stages, key=lambda r: r["total"])

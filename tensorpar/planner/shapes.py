@@ -3,8 +3,8 @@
 A ``ModelShape`` describes a decoder-only transformer by its sizes only (nothing is built). It
 comes from a preset (the published shapes of GPT-2 and Llama 2/3) or a Hugging Face
 ``config.json`` dict (Llama, Mistral, Qwen2 and GPT-2 keys; plain json, no transformers).
-tensorpar's own GPT describes itself (``tensorpar/gpt/shape.py``): the planner knows no model
-class.
+the trainer describes tensorpar's own GPT (``tensorpar/train/shape.py``): the planner knows no
+model class.
 """
 
 from __future__ import annotations

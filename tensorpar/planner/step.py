@@ -33,6 +33,7 @@ class Lora:
     rank: int
     targets: str | None = None
     base_dtype: str = "fp32"
+    dropout: float = 0.0  # on the adapters' input (``--lora-dropout``, PEFT's lora_dropout)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Step:
         dp = cfg.dp or 1
         per_copy = cfg.batch_size // dp
         lora = None if cfg.lora_rank is None else Lora(cfg.lora_rank, cfg.lora_targets,
-                                                         cfg.base_dtype)
+                                                         cfg.base_dtype, cfg.lora_dropout)
         return cls(shape, tp=cfg.tp, batch=cfg.batch_size, seq=cfg.seq_len,
                    dtype="bf16-autocast" if cfg.dtype == "bf16" else "fp32",
                    sequence_parallel=cfg.sequence_parallel,

@@ -38,6 +38,7 @@ KIND_OF_OP = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
     "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",

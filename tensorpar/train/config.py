@@ -71,9 +71,13 @@ class TrainConfig:
         "help": "with --val-data: the first K batches of --batch-size windows",
         "default": "all of them"})
     pack: bool = dataclasses.field(default=False, metadata={
-        "help": "with chat or instruction examples (--data FILE.jsonl) and --hf: several "
+        "help": "with chat or instruction examples (--data FILE.jsonl): several "
                 "examples in each sequence, positions restarting at each and attention "
                 "confined to it, instead of one padded example a sequence"})
+    skip_bad_examples: bool = dataclasses.field(default=False, metadata={
+        "help": "with examples (--data or --val-data FILE.jsonl): skip a malformed record (no "
+                "content, an unknown role, no answer) and count it in the summary, instead of "
+                "stopping at its line"})
     lora_rank: int | None = dataclasses.field(default=None, metadata={
         "help": "with --hf: train LoRA adapters of this rank on the blocks' projections, split "
                 "with them over --tp, the model frozen; only the adapters are in the optimizer, "
@@ -201,6 +205,19 @@ def check_pipeline_flags(cfg: TrainConfig) -> None:
             raise ValueError(f"--pp with --{flag.replace('_', '-')} is not supported yet")
     if cfg.lora_rank is not None or cfg.lora_init is not None:
         raise ValueError("--pp pipelines tensorpar's GPT; LoRA fine-tunes a Hugging Face model")
+
+
+def pipeline_micro_batch(cfg: TrainConfig) -> int | None:
+    """The micro-batch size ``--pp`` takes when none is given: the step's sequences of a
+    data-parallel copy in 2 x pp micro-batches (pp when 2 x pp does not divide them; a multiple
+    of pp for interleaved stages, which torch's schedule runs in rounds of pp), so that 1F1B
+    keeps every stage busy; None when no such count divides them (``check_pipeline`` then says
+    what is needed)."""
+    per_copy = cfg.batch_size // (cfg.dp or 1)
+    for count in (2 * cfg.pp, cfg.pp):
+        if count <= per_copy and per_copy % count == 0:
+            return per_copy // count
+    return None
 
 
 def passes(cfg: TrainConfig) -> int:

@@ -53,13 +53,13 @@ from tensorpar.data.tokenizer import (
     same_tokenizer,
 )
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.dropout import TensorParallelRNG
+from tensorpar.parallel.stages import check_pipeline
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import TrainConfig, passes
-from tensorpar.train.pipeline import check_pipeline
 from tensorpar.train.resume import RunFlags, resolve_run
+from tensorpar.train.shape import gpt_shape
 
 
 @dataclass
@@ -106,9 +106,6 @@ class GPTRecipe:
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:
             check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
-            if self.model_cfg.tie_embeddings:
-                raise ValueError("--pp puts the embedding on the first stage and the head on the "
-                                 "last, so they cannot share a table: add --no-tie-embeddings")
         if is_chat_file(getattr(cfg, "data", None)) and self.tokenizer_dir is None:
             raise ValueError(f"--data {cfg.data}: chat or instruction examples need a tokenizer "
                              "with an end-of-text token (and a chat template for messages): "

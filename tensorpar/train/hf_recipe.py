@@ -60,6 +60,7 @@ from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.lora import (
     add_lora,
     block_linear_kinds,
+    check_init,
     check_targets,
     frozen_in_bf16,
     read_peft,
@@ -193,7 +194,9 @@ class HFRecipe:
 
     def manifest(self) -> dict:
         return {"model_kind": self.kind, "config": self.config, "tokenizer": HFTokenizer.name,
-                "hf": {"source": self.origin, "files": HF_FILES, "plan": self.plan}}
+                # the source's absolute path: a LoRA run's base, wherever generate or export run
+                "hf": {"source": str(Path(self.origin).resolve()), "files": HF_FILES,
+                       "plan": self.plan}}
 
     def shape(self) -> ModelShape | None:
         """The planner's view of config.json (``tensorpar plan --config``), None if it has none."""
@@ -311,9 +314,36 @@ def resolve_hf(flags: RunFlags) -> tuple[TrainConfig, HFRecipe, str | None]:
     cfg, recipe, resume_from = resolve_run(flags.train, partial(hf_recipe, path, out))
     if cfg.lora_init is not None and resume_from is None:
         _adopt_peft_config(cfg)
+        check_init(read_peft(cfg.lora_init)[1], cfg.lora_rank, lora_targets(cfg),
+                   recipe.meta_model(), cfg.lora_init)
+    if resume_from is not None:
+        _check_same_lora(cfg, resume_from)
     if cfg.lora_rank is not None and cfg.lora_targets is not None:  # names in the blocks
         check_targets(lora_targets(cfg), block_linear_kinds(recipe.meta_model()))
     return cfg, recipe, resume_from
+
+
+def _check_same_lora(cfg: TrainConfig, resume_from: str) -> None:
+    """A resumed run keeps its adapters' shapes: another --lora-rank or --lora-targets (or LoRA
+    on a run that trained every weight, or none on a LoRA run) is refused in one line."""
+    from tensorpar.checkpoint.load import CheckpointReader
+
+    saved = CheckpointReader(resume_from).manifest.get("train") or {}
+    mine, theirs = cfg.lora_rank, saved.get("lora_rank")
+    run = f"the run in {cfg.out}"
+    if (mine is None) != (theirs is None):
+        what = "trains every weight" if theirs is None else f"trains LoRA adapters of rank {theirs}"
+        raise ValueError(f"--lora-rank {mine}: {run} {what}; leave out --lora-rank to resume "
+                         "it, or start a new run in another --out")
+    if mine != theirs:
+        raise ValueError(f"--lora-rank {mine}: {run} trains adapters of rank {theirs} (its "
+                         f"checkpoint {resume_from} holds them); leave out --lora-rank to resume "
+                         "it, or start a new run in another --out")
+    targets = lambda t: sorted(t.split(",")) if t else None  # noqa: E731
+    if targets(cfg.lora_targets) != targets(saved.get("lora_targets")):
+        raise ValueError(f"--lora-targets {cfg.lora_targets}: {run} adapts "
+                         f"{saved.get('lora_targets') or 'every projection'}; leave out "
+                         "--lora-targets to resume it, or start a new run in another --out")
 
 
 def _adopt_peft_config(cfg: TrainConfig) -> None:

@@ -60,7 +60,7 @@ from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.pipeline import Schedule, build_parts, shard_stages
-from tensorpar.train.report import RunReport
+from tensorpar.train.report import RunReport, start_line
 
 
 def train_rank(cfg: TrainConfig, model_cfg: GPTConfig, resume_from: str | None,
@@ -82,7 +82,8 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
     group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
     with StopRequest(group, device_for(group)) as stop, ExitStack() as scope:
         run = Run(cfg, recipe, resume_from, group, scope)
-        report = scope.enter_context(closing(RunReport(run.out, run.start, cfg, run.lead)))
+        report = scope.enter_context(closing(RunReport(run.out, run.start, cfg, run.lead,
+                                                       run.intro())))
         measure = StepMeasure(run.start, cfg.steps, run.counted, run.device, run.ddp)
         skipped = run.agree(report.skipped())  # rank 0 read them: every rank counts alike
         stopped = None  # (signal number, step) when a SIGTERM/SIGUSR1 ended the run early
@@ -113,7 +114,8 @@ def validation_data(cfg: TrainConfig, tokenizer) -> ValidationWindows | Validati
     if cfg.val_data is None:
         return None
     if is_chat_file(cfg.val_data):
-        examples = read_examples(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
+        examples = read_examples(cfg.val_data, tokenizer, cfg.seq_len, "--val-data",
+                                 cfg.skip_bad_examples)
         return ValidationExamples(examples, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
                                   pad_id(tokenizer))
     return ValidationWindows(read_corpus(cfg.val_data, tokenizer, "--val-data").tokens,
@@ -137,7 +139,8 @@ class Run:
         tokenizer = recipe.tokenizer()
         self.data_note = None  # what the summary says of chat or instruction examples
         if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
-            examples = read_examples(cfg.data, tokenizer, cfg.seq_len)
+            examples = read_examples(cfg.data, tokenizer, cfg.seq_len,
+                                     skip_bad=cfg.skip_bad_examples)
             self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
             self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
                                           pad_id(tokenizer), cfg.pack)
@@ -182,8 +185,7 @@ class Run:
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
             ({} if dp == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
-            ({} if self.pp_group is None else {"pp": [self.pp_group,
-                                                      self.pipeline.transfers]})
+            ({} if self.pp_group is None else {"pp": self.pipeline.groups()})
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0
@@ -289,6 +291,18 @@ class Run:
         if self.mesh is not None:
             dist.all_reduce(total, group=dp_group(self.mesh))
         return (total[0] / total[1]).item()
+
+    def intro(self) -> str:
+        """The run's first line (``report.start_line``): the model, the data and the rest."""
+        cfg, recipe = self.cfg, self.recipe
+        model = "tensorpar's GPT" if recipe.kind == "gpt" else getattr(recipe, "origin", "")
+        if cfg.lora_rank is not None:
+            model += f" (LoRA rank {cfg.lora_rank})"
+        examples = getattr(self.batches, "examples", None)  # chat or instruction examples
+        n = 0 if examples is None else len(examples.ids)
+        source = self.source if examples is None else \
+            f"{self.source} ({n:,} example{'s' * (n != 1)})"
+        return start_line(cfg, model, source, self.start)
 
     def save(self, step: int) -> None:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,

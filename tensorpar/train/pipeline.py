@@ -23,6 +23,13 @@ again for each would cost m - 1 all-gathers); the schedule reduce-scatters once,
 stage's last backward. DDP wraps each stage; the schedule holds its all-reduce back to the last
 backward.
 
+A tied head (the default GPT's): the first and the last stage each hold the embedding table
+(``gpt/stages.py``); after the schedule's last backward each holds a part of its gradient (the
+lookup's, the head's), summed by one all-reduce over the embedding group, the first and the last
+pipeline rank of this rank's (dp, tp) coordinate, before the gradient norm (which counts the
+table once, on the first stage) and the optimizer: both copies get the one table's gradient of
+the run without a pipeline and stay equal.
+
 Point to point: each stage boundary carries one activation forward and one gradient backward
 per micro-batch, (B/m, T, D) fp32 each (T / tp tokens under sequence parallelism), so a step
 sends 2 · m · (S - 1) tensors over its S = pp · V stages (``planner.pipeline.p2p``).
@@ -40,6 +47,8 @@ from torch import nn
 from tensorpar.gpt.stages import GPTStage, rank_part
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
+from tensorpar.parallel.stages import is_stage_copy, mark_stage_copy
+from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import tp_size
 
 
@@ -58,27 +67,22 @@ def transfer_group(mesh) -> dist.ProcessGroup:
     return group
 
 
-def check_pipeline(pp: int, virtual: int, n_layer: int, micro_batches: int) -> None:
-    """ValueError, naming the numbers, for a pipeline the schedules refuse; before any rank."""
-    if pp < 1 or virtual < 1:
-        raise ValueError(f"--pp {pp} and --pp-virtual {virtual} must be >= 1")
-    if pp == 1:
-        if virtual > 1:
-            raise ValueError(f"--pp-virtual {virtual} interleaves pipeline stages: give --pp")
-        return
-    if pp * virtual > n_layer:
-        raise ValueError(f"--n-layer {n_layer} cannot be cut into {pp * virtual} pipeline "
-                         "stages (--pp x --pp-virtual): each stage needs a block")
-    if micro_batches < pp:
-        raise ValueError(f"--pp {pp} needs at least {pp} micro-batches per step to keep every "
-                         f"stage busy (1F1B), but the step has {micro_batches}: lower "
-                         "--micro-batch-size (micro-batches = --batch-size / --dp / "
-                         "--micro-batch-size)")
-    rounds = max(1, micro_batches // pp)
-    if virtual > 1 and micro_batches % rounds:
-        raise ValueError(f"--pp-virtual {virtual}: the interleaved schedule runs the "
-                         f"{micro_batches} micro-batches in rounds of --pp {pp}; make them a "
-                         f"multiple of {pp}")
+def embedding_group(mesh) -> dist.ProcessGroup:
+    """The first and the last pipeline rank of this rank's (dp, tp) coordinate: the two ranks
+    that hold a tied embedding table (the embedding of stage 0, the head of stage S - 1), whose
+    gradients are summed over it once a step. Called on every rank alike."""
+    pp = mesh["pp"].size()
+    ranks = mesh.mesh.movedim(0, -1).reshape(-1, pp)[:, [0, pp - 1]].tolist()
+    group, _ = dist.new_subgroups_by_enumeration(ranks)
+    return group
+
+
+def tied_tables(parts: PipelineParts) -> list[nn.Parameter]:
+    """The tied embedding table this rank holds (its first or last stage's), or none."""
+    net = parts.net
+    held = any(s.first or s.last for s in parts.stages)
+    tied = net.cfg.tie_embeddings and net.embed is not None and held
+    return [net.embed.weight] if tied else []
 
 
 @dataclass
@@ -116,12 +120,15 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
+    copies = {name for name, p in parts.net.named_parameters() if is_stage_copy(p)}
     for block in parts.net.blocks:
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
     for stage in parts.stages:
         fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
     for name, p in parts.net.named_parameters():
         p.tp_shard = specs[name]
+        if name in copies:
+            mark_stage_copy(p)
     return list(parts.stages)
 
 
@@ -139,6 +146,9 @@ class Schedule:
 
         self.pp_group, self.tp_group = mesh["pp"].get_group(), mesh["tp"].get_group()
         self.transfers = transfer_group(mesh)  # the stages' sends and receives
+        # a tied table on the first and the last stage: its gradients summed over both
+        self.parts = parts
+        self.embedding = embedding_group(mesh) if parts.net.cfg.tie_embeddings else None
         self.stages, self.m = parts.stages, micro_batches
         self.first = any(s.first for s in parts.stages)
         self.last = any(s.last for s in parts.stages)
@@ -189,8 +199,24 @@ class Schedule:
         self.schedule.step(*((x.contiguous(),) if self.first else ()),
                            target=y if self.last else None,
                            losses=losses if self.last else None, **kwargs)
+        self.sum_tied_grads()
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += loss.detach().float()
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's rank has them
         return total
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups the pipeline's traffic runs on, as the summary counts it under "pp": the
+        pipeline's collectives, the sends and receives, the tied table's gradient sum."""
+        return [self.pp_group, self.transfers] + \
+            ([] if self.embedding is None else [self.embedding])
+
+    def sum_tied_grads(self) -> None:
+        """A tied table's gradient, the embedding's on the first stage and the head's on the
+        last, summed over the two (one all-reduce of this rank's shard: under FSDP2 both ranks
+        hold the same rows of it): each copy then has the gradient of the one table of the
+        model without a pipeline, and the optimizer moves both alike."""
+        for p in tied_tables(self.parts):
+            if p.grad is not None:
+                dist.all_reduce(local_part(p.grad), group=self.embedding)

@@ -121,6 +121,12 @@ class WandbSink:
                                config=dataclasses.asdict(cfg),
                                settings=wandb.Settings(silent=True, console="off",
                                                        disable_git=True, save_code=False))
+        if getattr(self._run, "offline", False):
+            where = self._run.settings.sync_dir
+            self.line = (f"wandb: an offline run in {where}; upload it with: wandb sync "
+                         f"{where}")
+        else:
+            self.line = f"wandb: the run is at {self._run.url}"
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._run.log(scalars, step=step)
@@ -151,28 +157,58 @@ def _optional(flag: str, package: str, module: str):
                          f"(--no-{flag[2:]} on a run resumed with it)") from None
 
 
+def log_interval(start: int, total: int) -> int:
+    """Steps between two plain progress lines: about a tenth of the steps to run."""
+    return max(1, (total - start) // 10)
+
+
+def start_line(cfg, model: str, source: str, start: int) -> str:
+    """The run's first line: the model, the data, the layout, the steps, where the outputs go
+    and how often a line comes."""
+    dp, pp = cfg.dp or 1, getattr(cfg, "pp", 1)
+    ranks = cfg.tp * dp * pp
+    layout = f"--tp {cfg.tp} x --dp {dp}" + (f" x --pp {pp}" if pp > 1 else "")
+    every = log_interval(start, cfg.steps)
+    lines = "a line every step" if every == 1 else \
+        f"a line at step {start + 1}, every {every} steps and the last"
+    return (f"train {model} on {source}: {layout} ({ranks} rank{'s' * (ranks != 1)}), steps "
+            f"{start + 1}-{cfg.steps}; outputs in {cfg.out} (metrics.jsonl, a checkpoint every "
+            f"{cfg.save_every} steps and at the end); {lines}")
+
+
 class ProgressLine:
-    """A rich progress bar on a terminal; plain lines about every 10% of the run otherwise."""
+    """A rich progress bar on a terminal; plain lines otherwise: the first step's, then about
+    every 10% of the run (``log_interval``)."""
 
     def __init__(self, start: int, total: int):
         self.console = Console(file=sys.stdout)
-        self.total, self.every = total, max(1, (total - start) // 10)
+        self.start, self.total, self.every = start, total, log_interval(start, total)
         self.bar = None
         if self.console.is_terminal:
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]:.4f}"),
-                                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                                TextColumn("{task.fields[loss]}"),
+                                TextColumn("{task.fields[tps]}"),
                                 TimeRemainingColumn(), console=self.console)
-            self.task = self.bar.add_task("train", total=total, completed=start, loss=0.0, tps=0)
+            # no loss nor speed before the first step's: "loss -", not "loss 0.0000"
+            self.task = self.bar.add_task("train", total=total, completed=start, loss="loss -",
+                                          tps="- tok/s")
             self.bar.start()
+
+    def say(self, line: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if self.bar is not None:
+            self.console.print(line, highlight=False, markup=False)
+        else:
+            print(line, flush=True)
 
     def update(self, step: int, loss: float, tps: float, val_loss: float | None = None) -> None:
         val = "" if val_loss is None else f"  val {val_loss:.4f}"
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=loss, tps=tps)
+            self.bar.update(self.task, completed=step, loss=f"loss {loss:.4f}",
+                            tps=f"{tps:,.0f} tok/s")
             if val:  # the bar shows the training loss; a validation loss gets a line of its own
                 self.console.print(f"step {step}/{self.total}  loss {loss:.4f}{val}")
-        elif step % self.every == 0 or step == self.total or val:
+        elif step % self.every == 0 or step in (self.start + 1, self.total) or val:
             print(f"step {step}/{self.total}  loss {loss:.4f}{val}  {tps:,.0f} tok/s",
                   flush=True)
 
@@ -210,7 +246,7 @@ class RunReport:
     TensorBoard scalars) and the progress line per step; at the end ``loss.png``, the summary
     table and where the files are. The other ranks write nothing (``lead`` False)."""
 
-    def __init__(self, out: Path, start: int, cfg, lead: bool):
+    def __init__(self, out: Path, start: int, cfg, lead: bool, intro: str | None = None):
         self.out, self.cfg, self.lead = out, cfg, lead
         self.metrics = self.progress = None
         if lead:
@@ -219,6 +255,9 @@ class RunReport:
                 sinks.append(WandbSink(out, cfg))
             self.metrics = Metrics(out / "metrics.jsonl", start, sinks)
             self.progress = ProgressLine(start, cfg.steps)
+            for line in [intro] + [getattr(s, "line", None) for s in sinks]:
+                if line:
+                    self.progress.say(line)
 
     def skipped(self) -> int:
         """Steps a resumed run skipped before (non-finite), as its metrics.jsonl says."""
@@ -360,7 +399,7 @@ def _comm_rows(table: Table, comm: dict, plan: RunPlan | None, tp: int, sp: bool
     """The collectives of one measured step (``comm``: rank 0's TP ones, and its "dp" and "pp"
     ones), each against the planner's count (``plan``; None: the planner cannot describe the
     model)."""
-    if comm["counts"]:  # (with pipeline stages rank 0 holds the first stage only: no count)
+    if comm["counts"]:  # with pipeline stages, rank 0's: its blocks and the embedding
         minimum = None if plan is None else plan.tp_comm
         _collective_rows(table, "", comm, minimum)
         if minimum is not None:

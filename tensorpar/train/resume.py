@@ -19,11 +19,11 @@ from pathlib import Path
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.data.chat import is_chat_file
-from tensorpar.data.text import check_corpus
+from tensorpar.data.text import check_corpus, overlap_warning
 from tensorpar.runtime.groups import pick_backend, rank_device_type, wanted_device
 from tensorpar.runtime.torchrun import speaks, under_torchrun
 from tensorpar.train.compute import check_compile_device, tf32_note
-from tensorpar.train.config import TrainConfig
+from tensorpar.train.config import TrainConfig, passes, pipeline_micro_batch
 from tensorpar.train.history import resume_notes, saved_settings
 
 
@@ -72,6 +72,11 @@ def resolve_run(train_args: dict, recipe_for: Callable) -> tuple[TrainConfig, ob
         say(f"note: keeping the run's learning-rate schedule (cosine decay to "
             f"lr/10 at step {cfg.lr_decay_steps}, constant after); pass --lr-decay-steps to "
             "change it")
+    if cfg.pp > 1 and cfg.micro_batch_size is None and cfg.dp and cfg.batch_size % cfg.dp == 0 \
+            and (size := pipeline_micro_batch(cfg)) is not None:
+        cfg.micro_batch_size = size
+        say(f"note: --pp {cfg.pp}: {passes(cfg)} micro-batches of {size} sequence"
+            f"{'s' * (size != 1)} a step (--micro-batch-size {size}; pass it to choose)")
     resume_from = None if ckpt is None else str(ckpt)
     check_before_ranks(cfg, recipe, resume_from)
     return cfg, recipe, resume_from
@@ -100,14 +105,24 @@ def check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> Non
     recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
+    if cfg.pack and cfg.data is None:
+        raise ValueError("--pack packs chat or instruction examples into sequences: add --data "
+                         "FILE.jsonl (without --data the run trains on text, Python's help "
+                         "topics)")
     if cfg.pack and not is_chat_file(cfg.data):
         raise ValueError(f"--pack packs chat or instruction examples: --data {cfg.data} is not "
-                         "a JSON-lines file of {\"messages\"} or {\"prompt\", \"completion\"}")
+                         "a JSON-lines file (.jsonl) of examples")
     tokenizer = recipe.tokenizer()  # missing, short or unreadable data fails here, once
-    check_corpus(cfg.data, tokenizer, cfg.seq_len)
-    if cfg.val_data is not None:
-        check_corpus(cfg.val_data, tokenizer, cfg.seq_len, "--val-data")
-    elif cfg.eval_every is not None or cfg.eval_batches is not None:
+    for flag, path in (("--data", cfg.data), ("--val-data", cfg.val_data)):
+        if flag == "--data" or path is not None:
+            examples = check_corpus(path, tokenizer, cfg.seq_len, flag, cfg.skip_bad_examples)
+            if examples is not None and examples.skipped:
+                say(f"note: {flag}: skipping {len(examples.skipped)} malformed example"
+                    f"{'s' * (len(examples.skipped) != 1)} (--skip-bad-examples); the first: "
+                    f"{examples.skipped[0]}")
+    if warning := overlap_warning(cfg.data, cfg.val_data):
+        say(f"warning: {warning}")
+    if cfg.val_data is None and (cfg.eval_every is not None or cfg.eval_batches is not None):
         raise ValueError("--eval-every and --eval-batches go with --val-data (the validation "
                          "text)")
     if resume_from is not None:

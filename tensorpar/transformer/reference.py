@@ -82,7 +82,7 @@ class BlockConfig:
     num_heads: int = _doc(8, "query heads")
     num_kv_heads: int = _doc(2, "key/value heads (GQA; fewer than --tp shares them)")
     hidden_dim: int = _doc(172, "MLP hidden width")
-    seq_len: int = _doc(12, "tokens per sequence (must divide by --tp under SP)")
+    seq_len: int = _doc(12, "tokens per sequence (under SP at least --tp: shards may be uneven)")
     batch_size: int = _doc(2, "sequences per batch")
 
 
@@ -104,3 +104,60 @@ class DenseBlock(nn.Module):
         h = h + self.attn(self.norm1(h))
         h = h + self.mlp(self.norm2(h))
         return self.head(self.norm_f(h))  # (B, T, V)
+
+
+class DenseMoE(nn.Module):
+    """A Mixture of Experts written plainly, one token and one chosen expert at a time: the
+    reference ``ParallelMoE`` is checked against (same parameter names and layouts).
+
+    Returns the output and (balance loss, z-loss, tokens per expert) over all the tokens."""
+
+    def __init__(self, config):  # a transformer.moe.MoEConfig
+        super().__init__()
+        c = self.config = config
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(torch.randn(c.num_experts, c.dim) * c.dim ** -0.5)
+        self.router.register_buffer("selection_bias", torch.zeros(c.num_experts))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(
+            torch.randn(c.num_experts, 2 * c.hidden_dim, c.dim) * c.dim ** -0.5)
+        self.experts.down_proj = nn.Parameter(
+            torch.randn(c.num_experts, c.dim, c.hidden_dim) * c.hidden_dim ** -0.5)
+        self.shared = (DenseMLP(c.dim, c.shared_hidden_dim, gated=True)
+                       if c.shared_hidden_dim else None)
+
+    def _route(self, x_t: torch.Tensor):
+        """One token (D,) -> (its scores for the balancing loss, chosen experts, weights)."""
+        c = self.config
+        logits = self.router.weight @ x_t
+        if c.router == "softmax":
+            probs = torch.softmax(logits, 0)
+            weights, chosen = torch.topk(probs, c.top_k)
+        else:
+            probs = torch.sigmoid(logits)
+            chosen = torch.topk(probs.detach() + self.router.selection_bias, c.top_k)[1]
+            weights = probs[chosen]
+            probs = probs / probs.sum()
+        if c.norm_topk_prob:
+            weights = weights / weights.sum()
+        return logits, probs, chosen, weights * c.route_scale
+
+    def forward(self, x: torch.Tensor):
+        c = self.config
+        outs, load, prob_sum, lse2 = [], torch.zeros(c.num_experts), 0.0, 0.0
+        for x_t in x.reshape(-1, c.dim):
+            logits, probs, chosen, weights = self._route(x_t)
+            y_t = torch.zeros_like(x_t)
+            for e, w in zip(chosen.tolist(), weights, strict=True):
+                gate, up = (self.experts.gate_up_proj[e] @ x_t).chunk(2)
+                y_t = y_t + w * (self.experts.down_proj[e] @ (F.silu(gate) * up))
+                load[e] += 1
+            outs.append(y_t)
+            prob_sum = prob_sum + probs
+            lse2 = lse2 + torch.logsumexp(logits, 0) ** 2
+        n = len(outs)
+        y = torch.stack(outs).view_as(x)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        balance = c.num_experts * torch.sum(load / n * prob_sum / n)
+        return y, (balance, lse2 / n, load)

@@ -8,7 +8,6 @@ import math
 import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.mesh.data_parallel import data_parallel
 from tensorpar.mesh.mesh import init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
@@ -16,6 +15,7 @@ from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.data_parallel import dp_comm
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.runtime.dtensors import is_dtensor
+from tensorpar.train.shape import gpt_shape
 
 MODEL = {"vocab_size": 64, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2,
          "hidden_dim": 64}

@@ -79,3 +79,12 @@ def test_failed_write_leaves_nothing(ckpt, tmp_path, monkeypatch):
         export.export_dense(ckpt, target)
     assert target.read_bytes() == b"the previous export"
     assert sorted(os.listdir(tmp_path)) == ["gpt.safetensors"]
+
+
+def test_peft_out_of_a_gpt_run_says_it_needs_a_lora_run(ckpt, tmp_path):
+    """--peft-out writes a LoRA run's adapters: on the GPT's checkpoint, one line saying so."""
+    out = tensorpar("export", "--ckpt", ckpt, "--peft-out", tmp_path / "peft")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--peft-out writes a LoRA run's adapters (train --hf PATH --lora-rank R): " in \
+        out.stderr and "is tensorpar's GPT, which trains every weight" in out.stderr
+    assert not (tmp_path / "peft").exists()

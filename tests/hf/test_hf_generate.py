@@ -7,6 +7,7 @@ import shutil
 
 import accelerate  # noqa: F401  (a dev dependency: missing, this file fails, not skips)
 import pytest
+import torch
 import transformers
 
 from tensorpar.cli.generate import generate_hf_rank  # noqa: E402
@@ -14,6 +15,7 @@ from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 
 from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
+from tests_common import tensorpar_here  # noqa: E402
 
 PROMPTS = ["Hi ", "Once upon a", "x", "The cat sat"]
 EOS = "!&"  # ids 2 and 7 of the character tokenizer
@@ -86,3 +88,56 @@ def test_cli_bad_values(llama, capsys, flags, message):
     assert main(["generate", "--hf", str(llama), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tensorpar generate: ") and message in err and err.count("\n") == 1
+
+
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{ 'assistant: ' }}{%- endif %}")
+
+
+def test_chat_reply_is_transformers_greedy_on_the_template(models, tmp_path):
+    """``generate --chat``: each prompt rendered as a user message by the chat template with the
+    generation prompt; the reply printed alone, without special tokens, equal at TP=1 and 2 to
+    transformers' greedy decoding of the templated prompt (its end-of-text, a special token,
+    left out)."""
+    path = tmp_path / "llama"
+    shutil.copytree(models["llama"], path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = ["What is a class?", "Say hi"]
+
+    def rendered(prompt):
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=True,
+                                       return_tensors="pt")["input_ids"]
+
+    with torch.no_grad():  # the end-of-text the model's third reply token: a reply that ends
+        ids = rendered(prompts[0])
+        third = model.generate(ids, max_new_tokens=3, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0, -1]
+        model.lm_head.weight[tok.eos_token_id] = 2 * model.lm_head.weight[third]
+    model.generation_config.eos_token_id = tok.eos_token_id  # where both stop
+    model.save_pretrained(path)
+    want, ended = [], 0
+    for prompt in prompts:
+        ids = rendered(prompt)
+        out = model.generate(ids, max_new_tokens=10, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+        want.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        ended += tok.eos_token_id in out[0, ids.shape[1]:].tolist()
+    assert ended  # a reply that ends with the end-of-text, left out of the text
+    for tp in (1, 2):
+        said = tensorpar_here("generate", "--hf", path, "--tp", tp, "--chat", "--prompt",
+                              prompts[0], "--prompt", prompts[1], "--max-new-tokens", 10)
+        assert said.returncode == 0, said.stderr
+        assert said.stdout == format_completions(want), (said.stdout, want)
+        assert "<|endoftext|>" not in said.stdout and "assistant: " not in said.stdout
+
+
+def test_chat_without_a_template_is_one_line(llama, capsys):
+    """The character tokenizer has no chat template: one line, before any rank."""
+    assert main(["generate", "--hf", str(llama), "--chat", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat: the tokenizer of {llama} has no chat template" in err
+    assert err.count("\n") == 1

@@ -1,7 +1,7 @@
 """LoRA on converted Hugging Face models (``parallel/lora.py``, ``hf/lora.py``): at every TP size
 the loss and every adapter's gradient equal PEFT's on the dense model with the same factors, the
-base gets no gradient, and the only collectives beyond the base model's are the replicated
-factors' gradient sums (counted at TP=2)."""
+base gets no gradient, and LoRA makes no collective beyond the base model's: its products ride
+the base's (counted at TP=2)."""
 
 import pytest
 import torch
@@ -146,7 +146,7 @@ def test_lora_matches_peft_at_every_tp_size(ranks, hf_dirs, family, n):
 def _counted_step(path, lora, group=None):
     """The collectives (counts, bytes) of one forward and backward of the model at this TP size:
     with adapters on every projection and the base frozen, or without them, every weight
-    trained; and the bytes of the replicated factors (A of a column op, B of a row layer)."""
+    trained."""
     from tensorpar.runtime.counting import CollectiveCounter
 
     model = from_pretrained(path, group).train()
@@ -156,25 +156,27 @@ def _counted_step(path, lora, group=None):
     with CollectiveCounter({"tp": group}) as counted:
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # gathered by the head
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
-    replicated = sum(4 * p.numel() for _, p in lora_parameters(model) if p.tp_shard.dim is None)
-    return dict(counted.counts), dict(counted.bytes), replicated
+    return dict(counted.counts), dict(counted.bytes)
 
 
-def test_lora_collectives_are_the_bases_and_the_factors_gradient_sums(ranks, hf_dirs):
-    """At TP=2 a LoRA step's collectives are the fully trained model's, but for the input
-    gradient of the first block's column op (its input comes from the frozen embedding: nothing
-    needs it), plus one all-reduce per adapted op of its replicated factors' gradients: a
-    block's q|k|v and gate|up ops (A) and its o_proj and down_proj (B), 4 a block."""
-    path = hf_dirs / "llama"
+def test_lora_collectives_are_the_bases_with_the_factors_products(ranks, hf_dirs):
+    """At TP=2 without SP a LoRA step makes the fully trained model's collectives, no more:
+    each row layer's forward all-reduce carries its z (r values a token), each column op's
+    input-gradient all-reduce its dz (r a token and adapted projection); the first block's
+    attention, whose input needs no gradient (the embedding is frozen), makes no input-gradient
+    all-reduce and sums its A's gradients (q, k, v: r x D each) instead."""
     import transformers
 
-    base, base_bytes, _ = ranks(2).run(_counted_step, path, False)[0]
-    mine, mine_bytes, replicated = ranks(2).run(_counted_step, path, True)[0]
-    config = transformers.AutoConfig.from_pretrained(path)
-    blocks, (batch, tokens), dim = config.num_hidden_layers, (2, 16), config.hidden_size
-    assert mine == base | {"all_reduce": base["all_reduce"] - 1 + 4 * blocks}, (mine, base)
+    base, base_bytes = ranks(2).run(_counted_step, hf_dirs / "llama", False)[0]
+    mine, mine_bytes = ranks(2).run(_counted_step, hf_dirs / "llama", True)[0]
+    config = transformers.AutoConfig.from_pretrained(hf_dirs / "llama")
+    blocks, tokens, dim, f32 = config.num_hidden_layers, 2 * 16, config.hidden_size, 4
+    rows = 2 * blocks * tokens * RANK  # o_proj, down_proj: z
+    columns = (blocks * (3 + 2) - 3) * tokens * RANK  # q|k|v, gate|up: dz, but the first q|k|v
+    first = 3 * RANK * dim - tokens * dim  # its A's gradients, not its input's
+    assert mine == base, (mine, base)
     assert mine_bytes == base_bytes | {
-        "all_reduce": base_bytes["all_reduce"] - 4 * batch * tokens * dim + replicated}
+        "all_reduce": base_bytes["all_reduce"] + f32 * (rows + columns + first)}
 
 
 @pytest.mark.parametrize("family,n,sp", [("llama", 1, False), ("llama", 3, False),

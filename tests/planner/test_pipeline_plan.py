@@ -4,19 +4,20 @@ adding up to the whole model's (and P = 1 being ``plan_memory``'s row), the firs
 micro-batches in flight, the search on llama-2-70b, and ``tensorpar plan --pp`` / ``--devices``."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from tensorpar.cli import plan as plan_cli
+from tensorpar.parallel.stages import stage_blocks
 from tensorpar.planner.memory import rank_params
 from tensorpar.planner.pipeline import (
     micro_batch_pieces,
     p2p,
     plan_pipeline,
     rank_memory,
-    stage_blocks,
 )
 from tensorpar.planner.schedule import bubble, schedule_ops
 from tensorpar.planner.search import search_layouts
@@ -237,9 +238,9 @@ def test_cli_json_search(capsys):
     (["--pp-virtual", "2"], "--pp-virtual 2 interleaves pipeline stages: give --pp"),
     (["--pp", "4", "--micro-batches", "2"], "--pp 4 needs at least 4 micro-batches"),
     (["--pp", "8", "--pp-virtual", "5", "--micro-batches", "8"],
-     "--pp 8 x --pp-virtual 5 = 40 stages, but llama-2-7b has 32 blocks"),
+     "--n-layer 32 cannot be cut into 40 pipeline stages (--pp 8 x --pp-virtual 5)"),
     (["--pp", "4", "--pp-virtual", "2", "--micro-batches", "9"],
-     "torch's interleaved schedule runs the 9 micro-batches in 2 rounds"),
+     "the interleaved schedule runs the 9 micro-batches in 2 rounds"),
     (["--pp", "2", "--batch", "8", "--micro-batches", "3"],
      "--micro-batches 3 does not divide the 8 sequences of each data-parallel copy"),
     (["--pp", "2", "--tp", "1,2"], "--pp plans one layout; give one TP size"),
@@ -253,10 +254,17 @@ def test_pipeline_mistakes_are_one_line(capsys, flags, message):
     assert err.startswith("tensorpar plan: ") and err.count("\n") == 1 and message in err, err
 
 
-def test_tied_embeddings_refuse_a_pipeline():
-    """A head tied to its embedding cannot be split from it over stages (the trainer refuses
-    --pp with tied embeddings): the planner says so; the search keeps pp = 1 for it."""
-    with pytest.raises(ValueError, match="gpt2 ties its head to its embedding"):
-        plan_pipeline(_pipe(preset("gpt2"), 1, 2, 4, 64, 4))
-    out = search_layouts(Step(preset("gpt2"), batch=4, seq=64), 4, 80e9)
-    assert {r["pp"] for r in out["layouts"]} == {1}
+def test_tied_embeddings_pipeline():
+    """A head tied to its embedding under a pipeline: the last stage holds a copy of the table
+    in place of an untied head (the same weights, gradients and AdamW states), and the first
+    and last ranks each all-reduce its gradient once a step (bf16: 2 bytes an element); the
+    search plans pipelines for it."""
+    tied = preset("gpt2")
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    a, b = (plan_pipeline(_pipe(s, 1, 2, 4, 64, 4)) for s in (tied, untied))
+    for key in ("params_per_rank", "weights", "grads", "optimizer"):
+        assert [r[key] for r in a["stages"]] == [r[key] for r in b["stages"]], key
+    table = 2 * tied.vocab_size * tied.dim
+    assert [x["pp"] - y["pp"] for x, y in zip(a["comm"], b["comm"], strict=True)] == [table] * 2
+    out = search_layouts(Step(tied, batch=4, seq=64), 4, 80e9)
+    assert {r["pp"] for r in out["layouts"]} > {1}

@@ -10,7 +10,6 @@ import torch
 
 from tensorpar.cli import plan as plan_cli
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
@@ -19,6 +18,7 @@ from tensorpar.planner.shapes import preset, shape_from_hf_config
 from tensorpar.planner.step import Step
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.train.optim import implementation
+from tensorpar.train.shape import gpt_shape
 
 from tests_common import ADAMW_OPTIONS
 

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, inner
 from tensorpar.mesh.mesh import init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
@@ -22,6 +21,7 @@ from tensorpar.planner.step import Step
 from tensorpar.planner.tp_plan import plan_memory
 from tensorpar.runtime.counting import CollectiveCounter
 from tensorpar.train.optim import adamw
+from tensorpar.train.shape import gpt_shape
 
 SMALL = {"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}
 # uneven everywhere: the vocabulary over TP and each dim 0 over dp (FSDP2 pads), and at TP=2

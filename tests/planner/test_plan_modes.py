@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tensorpar.gpt.model import GPT, GPTConfig
-from tensorpar.gpt.shape import gpt_shape
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_
 from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.memory import tensorpar_memory
 from tensorpar.planner.meter import MemoryMeter
 from tensorpar.planner.step import Step
 from tensorpar.runtime.counting import CollectiveCounter
+from tensorpar.train.shape import gpt_shape
 
 CFG = {"vocab_size": 256, "n_layer": 2, "dim": 64, "n_head": 4, "n_kv_head": 2}
 B, T = 4, 32

@@ -6,7 +6,8 @@ the flags it cannot take are one line before any rank."""
 import pytest
 
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.gpt.stages import describe_split, rank_stages, stage_blocks
+from tensorpar.gpt.stages import describe_split
+from tensorpar.parallel.stages import rank_stages, stage_blocks
 from tensorpar.planner.pipeline import p2p
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
@@ -41,8 +42,8 @@ def runs(ranks, tmp_path_factory):
     return get
 
 
-def _same(rows, ref, what, tol=1e-5):
-    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+def _same(rows, ref, what, tol=1e-5, steps=STEPS):
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, steps + 1))
     for a, b in zip(rows, ref, strict=True):
         for key in ("loss", "grad_norm"):
             err = abs(a[key] - b[key]) / abs(b[key])
@@ -74,6 +75,27 @@ def test_pipeline_trains_as_tp1(runs, tp, pp, dp, flags):
     _same(runs(tp, pp, dp, **flags), runs(1), f"tp{tp} pp{pp} dp{dp} {flags}")
 
 
+TIED = {"tie_embeddings": True}  # the default GPT: its head is its embedding table
+SIX = {"steps": 6, "save_every": 6}
+
+
+@pytest.mark.parametrize("tp,pp,dp,flags", [
+    (1, 2, 1, {}),
+    pytest.param(2, 2, 1, {}, marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, {}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 1, {"pp_virtual": 2}, marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, {"dp_mode": "fsdp"}, marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, {"dp_mode": "ddp"}, marks=pytest.mark.slow),
+], ids=["tp1-pp2", "tp2-pp2", "tp1-pp4", "tp1-pp2-v2", "tp2-pp2-dp2-fsdp", "tp1-pp2-dp2-ddp"])
+def test_tied_pipeline_trains_as_one_rank(runs, tp, pp, dp, flags):
+    """The default GPT, its head tied to its embedding, under a pipeline: the first and the last
+    stage each hold the table, their gradients summed over the two once a step (the table
+    counted once in the gradient norm). 6 steps of 4 micro-batches: losses and gradient norms
+    equal one rank's without a pipeline (1e-5 relative), so the copies stay equal."""
+    _same(runs(tp, pp, dp, model=TIED, **SIX, **flags), runs(1, model=TIED, **SIX),
+          f"tied tp{tp} pp{pp} dp{dp} {flags}", steps=6)
+
+
 def test_point_to_point_transfers_are_counted(ranks, tmp_path):
     """The measured step's sends and receives on pipeline rank 0 are the analytic count: at
     (tp 2, pp 2) with sequence parallelism, 4 micro-batches of 2 x 8 of the 16 tokens x 32
@@ -84,19 +106,96 @@ def test_point_to_point_transfers_are_counted(ranks, tmp_path):
     assert comm["bytes"]["send"] == comm["bytes"]["recv"] == 4 * 2 * 8 * 32 * 4, comm
 
 
-@pytest.mark.parametrize("tp,virtual", [(1, 1), (2, 2)])
-def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual):
+@pytest.mark.slow
+def test_tied_table_sum_is_counted(ranks, tmp_path):
+    """A tied run's pipeline traffic on rank 0 (the first stage, TP rank 0) is the summary's
+    analytic count (``planner.expected.plan_run``): at (tp 2, pp 2) with sequence parallelism the
+    sends and receives of the untied run, and one more all-reduce, over the embedding group, of
+    its (256 / 2, 32) fp32 shard of the table's gradient. The summary finds every collective
+    of the step, TP and pipeline, equal to the analytic count."""
+    import io
+
+    from rich.console import Console
+
+    from tensorpar.planner.expected import plan_run
+    from tensorpar.planner.step import Step
+    from tensorpar.train.report import summary
+    from tensorpar.train.shape import gpt_shape
+
+    flags = {"tp": 2, "pp": 2, "sequence_parallel": True, "steps": 2}
+    got = ranks(4).run(_train, tmp_path, None, TIED, **flags)[0]
+    comm = got["comm"]["pp"]
+    assert comm["counts"] == {"send": 4, "recv": 4, "all_reduce": 3}, comm
+    assert comm["bytes"]["all_reduce"] == 8 + 128 * 32 * 4, comm
+    cfg = TrainConfig(out=str(tmp_path), **(FLAGS | flags))
+    shape = gpt_shape(GPTConfig(**(MODEL | TIED)))
+    assert {k: comm[k] for k in ("counts", "bytes")} == \
+        plan_run(Step.from_train_config(cfg, shape), []).pp
+    out = io.StringIO()
+    Console(file=out, width=400).print(summary(got["rows"], got["sizes"], got["comm"], cfg,
+                                               shape))
+    counted = [line for line in out.getvalue().splitlines() if " per step " in line]
+    assert len(counted) == 6 and all("= the analytic count" in line for line in counted), \
+        out.getvalue()
+
+
+@pytest.mark.slow
+def test_tied_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
+    """A tied (tp 2, pp 2) run stopped after step 3 resumes at (tp 4, pp 1), and a tied run
+    without a pipeline at (tp 1, pp 2): steps 4-6 equal the uninterrupted run's (1e-5). The
+    checkpoint holds the table once, under the embedding's name, as a run without a pipeline
+    stores it (the last stage's copy is not saved): it exports as that run's tied model, dense
+    and as a Hugging Face folder with tied word embeddings."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tensorpar.checkpoint.export import export_dense
+    from tensorpar.gpt.model import GPT
+    from tensorpar.hf.export import export_hf
+
+    want = runs(1, model=TIED, **SIX)
+    cuts = {}
+    for tp, pp in ((2, 2), (1, 1)):
+        cuts[tp, pp] = tmp_path / f"cut-tp{tp}-pp{pp}"
+        ranks(tp * pp).run(_train, cuts[tp, pp], None, TIED, tp=tp, pp=pp, steps=3,
+                           save_every=3, lr_decay_steps=6)
+    step3 = {k: v / "step-00000003" for k, v in cuts.items()}
+    manifest = json.loads((step3[2, 2] / "manifest.json").read_text())
+    assert [p["rank"] for p in manifest["tensors"]["embed.weight"]["pieces"]] == [0, 1]
+    dense = {k: load_file(export_dense(step3[k], tmp_path / f"{k}.safetensors"))
+             for k in step3}
+    assert dense[2, 2].keys() == dense[1, 1].keys() == GPT(GPTConfig(**(MODEL | TIED))) \
+        .state_dict().keys()
+    for name, t in dense[2, 2].items():
+        torch.testing.assert_close(t, dense[1, 1][name], rtol=1e-5, atol=1e-6)
+    hf = export_hf(cuts[2, 2], tmp_path / "hf")
+    assert json.loads((hf / "config.json").read_text())["tie_word_embeddings"] is True
+    for (tp, pp), src in (((4, 1), (2, 2)), ((1, 2), (1, 1))):
+        rows = ranks(tp * pp).run(_train, tmp_path / f"tp{tp}-pp{pp}", str(step3[src]), TIED,
+                                  tp=tp, pp=pp, **SIX)[0]["rows"]
+        assert [r["step"] for r in rows] == [4, 5, 6], rows
+        for got, ref in zip(rows, want[3:], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(got[key] - ref[key]) <= 1e-5 * ref[key], (tp, pp, got, ref)
+
+
+@pytest.mark.parametrize("tp,virtual,tied", [(1, 1, False), (2, 2, False),
+                                              pytest.param(2, 1, True, marks=pytest.mark.slow)],
+                         ids=["1-1", "2-2", "tied-2-1"])
+def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual, tied):
     """Each pipeline rank's peak tensor memory in a step is the planner's for its stages
     (``plan_pipeline``: its blocks, embedding or head, the micro-batches 1F1B or the interleaved
-    order keeps in flight, the receive buffers), within 6%, at 1F1B and interleaved."""
-    from tensorpar.gpt.shape import gpt_shape
+    order keeps in flight, the receive buffers), within 6%, at 1F1B and interleaved; a tied
+    head's table (weights, gradient, AdamW) on the last stage too."""
     from tensorpar.planner.pipeline import plan_pipeline
+    from tensorpar.planner.step import Step
+    from tensorpar.train.shape import gpt_shape
 
-    model = {"dim": 128, "n_head": 8, "hidden_dim": 256}
+    model = {"dim": 128, "n_head": 8, "hidden_dim": 256} | (TIED if tied else {})
     sizes = ranks(tp * 2).run(_train, tmp_path, None, model, tp=tp, pp=2, pp_virtual=virtual,
                               seq_len=32, steps=2)[0]["sizes"]
-    from tensorpar.planner.step import Step
-
     plan = plan_pipeline(Step(gpt_shape(GPTConfig(**(MODEL | model))), tp, 8, 32, "fp32", pp=2,
                               virtual=virtual, micro_batches=4))
     for s in sizes:
@@ -156,7 +255,8 @@ def test_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
 
 
 def test_pipeline_flags_are_checked_before_any_rank(tmp_path):
-    """Too few micro-batches for the stages; interleaved rounds; a tied head; no --hf."""
+    """Too few micro-batches for the stages; too many stages for the blocks; interleaved
+    rounds."""
     from tensorpar.train.run import resolve
 
     def check(message, model=None, **flags):
@@ -169,4 +269,24 @@ def test_pipeline_flags_are_checked_before_any_rank(tmp_path):
           micro_batch_size=1)
     check("--pp-virtual 2: the interleaved schedule runs the 5 micro-batches", tp=1, pp=2,
           pp_virtual=2, batch_size=5, micro_batch_size=1)
-    check("add --no-tie-embeddings", model={"tie_embeddings": True}, tp=1, pp=2)
+
+
+def test_pipeline_micro_batches_chosen_when_not_given(tmp_path, capsys):
+    """Without --micro-batch-size, --pp takes 2 x pp micro-batches (pp when 2 x pp does not
+    divide the batch of a data-parallel copy) and says so in one line; none dividing it: the
+    pipeline's own refusal."""
+    from tensorpar.train.run import resolve
+
+    def chosen(**flags):
+        args = {"out": str(tmp_path / "x"), "tp": 1, "micro_batch_size": None} | flags
+        return resolve(args, MODEL | {"tie_embeddings": False})[0].micro_batch_size
+
+    assert chosen(pp=2, batch_size=8) == 2
+    assert capsys.readouterr().err == ("tensorpar train: note: --pp 2: 4 micro-batches of 2 "
+                                       "sequences a step (--micro-batch-size 2; pass it to "
+                                       "choose)\n")
+    assert chosen(pp=2, batch_size=6) == 3  # 2 micro-batches: 4 does not divide 6
+    assert chosen(pp=2, batch_size=16, dp=2) == 2
+    assert chosen(pp=2, batch_size=8, micro_batch_size=4) == 4  # given: kept
+    with pytest.raises(ValueError, match="--pp 4 needs at least 4 micro-batches per step"):
+        chosen(pp=4, batch_size=3)

@@ -29,13 +29,17 @@ def _train(out: Path, steps: int, resume_from=None) -> None:
     train_rank(cfg, MODEL, None if resume_from is None else str(resume_from))
 
 
-def test_offline_run_holds_the_rows(tmp_path, monkeypatch):
+def test_offline_run_holds_the_rows(tmp_path, monkeypatch, capsys):
     """Every row's train/loss, train/grad_norm and val/loss values are in the offline run, the
-    numbers written as metrics.jsonl has them; a resume appends to the same run id."""
+    numbers written as metrics.jsonl has them; a resume appends to the same run id. The run
+    says where the offline run is and the wandb sync line that uploads it."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
     _train(out, 2)
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith(f"wandb: an offline run in {out / 'wandb' / 'offline-run-'}"), said
+    assert f"; upload it with: wandb sync {out / 'wandb' / 'offline-run-'}" in said, said
     run_id = (out / "wandb-id").read_text().strip()
     _train(out, 4, resume_from=out / "step-00000002")
     assert (out / "wandb-id").read_text().strip() == run_id

@@ -1,7 +1,8 @@
 """tensorpar's GPT described to the planner, and the planner's model files read.
 
-The planner (``tensorpar/planner/``) reasons about a ``ModelShape`` and knows no model class;
-the GPT describes itself here, so ``gpt`` imports ``planner`` and never the reverse.
+The planner (``tensorpar/planner/``) reasons about a ``ModelShape`` and knows no model class,
+and the GPT knows no planner: the trainer, which imports both, describes the GPT here (its
+recipe's ``shape()``).
 ``load_shape`` reads the JSON files ``tensorpar plan --config`` takes: a ``GPTConfig``, a
 checkpoint's ``manifest.json`` (its "config"), or a Hugging Face ``config.json``.
 """

@@ -1,0 +1,405 @@
+"""Mixture of Experts: a top-k router, SwiGLU experts split across expert-parallel ranks, shared
+experts split like the MLP; dropless (every token reaches every expert it chose).
+
+::
+
+    x (B, T, D) ─┬─ split_tokens (TP) ─> router ─> top-k experts, weights ─┐
+                 │                      sort by expert ─> all-to-all (EP) ─> grouped SwiGLU
+                 │                      <─ all-to-all back (EP) <───────────┘
+                 │    weighted sum of each token's k rows ─> gather_tokens (TP) ─> y_routed
+                 └─ shared experts (ParallelMLP: column then row over TP) ──────> y_shared
+    y = y_routed + y_shared
+
+Expert parallelism: the E routed experts are cut across the ``ep_group`` as ``tensor_split``
+cuts (6 experts over 4 ranks: 2, 2, 1, 1); each rank sends the rows routed to another rank's
+experts there, with sizes exchanged first (``parallel/expert_dispatch.py``). Tensor
+parallelism: every rank of a TP group holds the same tokens, so each routes and sends only its
+``tensor_split`` share of them and the shares are gathered afterwards; the router's weight is
+replicated and its gradient summed over the TP group, so it stays equal on every rank. The
+ranks of a TP group either all sit in one EP group (they hold different experts) or each in
+another (they hold the same experts, whose gradients are then summed over TP as the router's).
+Under sequence parallelism the TP ranks already hold different tokens: no split, no gather.
+
+The auxiliary losses are returned, never added: the load-balancing loss as transformers'
+``load_balancing_loss_func`` computes it for Mixtral and Qwen3-MoE, ``E * sum_i f_i P_i`` with
+f_i the fraction of the k·N choices that went to expert i (the f_i sum to k) and P_i the mean
+router probability of expert i; and the z-loss ``mean(logsumexp(logits)^2)``. Their statistics
+cover the tokens of every rank of ``stats_group`` (one all-reduce of 2E + 2 numbers, identity in
+backward: each rank's gradient is its own tokens' share), so any layout gives the value one rank
+running all those tokens gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from tensorpar.parallel.expert_dispatch import (
+    combine_from_experts,
+    dispatch_to_experts,
+    exchange_expert_counts,
+    gather_tokens,
+    split_tokens,
+)
+from tensorpar.parallel.grad_sync import sum_grads_in_backward
+from tensorpar.parallel.mappings import reduce_from_tp
+from tensorpar.parallel.sharding import ShardSpec, shard_range, shard_sizes
+from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.transformer.mlp import ParallelMLP
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The shape and routing of one MoE layer."""
+
+    dim: int  # model width D
+    hidden_dim: int  # each routed expert's SwiGLU width H
+    num_experts: int  # routed experts E
+    top_k: int  # experts each token goes to
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1
+    route_scale: float = 1.0  # a factor on the routing weights (DeepSeek-V3's routed_scaling)
+    shared_hidden_dim: int = 0  # the shared experts' SwiGLU width, 0 for none
+
+    def __post_init__(self):
+        for name in ("dim", "hidden_dim", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEConfig: {name}={getattr(self, name)}; it must be at "
+                                 "least 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} is more than num_experts="
+                             f"{self.num_experts}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"MoEConfig: router={self.router!r}; expected one of {ROUTERS}")
+        if self.shared_hidden_dim < 0:
+            raise ValueError(f"MoEConfig: shared_hidden_dim={self.shared_hidden_dim}; expected "
+                             "0 (no shared experts) or more")
+
+
+@dataclass
+class Routing:
+    """What the router decided for n tokens."""
+
+    logits: torch.Tensor  # (n, E) float32
+    scores: torch.Tensor  # (n, E): each token's probability per expert (the balancing loss's P)
+    experts: torch.Tensor  # (n, k) int64: the chosen experts
+    weights: torch.Tensor  # (n, k): their weights in the token's output
+
+
+@dataclass
+class MoEAux:
+    """A pass's router statistics, over the tokens of every rank of the statistics group."""
+
+    balance_loss: torch.Tensor  # E * sum_i f_i P_i (k when perfectly balanced)
+    z_loss: torch.Tensor  # mean over tokens of logsumexp(logits)^2
+    expert_load: torch.Tensor  # (E,) tokens routed to each expert (no gradient), for logging
+
+    def loss(self, balance_coef: float, z_coef: float = 0.0) -> torch.Tensor:
+        """What the caller adds to its loss: ``balance_coef * balance + z_coef * z``."""
+        return balance_coef * self.balance_loss + z_coef * self.z_loss
+
+
+class TopKRouter(nn.Module):
+    """Scores every expert for each token and keeps the top k.
+
+    softmax: p = softmax(x W^T); the k largest, renormalised to sum to 1 when
+        ``norm_topk_prob``. sigmoid (DeepSeek-V3): s = sigmoid(x W^T); the k largest of
+        s + ``selection_bias`` are chosen, but the weights are s itself (renormalised when
+        ``norm_topk_prob``): the bias moves selection only. The bias is a buffer, moved by the
+        caller (loss-free balancing), never by the optimizer.
+    """
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim, device=device,
+                                               dtype=dtype))
+        if device != "meta":
+            nn.init.normal_(self.weight, std=config.dim ** -0.5)
+        self.weight.tp_shard = ShardSpec(None)
+        if config.router == "sigmoid":
+            self.register_buffer("selection_bias", torch.zeros(config.num_experts, device=device))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Routing:
+        """x: (n, D). weight: the router weight to use (``self.weight`` wrapped for its
+        gradient sum, from the MoE block)."""
+        c = self.config
+        logits = F.linear(x, self.weight if weight is None else weight).float()  # (n, E)
+        if c.router == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            weights, experts = torch.topk(scores, c.top_k, dim=-1)
+            balance_scores = scores
+        else:
+            scores = torch.sigmoid(logits)
+            experts = torch.topk(scores.detach() + self.selection_bias, c.top_k, dim=-1)[1]
+            weights = scores.gather(1, experts)
+            balance_scores = scores / scores.sum(-1, keepdim=True)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if c.route_scale != 1.0:
+            weights = weights * c.route_scale
+        return Routing(logits, balance_scores, experts, weights.to(x.dtype))
+
+
+def router_statistics(routing: Routing, num_experts: int,
+                      group: ProcessGroup | None = None) -> MoEAux:
+    """The balancing loss, the z-loss and the expert load over the tokens of every rank of
+    ``group``: one all-reduce of (load, probability sums, sum of lse^2, token count),
+    identity in backward."""
+    logits, experts = routing.logits, routing.experts
+    load = torch.bincount(experts.reshape(-1), minlength=num_experts).to(logits.dtype)
+    lse2 = torch.logsumexp(logits, dim=-1).pow(2).sum()
+    count = logits.new_tensor([logits.shape[0]])
+    packed = torch.cat([load, routing.scores.sum(0), lse2.view(1), count])
+    packed = reduce_from_tp(packed, group)  # (2E + 2,)
+    load, prob_sum = packed[:num_experts].detach(), packed[num_experts:2 * num_experts]
+    lse2, tokens = packed[-2], packed[-1].detach()
+    balance = num_experts * torch.sum((load / tokens) * (prob_sum / tokens))
+    return MoEAux(balance, lse2 / tokens, load)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm takes fp32/bf16/fp16 with every row 16-byte aligned."""
+    align = 16 // x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16,
+                                                          torch.float16)
+            and x.shape[-1] % align == 0 and w.shape[1] % align == 0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """forward: identity, backward: the gradient made contiguous (``_grouped_mm`` needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(M, K) rows grouped by expert, ``counts[g]`` rows for expert g, times each expert's
+    (N, K) weight ``w[g]`` transposed -> (M, N). One ``torch._grouped_mm`` where it runs; a loop
+    over the experts for the dtypes it lacks (fp64)."""
+    if _grouped_mm_fits(x, w):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
+    pieces = torch.split(x, counts.tolist())
+    return torch.cat([p @ w[g].T for g, p in enumerate(pieces)])
+
+
+class GroupedExperts(nn.Module):
+    """Routed SwiGLU experts ``[start, stop)`` of E, in transformers' fused layout:
+    ``gate_up_proj`` (E_local, 2H, D) (gate rows first, then up) and ``down_proj``
+    (E_local, D, H); each tagged ``ep_shard`` (dim 0 of the E experts)."""
+
+    def __init__(self, config: MoEConfig, start: int, stop: int, *, device=None, dtype=None):
+        super().__init__()
+        n, d, h = stop - start, config.dim, config.hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * h, d, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(n, d, h, device=device, dtype=dtype))
+        if device != "meta":
+            nn.init.normal_(self.gate_up_proj, std=d ** -0.5)
+            nn.init.normal_(self.down_proj, std=h ** -0.5)
+        for p in (self.gate_up_proj, self.down_proj):
+            p.ep_shard = ShardSpec(0, start, stop, config.num_experts)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor | None = None,
+                down: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (M, D) rows grouped by local expert, ``counts`` (E_local,) of them each -> (M, D).
+        gate_up, down: the weights to use (wrapped for a gradient sum), default the modules'."""
+        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        down = self.down_proj if down is None else down
+        gate, up = grouped_linear(x, gate_up, counts).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, down, counts)
+
+
+def _group_ranks(group: ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+
+
+def experts_shared_by_tp(tp_group: ProcessGroup | None, ep_group: ProcessGroup | None) -> bool:
+    """Whether the TP ranks hold the same experts (each in another EP group: True) or different
+    ones (all in one EP group: False); any other overlap is refused. No collective."""
+    if tp_size(tp_group) == 1:
+        return False
+    tp_ranks, ep_ranks = set(_group_ranks(tp_group)), set(_group_ranks(ep_group))
+    inside = tp_ranks & ep_ranks
+    if inside == tp_ranks:
+        return False
+    if len(inside) == 1:
+        return True
+    raise ValueError(f"ParallelMoE: the TP group's ranks {sorted(tp_ranks)} share {len(inside)} "
+                     f"ranks with the EP group {sorted(ep_ranks)}; expected all of them or only "
+                     "this rank")
+
+
+def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Rows received grouped by source then expert, ``recv_counts`` (S, J) of each -> the
+    permutation that groups them by expert then source."""
+    flat = recv_counts.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # where chunk (s, j) starts, source-major
+    lengths, starts = recv_counts.t().reshape(-1), starts.view_as(recv_counts).t().reshape(-1)
+    chunk_start = torch.cumsum(lengths, 0) - lengths  # where it goes, expert-major
+    shift = torch.repeat_interleave(starts - chunk_start, lengths)
+    return torch.arange(int(lengths.sum()), device=flat.device) + shift
+
+
+class ParallelMoE(nn.Module):
+    """A dropless MoE layer: routed experts split across ``ep_group``, shared experts split by
+    TP, the routing the same as one device's.
+
+    tp_group: the ranks that hold the same tokens (the attention's TP group); None: the world.
+    ep_group: the ranks the routed experts are split across; None: the world.
+    stats_group: the ranks whose tokens make one pass of the router statistics (every rank
+        holding other tokens: TP ranks each route their share, so the TP group is part of it);
+        None: the world.
+    sequence_parallel: x is this TP rank's (B, T_r, D) sequence shard.
+    """
+
+    def __init__(self, config: MoEConfig, tp_group: ProcessGroup | None = None,
+                 ep_group: ProcessGroup | None = None, stats_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, *, device=None, dtype=None):
+        super().__init__()
+        ep = tp_size(ep_group)
+        if ep > config.num_experts:
+            raise ValueError(f"ParallelMoE: {config.num_experts} experts over {ep} EP ranks; "
+                             "every EP rank needs at least one expert")
+        self.config, self.sequence_parallel = config, sequence_parallel
+        self.tp_group, self.ep_group, self.stats_group = tp_group, ep_group, stats_group
+        self.experts_per_rank = shard_sizes(config.num_experts, ep)
+        self.expert_range = shard_range(config.num_experts, ep, tp_rank(ep_group))
+        self.experts_shared_by_tp = experts_shared_by_tp(tp_group, ep_group)
+        kw = {"device": device, "dtype": dtype}
+        self.router = TopKRouter(config, **kw)
+        self.experts = GroupedExperts(config, *self.expert_range, **kw)
+        self.shared = None if not config.shared_hidden_dim else ParallelMLP(
+            config.dim, config.shared_hidden_dim, gated=True, activation="silu", bias=False,
+            sequence_parallel=sequence_parallel, group=tp_group, **kw)
+
+    @classmethod
+    def from_dense(cls, config: MoEConfig, router_weight: torch.Tensor,
+                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   shared: tuple[nn.Linear, nn.Linear, nn.Linear] | None = None,
+                   tp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
+                   stats_group: ProcessGroup | None = None,
+                   sequence_parallel: bool = False) -> ParallelMoE:
+        """From the dense weights: the router's (E, D), the experts' (E, 2H, D) and (E, D, H)
+        (transformers' fused layout) of which this rank keeps its experts, and the shared
+        experts' (gate, up, down) linears, split by ``ParallelMLP.from_dense``."""
+        want = {"router_weight": (config.num_experts, config.dim),
+                "gate_up_proj": (config.num_experts, 2 * config.hidden_dim, config.dim),
+                "down_proj": (config.num_experts, config.dim, config.hidden_dim)}
+        for name, t in zip(want, (router_weight, gate_up_proj, down_proj), strict=True):
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"ParallelMoE.from_dense: {name} is {tuple(t.shape)}, the "
+                                 f"config gives {want[name]}")
+        if (shared is not None) != bool(config.shared_hidden_dim):
+            raise ValueError(f"ParallelMoE.from_dense: shared_hidden_dim="
+                             f"{config.shared_hidden_dim} but shared experts "
+                             f"{'given' if shared is not None else 'missing'}")
+        moe = cls(config, tp_group, ep_group, stats_group, sequence_parallel, device="meta",
+                  dtype=router_weight.dtype)
+        moe.router.weight = nn.Parameter(router_weight.detach().clone())
+        moe.router.weight.tp_shard = ShardSpec(None)
+        if config.router == "sigmoid":
+            moe.router.selection_bias = torch.zeros(config.num_experts,
+                                                    device=router_weight.device)
+        start, stop = moe.expert_range
+        for name, dense in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            p = nn.Parameter(dense.detach()[start:stop].clone())
+            p.ep_shard = ShardSpec(0, start, stop, config.num_experts)
+            setattr(moe.experts, name, p)
+        if shared is not None:
+            gate, up, down = shared
+            moe.shared = ParallelMLP.from_dense(up, down, gate, activation="silu",
+                                                sequence_parallel=sequence_parallel,
+                                                group=tp_group)
+        return moe
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None
+                ) -> tuple[torch.Tensor, MoEAux]:
+        """x: (B, T, D), or under SP this rank's (B, T_r, D) shard of T = ``seq_len`` tokens.
+        Returns the output shaped like x and the pass's ``MoEAux``."""
+        if x.dim() != 3 or x.shape[-1] != self.config.dim:
+            raise ValueError(f"ParallelMoE: input shape {tuple(x.shape)}; expected (B, T, "
+                             f"{self.config.dim})")
+        tokens = x.reshape(-1, x.shape[-1])  # (N, D)
+        mine = tokens if self.sequence_parallel else split_tokens(tokens, self.tp_group)
+        params = [self.router.weight]
+        if self.experts_shared_by_tp:
+            params += [self.experts.gate_up_proj, self.experts.down_proj]
+        router_w, *expert_ws = sum_grads_in_backward(params, self.tp_group)
+        routing = self.router(mine, router_w)
+        aux = router_statistics(routing, self.config.num_experts, self.stats_group)
+        y = self._routed(mine, routing, *(expert_ws or [None, None]))
+        if not self.sequence_parallel:
+            y = gather_tokens(y, tokens.shape[0], self.tp_group)
+        y = y.view_as(x)
+        if self.shared is not None:
+            y = y + self.shared(x, seq_len)
+        return y, aux
+
+    def _routed(self, x: torch.Tensor, routing: Routing, gate_up: torch.Tensor | None,
+                down: torch.Tensor | None) -> torch.Tensor:
+        """x: (n, D) -> (n, D): each token's k expert outputs, weighted and summed."""
+        n, k = routing.experts.shape
+        chosen = routing.experts.reshape(-1)  # (n k,): token t's choices at t k .. t k + k - 1
+        order = torch.argsort(chosen, stable=True)  # grouped by expert, so by EP rank too
+        rows = x[order // k]  # (n k, D)
+        counts = torch.bincount(chosen, minlength=self.config.num_experts)  # (E,)
+        if tp_size(self.ep_group) == 1:
+            out = self.experts(rows, counts, gate_up, down)
+        else:
+            recv = exchange_expert_counts(counts, self.experts_per_rank, self.ep_group)  # (S, J)
+            send_sizes = [int(c.sum()) for c in counts.split(self.experts_per_rank)]
+            recv_sizes = recv.sum(1).tolist()
+            arrived = dispatch_to_experts(rows, send_sizes, recv_sizes, self.ep_group)
+            perm = _expert_major(recv)
+            done = self.experts(arrived[perm], recv.sum(0), gate_up, down)
+            back = done[torch.argsort(perm)]  # grouped by source again
+            out = combine_from_experts(back, send_sizes, recv_sizes, self.ep_group)
+        per_choice = out[torch.argsort(order)].view(n, k, x.shape[-1])  # (n, k, D), choice order
+        return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
+
+
+def moe_collective_counts(tp: int, ep: int, stats: int, shared: bool,
+                          sequence_parallel: bool = False) -> dict[str, dict[str, int]]:
+    """The collectives of one forward and one backward of ``ParallelMoE`` at TP size ``tp``,
+    EP size ``ep`` and ``stats`` ranks in the statistics group (under SP, ``seq_len`` given),
+    for an input that requires grad: {"forward": {kind: calls}, "backward": {...}}.
+
+    EP: the counts' all-to-all, the rows' and their way back (forward), both reversed
+    (backward). TP: the gathered outputs (forward) and input gradients (backward), one
+    all-reduce summing the router's (and shared experts') gradients; the shared experts as the
+    MLP. Statistics: one all-reduce forward."""
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+
+    def add(d, kind, calls=1):
+        d[kind] = d.get(kind, 0) + calls
+
+    if ep > 1:
+        add(fwd, "all_to_all", 3)
+        add(bwd, "all_to_all", 2)
+    if stats > 1:
+        add(fwd, "all_reduce")
+    if tp > 1:
+        add(bwd, "all_reduce")  # the router's gradient sum (the experts' in it when shared)
+        if not sequence_parallel:
+            add(fwd, "all_gather")
+            add(bwd, "all_gather")
+        if shared and sequence_parallel:
+            add(fwd, "all_gather"), add(fwd, "reduce_scatter")
+            add(bwd, "all_gather", 2), add(bwd, "reduce_scatter")
+        elif shared:
+            add(fwd, "all_reduce"), add(bwd, "all_reduce")
+    return {"forward": fwd, "backward": bwd}
