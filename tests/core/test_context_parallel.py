@@ -31,7 +31,7 @@ from tensorpar.transformer.rotary import rotary_table, rotary_table_at
 B, D, HD = 2, 24, 4
 # the largest relative error of the output, the input gradient and every weight gradient:
 # ~10x the largest measured over every layout here (torch 2.13 CPU)
-TOL = 1e-5  # measured 9.6e-7
+TOL = 5e-6  # measured 4.5e-7 (a K weight gradient, packed, tp 2 cp 2)
 PACKED = [[7, 11, 12], [30]]  # example lengths per row: boundaries inside chunks, one row whole
 _GROUPS: dict = {}
 
