@@ -63,7 +63,7 @@ def _reference(dense: DenseAttention, x: torch.Tensor, lengths_per_row) -> torch
     for b, lengths in enumerate(lengths_per_row):
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         rows.append(torch.cat([dense(x[b:b + 1, a:a + n], rotary_table(HD, 0, n))
-                               for a, n in zip(starts, lengths)], 1))
+                               for a, n in zip(starts, lengths, strict=True)], 1))
     return torch.cat(rows)
 
 
