@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.parallel.sharding import ShardSpec
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 from tensorpar.transformer.reference import BlockConfig
 
 TOLERANCE = 1e-5  # fp32, relative
@@ -32,7 +32,7 @@ def check_config(cfg: BlockConfig, n: int, sequence_parallel: bool) -> None:
     """Refuse sizes the TP model cannot take, with the numbers, before any rank starts."""
     if n < 1:
         raise ValueError(f"--tp must be >= 1, got {n}")
-    head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)
+    head_shards(cfg.num_heads, cfg.num_kv_heads, n, 0)
     if cfg.dim % cfg.num_heads:
         raise ValueError(f"--dim {cfg.dim} does not divide by --n-head {cfg.num_heads}")
     for flag, value in (("--vocab-size", cfg.vocab_size), ("--hidden-dim", cfg.hidden_dim)):

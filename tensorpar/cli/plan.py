@@ -31,6 +31,7 @@ import re
 import sys
 from pathlib import Path
 
+from tensorpar.cli.plan_run import apply_run_settings, config_file
 from tensorpar.planner.activations import DEVICES
 from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
@@ -47,6 +48,7 @@ from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import PRESETS, preset
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, Step
 from tensorpar.planner.tp_plan import plan_memory
+from tensorpar.runtime.output import GIB
 from tensorpar.train.shape import load_shape
 
 DEFAULT_MODEL = "llama-2-7b"
@@ -117,19 +119,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      "on stderr)")
     src.add_argument("--config", metavar="FILE",
                      help="instead of --model: a JSON file (a GPTConfig, a checkpoint's "
-                     "manifest.json or its directory, a Hugging Face config.json); no default")
+                     "manifest.json or its directory, a Hugging Face config.json) or a run's "
+                     "folder (its newest checkpoint); a checkpoint's run gives the flags not "
+                     "given (precision, layout, batch, passes, recompute, SP, LoRA); no "
+                     "default")
     p.add_argument("--tp", default=None,
                    help="TP size, or a list like 1,2,4,8: one row each (default 1,2,4,8; 1 with "
                    "--pp; with --devices every size up to 8 the search allows)")
-    p.add_argument("--dtype", default="bf16",
+    p.add_argument("--dtype", default=None,
                    help=f"{', '.join(DTYPES)}, a list, or all. bf16: Megatron-style mixed "
                    "precision at 16 B/param (18 with its fp32 gradient buffer); bf16-autocast: "
-                   "what tensorpar train --dtype bf16 does (default bf16)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="plan with sequence parallelism (default off)")
-    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   "what tensorpar train --dtype bf16 does (default: a run's, else bf16)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="plan with sequence parallelism (default: a run's, else off)")
+    p.add_argument("--recompute", default=None, choices=RECOMPUTE,
                    help="activation recomputation: none, selective (the attention core) or "
-                   "full (each block) (default none)")
+                   "full (each block) (default: a run's, else none)")
     p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=None,
                    help="sequences per step, split over the --dp copies, as tensorpar train's "
                    "--batch-size (default: a manifest's, else 1 per copy; with --pp 1 per "
@@ -150,17 +155,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the layout of ranks (dp, pp, the search), the kernels and the device, and
     the outputs."""
-    p.add_argument("--dp", type=int, default=1,
+    p.add_argument("--dp", type=int, default=None,
                    help="data-parallel copies of the TP-split model (the world is TP x DP "
-                   "ranks); 1 is none (default 1)")
+                   "ranks); 1 is none (default: a run's, else 1)")
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages: the blocks cut into --pp stages over as many ranks "
                    "(tp x dp x pp ranks), run by 1F1B on --micro-batches; plans one layout, "
                    "a row per pipeline rank (default: no pipeline; with --devices the only "
                    "pipeline size the search tries)")
-    p.add_argument("--pp-virtual", type=int, default=1,
+    p.add_argument("--pp-virtual", type=int, default=None,
                    help="stages per pipeline rank, interleaved 1F1B (stage s on pp rank s %% "
-                   "pp): a bubble V times smaller, V times the point-to-point sends (default 1)")
+                   "pp): a bubble V times smaller, V times the point-to-point sends (default: a "
+                   "run's, else 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="how many micro-batches per step and data-parallel copy (gradient "
                    "accumulation's passes: --batch-size / (--dp x --micro-batch-size)) "
@@ -169,10 +175,11 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="search the (tp, pp, dp) layouts of this many devices for those that "
                    "fit --device-memory, ranked by an estimated step time; --batch is the "
                    "step's (default: one sequence per device) (default: no search)")
-    p.add_argument("--dp-mode", default="fsdp",
+    p.add_argument("--dp-mode", default=None,
                    help="how the copies share: fsdp (FSDP2, weights, gradients and AdamW states "
                    "sharded over the copies, each block gathered for its forward and backward) "
-                   "or ddp (DDP, replicated, gradients all-reduced in buckets) (default fsdp)")
+                   "or ddp (DDP, replicated, gradients all-reduced in buckets) (default: a run's, "
+                   "else fsdp)")
     p.add_argument("--optimizer", choices=ADAMW, default="fused",
                    help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
                    "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
@@ -183,7 +190,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    "output is read by the output projection as it is), cpu what its CPU "
                    "kernels keep (default cpu)")
     p.add_argument("--device-memory", default="80GB",
-                   help="memory per device, with its unit: 80GB, 24GiB, 512MB (default 80GB)")
+                   help="memory per device, with its unit: GB and MB are decimal (80GB = 80e9 "
+                   "bytes, an H100's 80 GB), GiB and MiB binary (24GiB = 24 x 2^30); plan "
+                   "prints binary units, as train does (80GB shows as 74.5 GiB) (default 80GB)")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of device memory kept free for fragmentation, the CUDA "
                    "context and buffers, from 0 up to 1 (default 0.1)")
@@ -212,9 +221,7 @@ CONFIG_KINDS = ("a GPTConfig, a checkpoint's manifest.json or its directory, or 
 def _config_shape(config: str):
     """The shape of ``--config FILE``, or ValueError (one line) for a file that is not a JSON
     text: a binary file, or text that does not parse."""
-    path = Path(config)
-    if path.is_dir():
-        path = path / ("manifest.json" if (path / "manifest.json").exists() else "config.json")
+    path = config_file(config)
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
@@ -243,7 +250,9 @@ def step_from_flags(args, shape, **layout) -> Step:
     fields = {"tp": 1, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
               "sequence_parallel": args.sequence_parallel, "recompute": args.recompute,
               "dp": args.dp, "dp_mode": args.dp_mode, "optimizer": args.optimizer,
-              "device": args.device}
+              "device": args.device, "lora": getattr(args, "lora", None),
+              "packed": getattr(args, "packed", False),
+              "converted": getattr(args, "converted", None)}
     return Step(shape, **(fields | layout))
 
 
@@ -272,14 +281,7 @@ def _micro_batches(args, pp: int) -> int | None:
 def _run_shape(args, default_batch: int | None = None) -> tuple[int, int]:
     """--batch and --seq, defaulting to a checkpoint manifest's training run (else
     ``default_batch``, one sequence per data-parallel copy unless given; 2048 tokens)."""
-    train = {}
-    if args.config and (args.batch is None or args.seq is None):
-        try:
-            path = Path(args.config)
-            path = path / "manifest.json" if path.is_dir() else path
-            train = json.loads(path.read_text()).get("train") or {}
-        except (OSError, ValueError, AttributeError):
-            train = {}
+    train = getattr(args, "run_settings", {})
     default_batch = args.dp if default_batch is None else default_batch
     batch = args.batch if args.batch is not None else train.get("batch_size", default_batch)
     seq = args.seq if args.seq is not None else train.get("seq_len", 2048)
@@ -290,6 +292,7 @@ def build(args) -> dict:
     """Everything the command shows, as plain data (what --json prints): the TP rows, or with
     --pp one pipeline layout (``build_pipeline``), or with --devices the search
     (``build_search``)."""
+    apply_run_settings(args)  # the flags not given: --config's run's settings, or defaults
     check_dp(args.dp, args.dp_mode)  # before anything is read
     if args.devices is not None:
         return build_search(args)
@@ -437,10 +440,10 @@ def build_search(args) -> dict:
     elif out["smallest"]:
         low = out["smallest"]
         verdict = (f"no layout of {args.devices} devices fits {args.device_memory} "
-                   f"({out['usable'] / 1e9:.1f} GB usable): the smallest peak is "
-                   f"{low['total'] / 1e9:.1f} GB per rank (TP={low['tp']} x PP={low['pp']} x "
+                   f"({out['usable'] / GIB:.1f} GiB usable): the smallest peak is "
+                   f"{low['total'] / GIB:.1f} GiB per rank (TP={low['tp']} x PP={low['pp']} x "
                    f"DP={low['dp']}), which needs devices of "
-                   f"{low['total'] / (1 - args.reserve) / 1e9:.1f} GB")
+                   f"{low['total'] / (1 - args.reserve) / GIB:.1f} GiB")
     else:
         verdict = (f"no layout of {args.devices} devices can run {shape.name}: all "
                    f"{len(out['skipped'])} are refused, e.g. {out['skipped'][0]['why']}")

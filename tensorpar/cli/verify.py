@@ -30,7 +30,7 @@ from tensorpar.ranks.local import run_ranks
 from tensorpar.runtime.counting import KINDS, CollectiveCounter
 from tensorpar.runtime.groups import device_for
 from tensorpar.runtime.torchrun import say
-from tensorpar.transformer.attention import ParallelSelfAttention, head_layout
+from tensorpar.transformer.attention import ParallelSelfAttention, head_shards
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.reference import BlockConfig, DenseBlock
 
@@ -67,7 +67,7 @@ def expected_collectives(cfg: BlockConfig, n: int, sequence_parallel: bool,
     ``keep_gathered_input`` option of the layers) instead of re-gathering their shard there."""
     if n == 1:
         return {"forward": {}, "backward": {}}
-    kv_shared = head_layout(cfg.num_heads, cfg.num_kv_heads, n, 0)[2]
+    kv_shared = head_shards(cfg.num_heads, cfg.num_kv_heads, n, 0)[2]
     if not sequence_parallel:
         # forward: g in embedding, attention, MLP; loss: one all-gather (its statistics and
         #   target logits)

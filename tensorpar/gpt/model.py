@@ -45,7 +45,7 @@ from tensorpar.runtime.groups import tp_size
 from tensorpar.runtime.seeds import derive_seed
 from tensorpar.transformer.attention import (
     ParallelSelfAttention,
-    head_layout,
+    head_shards,
     packed_causal_mask,
     padded_causal_mask,
 )
@@ -91,7 +91,7 @@ class GPTConfig:
             raise ValueError(f"--dim {self.dim} must divide by --n-head {self.n_head} into an "
                              "even head_dim (rotary embeddings rotate channel pairs)")
         try:
-            head_layout(self.n_head, self.n_kv_head, tp, 0)
+            head_shards(self.n_head, self.n_kv_head, tp, 0)
         except ValueError as e:
             raise ValueError(f"--n-head {self.n_head}, --n-kv-head {self.n_kv_head}, --tp {tp}: "
                              f"{e}") from None

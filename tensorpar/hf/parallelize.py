@@ -1,5 +1,5 @@
 """Convert an existing dense model (a Hugging Face transformer, or your own) in place, following a
-plan: a dict from module-name patterns to styles, so a model's whole layout fits on one screen::
+plan: a dict from module-name patterns to styles, so a model's whole split fits on one screen::
 
     LLAMA = {
         "model.embed_tokens":       "vocab",          # VocabParallelEmbedding

@@ -1,6 +1,6 @@
 """Built-in plans for Hugging Face transformers models, and plans translated from their configs.
 
-The built-in plans (the whole layout of each family)::
+The built-in plans (how each family is split, whole)::
 
     GPT-2:                                      Llama, Mistral, Qwen2, Qwen3:
     transformer.wte        vocab                model.embed_tokens        vocab
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
 
@@ -130,7 +130,7 @@ def check_split(model: nn.Module, name: str, style: str, n: int) -> None:
     (the converter calls it for each module; ``from_pretrained`` for the whole plan up front).
 
     It depends on the model and n only, so every rank raises the same error. ``attention``: every
-    rank needs a query head (``head_layout``). ``column``/``row`` on a projection inside an
+    rank needs a query head (``head_shards``). ``column``/``row`` on a projection inside an
     attention module (a plan splitting q|k|v layer by layer, as GPT-NeoX's fused per-head
     ``query_key_value``): ``tensor_split`` of its features keeps every head whole and the q/kv
     ratio unchanged only when n divides both head counts; else the module's own forward would
@@ -141,7 +141,7 @@ def check_split(model: nn.Module, name: str, style: str, n: int) -> None:
         H, K = attention_heads(m, getattr(m, "config", None))
         try:
             if H is not None:  # no head count: the converter names what it lacks
-                head_layout(H, K, n, 0)
+                head_shards(H, K, n, 0)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         return

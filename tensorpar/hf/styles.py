@@ -23,7 +23,7 @@ from tensorpar.parallel.linear import RowParallelLinear
 from tensorpar.parallel.mappings import reduce_from_tp
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 
 class ModuleSource:
@@ -164,7 +164,7 @@ class Converter:
         return m
 
     def attention(self, name, m):
-        """q, k and v split by heads (``head_layout``: GQA and MQA with fewer KV heads than
+        """q, k and v split by heads (``head_shards``: GQA and MQA with fewer KV heads than
         ranks too), the output projection by its input; the module's own head counts made
         local, so that its forward reshapes to this rank's heads. Two layouts: separate
         q/k/v projections (Llama and most families) and GPT-2's packed q|k|v Conv1D."""
@@ -187,7 +187,7 @@ class Converter:
     def _packed_qkv(self, name, m) -> tuple[list, set[str], int]:
         """GPT-2: one Conv1D packing q|k|v (multi-head only), each third split by heads."""
         H, hd = m.num_heads, m.head_dim
-        (h0, h1), _, _ = head_layout(H, H, self.n, self.rank)
+        (h0, h1), _, _ = head_shards(H, H, self.n, self.rank)
         E = H * hd
         if not is_conv1d(m.c_attn) or _features(m.c_attn)[1] != 3 * E or \
                 getattr(m, "is_cross_attention", False):
@@ -206,7 +206,7 @@ class Converter:
         them by ``kv_index``), the output projection by its input."""
         out = next(p for p in OUT_PROJ if hasattr(m, p))
         (H, K), hd = attention_heads(m, getattr(m, "config", None)), m.head_dim
-        (h0, h1), (k0, k1), shared = head_layout(H, K, self.n, self.rank)
+        (h0, h1), (k0, k1), shared = head_shards(H, K, self.n, self.rank)
         m.q_proj = self.column(f"{name}.q_proj", m.q_proj, [(h0 * hd, h1 * hd)],
                                cls=InRegionColumn)
         kv_index = torch.arange(h0, h1) // (H // K) - k0  # local KV head of each query head

@@ -13,7 +13,7 @@
   gathered over TP
 - ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``stages``: the same over layers
   (pipeline stages) and ``check_pipeline``; ``grad_sync``: gradient sums for parameters several
-  ranks hold; ``layout``: who owns which slice, the global gradient norm
+  ranks hold; ``ownership``: who owns which slice, the global gradient norm
 
 Part of the core: imports ``tensorpar.runtime`` only.
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tensorpar.parallel.sharding import shard_range, shard_sizes
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 # where the step runs: the saved tensors of RMSNorm and attention differ (``block_terms``)
 DEVICES = ("cpu", "cuda")
@@ -63,7 +63,7 @@ class PassSizes:
 
 def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
     """This rank's local sizes: query and KV heads, hidden units, vocabulary rows."""
-    (h0, h1), (k0, k1), shared = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    (h0, h1), (k0, k1), shared = head_shards(shape.n_head, shape.n_kv_head, tp, rank)
     v0, v1 = shard_range(shape.vocab_size, tp, rank)
     f0, f1 = shard_range(shape.hidden_dim, tp, rank)
     return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
@@ -123,11 +123,15 @@ def block_terms(step: Step, rank: int = 0) -> dict:
     t["sdpa logsumexp"] = B * hl * T * 4
     # under autocast each apply_rotary casts the fp32 cos and sin tables (T, hd/2) to bf16, for
     # q and for k: four copies per block (in fp32 the shared table is used as it is)
-    t["rotary tables"] = 4 * T * (hd // 2) * 2 if autocast else 0
+    # (packed rows: tables per row, (B, T, hd/2), from each row's positions)
+    t["rotary tables"] = 4 * (B if step.packed else 1) * T * (hd // 2) * 2 if autocast else 0
     t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
     # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
     t["weight copies"] = block_copies(shape, s) if autocast else 0
     t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
+    # packed rows: SDPA turns the block-diagonal (B, 1, T, T) bool mask into an additive one in
+    # q's dtype, which it keeps, one per block (the same on every TP rank: it spans no heads)
+    t["attention mask"] = B * T * T * act if step.packed else 0
     t["total"] = sum(t.values())
     return t
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.counting import KINDS, ring_share
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 
 def totals(rows: list[dict]) -> dict:
@@ -185,7 +185,7 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
               norm_elems * res_b)
         if shape.bias:
             r.add(f"row bias grads (x{2 * L})", "backward", "all_reduce", 2 * L, D * res_b)
-    if head_layout(shape.n_head, shape.n_kv_head, t, 0)[2] and lora is None:
+    if head_shards(shape.n_head, shape.n_kv_head, t, 0)[2] and lora is None:
         kv = 2 * shape.n_kv_head * shape.head_dim * (D + (shape.bias or shape.qkv_bias))
         r.add(f"shared KV grads (x{L})", "backward", "all_reduce", L, kv * res_b)
     if lora is not None:
@@ -279,7 +279,7 @@ def lora_rows(add, lora: dict, shape: ModelShape, batch: int, seq: int, t: int, 
             add(f"LoRA {part} A grads (x{own})", "backward", "all_reduce", own, R * D * res_b)
         if sp and lora["rows"][part]:
             add(f"LoRA {part} B grads (x{L})", "backward", "all_reduce", L, D * r * res_b)
-    if lora["kv"] and head_layout(shape.n_head, shape.n_kv_head, t, 0)[2]:
+    if lora["kv"] and head_shards(shape.n_head, shape.n_kv_head, t, 0)[2]:
         kv = lora["kv"] * shape.n_kv_head * shape.head_dim * r
         add(f"LoRA shared KV B grads (x{L})", "backward", "all_reduce", L, kv * res_b)
 

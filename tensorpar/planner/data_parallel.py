@@ -72,7 +72,7 @@ from tensorpar.planner.memory import step_temporaries
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import DP_MODES, Budget, Step
 from tensorpar.runtime.counting import ring_share
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 # DistributedDataParallel's defaults: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, then
 # bucket_cap_mb=25 (MiB)
@@ -165,7 +165,7 @@ def partly_owned(shape: ModelShape, tp: int, rank: int = 0) -> list[tuple]:
     head held by several ranks belongs to the lowest (``parallel.ownership``), and this rank holds
     both such a head and one of its own. Under FSDP2 the gradient norm gathers their gradients
     over dp to cut its part (``ownership.clip_grad_norm_``)."""
-    ranges = [head_layout(shape.n_head, shape.n_kv_head, tp, r)[1] for r in range(rank + 1)]
+    ranges = [head_shards(shape.n_head, shape.n_kv_head, tp, r)[1] for r in range(rank + 1)]
     (k0, k1), lower = ranges[rank], max([0] + [stop for _, stop in ranges[:rank]])
     if not k0 < lower < k1:
         return []

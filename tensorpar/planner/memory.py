@@ -40,9 +40,9 @@ Activations, two counts per rank (s = seq, b = batch, h = dim, a = heads, L laye
   saves. The step's peak adds what is alive only for a moment: the loss backward's gradient of the
   logits (built in the loss's own buffer, plus its bf16 cast under autocast; with one rank, where
   the loss is ``F.cross_entropy``, two fp32 buffers of b·s·V), or a block's backward, or the
-  optimizer step. It is checked against ``MemoryMeter`` around real steps: within 10% on CPU
-  (``tests/plan``), within 1% on an H100 (torch 2.11, ``device="cuda"``, d=2048, 16 layers, B8 x
-  T2048, fp32, bf16, unfused and recomputed; issue 15).
+  optimizer step. It is checked against ``MemoryMeter`` around real steps: asserted within 10%
+  on CPU (``tests/planner/test_plan.py``), measured within 1% on an H100 (torch 2.11,
+  ``device="cuda"``, d=2048, 16 layers, B8 x T2048, fp32, bf16, unfused and recomputed).
 
 A Hugging Face model converted by tensorpar (``converted``) keeps other attention tensors than
 the GPT (``converted_block_terms``: K and V per KV head, no o_proj copy, the model's own rotary
@@ -52,8 +52,10 @@ in the norms, no input of a row layer without an adapter, no weight gradients; a
 backward makes two or three hidden-sized gradients more than it keeps, and the final norm's
 backward is a moment of its own. Against ``tensorpar train --hf --lora-rank`` on CPU (torch 2.13,
 a random Llama, d=256, 4 layers, 8/4 heads, B8 x T128, TP 1 and 2, ranks 8 and 16, every
-projection or q_proj,v_proj, fp32, bf16, SP, recomputed): within 0.5% in fp32, 1-4% under bf16
-autocast (``tests/planner/test_plan_lora.py``); on an H200 (torch 2.11, transformers 5.17,
+projection or q_proj,v_proj, fp32, bf16, SP, recomputed): measured within 0.5% in fp32, 1-4%
+under bf16 autocast (``tests/planner/test_plan_lora.py`` asserts 10%); on chat examples, packed
+(``Step.packed``) or not, LoRA and full fine-tunes, asserted within 5% at TP 2
+(``tests/planner/test_plan_packed.py``); on an H200 (torch 2.11, transformers 5.17,
 d=2048, 4 layers, 16/8 heads, B8 x T1024, ``--device cuda``, TP 1 and 2) within 3.5%.
 
 Data parallelism (``tp_plan.plan_memory``'s dp and dp_mode: FSDP2's shards and gathered
@@ -70,7 +72,7 @@ from dataclasses import dataclass
 from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 __all__ = ["ADAMW", "DTYPES", "RECOMPUTE", "rank_shapes", "rank_params", "lora_params",
            "tensorpar_memory"]
@@ -153,7 +155,8 @@ def lora_params(shape: ModelShape, tp: int, rank: int, r: int,
 
 
 def converted_block_terms(shape: ModelShape, tp: int, rank: int, terms: dict, N: int, B: int,
-                          act: int, device: str = "cpu", attention: str | None = None) -> dict:
+                          act: int, device: str = "cpu", attention: str | None = None,
+                          masked: bool = False) -> dict:
     """``activations.block_terms`` (tensorpar's GPT) made what a block of a Hugging Face model
     converted by tensorpar (``hf/``) keeps: its attention keeps other tensors than the GPT's
     (measured tensor by tensor with ``saved_tensors_hooks``, torch 2.13 CPU, transformers 5, a
@@ -178,12 +181,13 @@ def converted_block_terms(shape: ModelShape, tp: int, rank: int, terms: dict, N:
       and whose (B, h, T, hd) output the o_proj input copies (measured on an H200: d=2048,
       16/8 heads, B8 x T1024: 768 MiB kept by a forward's attention).
     """
-    (h0, h1), (k0, k1), _ = head_layout(shape.n_head, shape.n_kv_head, tp, rank)
+    (h0, h1), (k0, k1), _ = head_shards(shape.n_head, shape.n_kv_head, tp, rank)
     hd, hl, kvl = shape.head_dim, h1 - h0, k1 - k0
     group = shape.n_head // shape.n_kv_head
     kv_index = [h // group - k0 for h in range(h0, h1)]  # the local KV head of each query head
     uniform = hl % kvl == 0 and kv_index == [i // (hl // kvl) for i in range(hl)]
-    gqa = uniform and hd <= 256 and kvl < hl  # enable_gqa (else K and V already per head)
+    # enable_gqa (else K and V already per head)
+    gqa = uniform and hd <= 256 and kvl < hl and not masked
     kv_heads = kvl if gqa else hl
     out = terms | {"sdpa q, k, v": N * hl * hd * act + 2 * N * kv_heads * hd * act,
                    "o_proj input": 0, "rotary tables": 0}
@@ -284,7 +288,7 @@ def pass_block_terms(step: Step, rank: int) -> dict:
     terms = block_terms(step, rank)
     if step.is_converted:
         terms = converted_block_terms(step.shape, step.tp, rank, terms, z.N, z.B, z.act,
-                                      step.device, step.attention)
+                                      step.device, step.attention, step.packed)
     if lora is not None:
         terms = lora_block_terms(step.shape, terms, z.N, z.Ns, z.act, lora)
     return terms
@@ -331,9 +335,10 @@ def kept_at_forward_end(step: Step, rank: int, terms: dict) -> Kept:
     # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
     # ("rotary tables" in block_terms)
-    rope = 0 if step.autocast and not full else 4 * z.T * shape.head_dim
+    rows = z.B if step.packed else 1  # packed: tables per row, from its restarting positions
+    rope = 0 if step.autocast and not full else 4 * rows * z.T * shape.head_dim
     if step.is_converted:  # the model's cos and sin, (T, hd) fp32 each (converted_block_terms)
-        rope = 0 if shape.learned_pos else 2 * z.T * shape.head_dim * 4
+        rope = 0 if shape.learned_pos else 2 * rows * z.T * shape.head_dim * 4
     L = shape.n_layer
     if full:  # each block keeps only its input (the checkpoint's)
         blocks, copies = L * Ns * D * 4, head_copy
@@ -357,23 +362,25 @@ def loss_backward(step: Step, z: PassSizes, kept: Kept) -> int:
 
 
 def final_norm_backward(step: Step, z: PassSizes, kept: Kept) -> int:
-    """LoRA: the final norm's backward, after the head's, the peak at TP > 1 (where the loss
-    backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's backward adds
-    little. The logits' buffer, the loss's statistics and the head's input are let go; the
-    head's input gradient (fp32) is in, and the norm's backward makes its temporaries
+    """A converted model's final norm's backward, after the head's, the peak at TP > 1 (where
+    the loss backward adds nothing) and, under autocast, at TP = 1 too: a frozen block's
+    backward adds little. The logits' buffer, the loss's statistics and the head's input are
+    let go; the head's input gradient (fp32) is in, and the norm's backward makes its temporaries
     (measured, torch 2.13 CPU): tensorpar's CPU rms_norm (fp32) x·rstd, g·w and the input
     gradient; F.rms_norm composed of ops (CPU autocast) five of the width at its pow's backward
     (the mul's and the mean's gradients, pow's 2·x and its product, and the gradient through
-    x·rstd); torch's kernels (CUDA's, layer_norm) the input gradient alone. (Not modelled for a
-    full fine-tune, whose norm makes its weight's gradient too: unmeasured; the block's backward
-    the GPT's measured peak.)"""
+    x·rstd); torch's kernels (CUDA's, layer_norm) the input gradient alone. A converted model's
+    full fine-tune holds the head's weight gradient too (its norm's is of the width: left out);
+    the GPT's is not modelled (the block's backward its measured peak)."""
     D, Ns = step.shape.dim, z.Ns
     head_input = (Ns if z.regather else z.N) * D * z.act
     if step.shape.norm == "rms" and step.device == "cpu":
-        norm_temps = (5 if step.autocast else 3) * Ns * D * 4
+        # (a full fine-tune's norm kept x·rstd: three of the width, measured)
+        norm_temps = (5 if step.autocast and step.lora is not None else 3) * Ns * D * 4
     else:
         norm_temps = Ns * D * 4
-    return kept.total - kept.logits - kept.loss - head_input + Ns * D * 4 + norm_temps
+    head_grad = 4 * z.local["vocab"] * D if step.lora is None else 0
+    return kept.total - kept.logits - kept.loss - head_input + Ns * D * 4 + norm_temps + head_grad
 
 
 def block_backward(step: Step, rank: int, terms: dict, kept: Kept) -> tuple[int, int, BlockBudget,
@@ -391,7 +398,10 @@ def block_backward(step: Step, rank: int, terms: dict, kept: Kept) -> tuple[int,
     head_grad = 4 * z.local["vocab"] * D if lora is None else 0  # a frozen head has none
     between = kept.total - kept.tail + head_grad
     if lora is None:
-        hidden_grads = 3 * N * H * act + 2 * N * D * 4
+        # a converted model's MLP (measured, torch 2.13 CPU): down's weight gradient lets go of
+        # its input, the product, before the product's backward makes gate's and up's: two
+        # hidden-sized gradients in flight beside the incoming one, not the GPT's three
+        hidden_grads = (2 if step.is_converted else 3) * N * H * act + 2 * N * D * 4
     else:
         # a frozen MLP's backward (measured: its peak is inside down's and the SwiGLU product's
         # backward): the incoming gradient (N·D fp32) and three hidden-sized gradients in
@@ -478,7 +488,7 @@ def tensorpar_memory(step: Step, rank: int = 0) -> Budget:
     kept = kept_at_forward_end(step, rank, terms)
     peaks = {"loss backward": loss_backward(step, z, kept)}
     copies = {"activations": kept.copies, "loss backward": kept.copies, "optimizer step": 0}
-    if step.lora is not None:
+    if step.is_converted:
         peaks["final norm backward"] = final_norm_backward(step, z, kept)
         copies["final norm backward"] = kept.copies - kept.head_copy
     top, copies["block backward"], blocks, block_copies = block_backward(step, rank, terms, kept)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tensorpar.runtime.output import write_atomically
+from tensorpar.runtime.output import GIB, MIB, write_atomically
 
 _AT = {"loss backward": "loss bwd", "block backward": "block bwd", "optimizer step": "opt step",
        "embedding backward": "embed bwd", "root reduce-scatter": "root RS"}
@@ -18,8 +18,9 @@ def _at(where: str) -> str:
 
 
 def unit_for(rows: list[dict]) -> tuple[float, str]:
-    """GB for models that need them, MB for small ones."""
-    return (1e9, "GB") if max(r["total"] for r in rows) >= 1e9 else (1e6, "MB")
+    """GiB for models that need them, MiB for small ones (binary units, as ``tensorpar train``'s
+    summary prints: ``runtime.output``)."""
+    return (GIB, "GiB") if max(r["total"] for r in rows) >= GIB else (MIB, "MiB")
 
 
 def fmt(b: float, unit: tuple[float, str]) -> str:
@@ -77,16 +78,16 @@ def print_pipeline(data: dict) -> None:
                   "(Narayanan et al. 2021)")
     each = data["p2p"]["per_rank"][0]["bytes_each"]
     console.print(f"point to point: 2·m·(S-1) = {data['p2p']['sends']} sends per step over "
-                  f"S = {p * v} stages, {each / 1e6:,.1f} MB each ((micro, seq, dim) fp32"
+                  f"S = {p * v} stages, {each / MIB:,.1f} MiB each ((micro, seq, dim) fp32"
                   f"{', / tp under SP' if data['sequence_parallel'] else ''}), "
-                  f"{data['p2p']['bytes'] / 1e9:,.2f} GB in all")
-    c = Table(title="bytes each rank sends per step (MB; tp and dp: ring bytes of their "
+                  f"{data['p2p']['bytes'] / GIB:,.2f} GiB in all")
+    c = Table(title="bytes each rank sends per step (MiB; tp and dp: ring bytes of their "
               "collectives)")
-    for col in ("pp rank", "activations", "gradients", "pp MB", "tp MB", "dp MB"):
+    for col in ("pp rank", "activations", "gradients", "pp MiB", "tp MiB", "dp MiB"):
         c.add_column(col, justify="right")
     for r, sent, comm in zip(data["stages"], data["p2p"]["per_rank"], data["comm"], strict=True):
         c.add_row(str(r["stage"]), str(sent["activations"]), str(sent["gradients"]),
-                  *(f"{comm[g] / 1e6:,.1f}" for g in ("pp", "tp", "dp")))
+                  *(f"{comm[g] / MIB:,.1f}" for g in ("pp", "tp", "dp")))
     console.print(c)
     worst = data["stages"][data["worst"]]
     if data.get("usable") is not None:
@@ -102,22 +103,22 @@ def print_search(data: dict, device_memory: str) -> None:
 
     console = _console()
     t = Table(title=f"{data['model']} on {data['devices']} x {device_memory} "
-              f"({data['usable'] / 1e9:.1f} GB usable each): batch {data['batch']} x seq "
+              f"({data['usable'] / GIB:.1f} GiB usable each): batch {data['batch']} x seq "
               f"{data['seq']}, {data['dtype']}, recompute {data['recompute']}; the layouts that "
               "fit, by estimated step time")
-    for col in ("TP", "PP", "DP", "schedule", "micro-batches", "peak GB", "worst", "bubble",
-                "tp GB", "pp GB", "dp GB", "est. step s"):
+    for col in ("TP", "PP", "DP", "schedule", "micro-batches", "peak GiB", "worst", "bubble",
+                "tp GiB", "pp GiB", "dp GiB", "est. step s"):
         t.add_column(col, justify="right")
     for r in data["layouts"]:
         t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]),
                   r["schedule"] + (f", V={r['virtual']}" if r["virtual"] > 1 else ""),
-                  f"{r['micro_batches']} x {r['micro_batch']}", f"{r['total'] / 1e9:,.1f}",
+                  f"{r['micro_batches']} x {r['micro_batch']}", f"{r['total'] / GIB:,.1f}",
                   f"pp {r['worst']}", f"{r['bubble']:.1%}",
-                  *(f"{r['sends'][g] / 1e9:,.1f}" for g in ("tp", "pp", "dp")),
+                  *(f"{r['sends'][g] / GIB:,.1f}" for g in ("tp", "pp", "dp")),
                   f"{r['step_seconds']:,.2f}")
     if data["layouts"]:
         console.print(t)
-        console.print("peak: the largest pipeline rank's (worst); tp, pp, dp GB: what the "
+        console.print("peak: the largest pipeline rank's (worst); tp, pp, dp GiB: what the "
                       "busiest rank sends per step on each group (ring bytes of the "
                       "collectives, point to point). est. step s ranks them: the step's FLOPs "
                       "per device at 400 TFLOP/s stretched by the bubble, plus the bytes at "
@@ -145,12 +146,12 @@ def write_png(data: dict, path: Path, device: float) -> None:
                              "buffers)")):
             # DDP's buckets, kept for the whole run, count with the peak's bytes
             vals = [(r[part] + (r["dp_buffers"] if part == "peak_bytes" and r.get("dp_mode")
-                                == "ddp" else 0)) / 1e9 for r in rows]
+                                == "ddp" else 0)) / GIB for r in rows]
             ax.bar(x, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        ax.axhline(device / 1e9, color="black", linestyle="--", label="device memory")
+        ax.axhline(device / GIB, color="black", linestyle="--", label="device memory")
         split = f" x DP={data['dp']} ({data['dp_mode']})" if data.get("dp_mode") else ""
-        ax.set(title=f"{data['model']} {dtype}{split}", xlabel="TP size", ylabel="GB per rank")
+        ax.set(title=f"{data['model']} {dtype}{split}", xlabel="TP size", ylabel="GiB per rank")
         ax.legend(fontsize=7)
     fig.tight_layout()
     try:
@@ -209,29 +210,29 @@ def print_tables(data: dict, args) -> None:
                   f"{s['note']}")
     c = Table(title=f"communication per step and rank (tensorpar's GPT, "
               f"{data['comm_dtype']} activations)")
-    for col in ("TP", "kind", "calls", "payload MB", "ring MB sent"):
+    for col in ("TP", "kind", "calls", "payload MiB", "ring MiB sent"):
         c.add_column(col, justify="right")
     for tp, comm in data["comm"].items():
         for kind, calls in comm["counts"].items():
-            c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
-                      f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
+            c.add_row(tp, kind, str(calls), f"{comm['bytes'][kind] / MIB:,.1f}",
+                      f"{comm['ring_bytes'][kind] / MIB:,.1f}")
     console.print(c)
     if "dp_comm" in data:
         d = Table(title=f"data-parallel communication per step and rank (DP={dp}, {dp_mode}; "
                   "with the loss reported over dp)")
-        for col in ("dtype", "TP", "kind", "calls", "payload MB", "ring MB sent"):
+        for col in ("dtype", "TP", "kind", "calls", "payload MiB", "ring MiB sent"):
             d.add_column(col, justify="right")
         for dtype, by_tp in data["dp_comm"].items():
             for tp, comm in by_tp.items():
                 for kind, calls in comm["counts"].items():
-                    d.add_row(dtype, tp, kind, str(calls), f"{comm['bytes'][kind] / 1e6:,.1f}",
-                              f"{comm['ring_bytes'][kind] / 1e6:,.1f}")
+                    d.add_row(dtype, tp, kind, str(calls), f"{comm['bytes'][kind] / MIB:,.1f}",
+                              f"{comm['ring_bytes'][kind] / MIB:,.1f}")
         console.print(d)
     if "split" in data:
         sp = Table(title="gelu(X W1) W2: forward + backward communication")
-        for col in ("split", "collectives", "ring MB per rank"):
+        for col in ("split", "collectives", "ring MiB per rank"):
             sp.add_column(col)
         for r in data["split"]:
-            sp.add_row(r["split"], r["collectives"], f"{r['ring_bytes'] / 1e6:,.1f}")
+            sp.add_row(r["split"], r["collectives"], f"{r['ring_bytes'] / MIB:,.1f}")
         console.print(sp)
         console.print(f"fewest bytes: {data['split'][0]['split']} (no N x hidden tensor moves)")

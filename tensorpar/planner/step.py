@@ -59,6 +59,9 @@ class Step:
     fused: bool = True  # the fused column projections (one cast of their input under autocast)
     keep_gathered_input: bool = False  # under SP the column ops keep their gathered input
     lora: Lora | None = None
+    # positions restart at every example of a row (``--pack``): attention takes a block-diagonal
+    # causal mask, and the rotary tables are made per row
+    packed: bool = False
     # a Hugging Face model converted by tensorpar (its attention keeps other tensors than the
     # GPT's); None: whether ``lora`` is given (only those take adapters)
     converted: bool | None = field(default=None)
@@ -86,12 +89,14 @@ class Step:
 
     @classmethod
     def from_train_config(cls, cfg, shape: ModelShape, optimizer: str = "fused",
-                          dropout: bool = False, device: str = "cpu") -> Step:
+                          dropout: bool = False, device: str = "cpu",
+                          converted: bool | None = None) -> Step:
         """The step ``tensorpar train`` runs for ``cfg`` (a ``train.config.TrainConfig``; the
         planner reads its fields and imports nothing of the trainer): its batch over ``dp``
         copies in passes of ``--micro-batch-size`` sequences, tensorpar's bf16 (autocast),
-        full recomputation or none. ``optimizer``: the trainer's AdamW implementation;
-        ``dropout``: whether the model drops; ``device``: where the ranks ran."""
+        full recomputation or none, packed rows or not. ``optimizer``: the trainer's AdamW
+        implementation; ``dropout``: whether the model drops; ``device``: where the ranks ran;
+        ``converted``: whether the model is a Hugging Face model (``Step.converted``)."""
         dp = cfg.dp or 1
         per_copy = cfg.batch_size // dp
         lora = None if cfg.lora_rank is None else Lora(cfg.lora_rank, cfg.lora_targets,
@@ -103,7 +108,7 @@ class Step:
                    pp=cfg.pp, virtual=cfg.pp_virtual,
                    micro_batches=per_copy // (cfg.micro_batch_size or per_copy),
                    optimizer=optimizer, dropout=dropout, device=device, fused=cfg.fused,
-                   lora=lora)
+                   lora=lora, packed=cfg.pack, converted=converted)
 
 
 @dataclass(frozen=True)

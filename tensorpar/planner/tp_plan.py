@@ -9,7 +9,7 @@ from tensorpar.planner.activations import paper_activations
 from tensorpar.planner.data_parallel import check_dp, dp_memory
 from tensorpar.planner.memory import DTYPES, RECOMPUTE, rank_params, tensorpar_memory
 from tensorpar.planner.step import BlockBudget, Budget, Step
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 
 
 def check_step(step: Step) -> None:
@@ -27,7 +27,7 @@ def check_step(step: Step) -> None:
 def check_shape(step: Step) -> None:
     """ValueError for a TP size the heads refuse, or sequence parallelism with fewer tokens
     than ranks."""
-    head_layout(step.shape.n_head, step.shape.n_kv_head, step.tp, 0)
+    head_shards(step.shape.n_head, step.shape.n_kv_head, step.tp, 0)
     if step.sequence_parallel and step.seq < step.tp:
         raise ValueError(f"--seq {step.seq} is shorter than --tp {step.tp}: sequence "
                          "parallelism needs at least one token per rank")

@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# the one unit system of what tensorpar prints: binary units (a MiB is 2^20 bytes), as torch's
+# allocator statistics count; ``tensorpar plan --device-memory`` also reads decimal ones (80GB)
+MIB, GIB = 2**20, 2**30
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -341,7 +341,8 @@ class Run:
         if self.lead:
             result["rows"] = report.finish(self.start, sizes, measure.comm, self.recipe.shape(),
                                            implementation(self.opt), self.recipe.dropout,
-                                           self.source, stopped is not None, self.data_note)
+                                           self.source, stopped is not None, self.data_note,
+                                           converted=self.recipe.kind == "hf")
         return result
 
 

@@ -290,9 +290,10 @@ class RunReport:
 
     def finish(self, start: int, sizes: list[dict], comm: dict, shape: ModelShape | None,
                optimizer: str, dropout: bool, source: str, stopped: bool,
-               data_note: str | None = None) -> list[dict]:
+               data_note: str | None = None, converted: bool = False) -> list[dict]:
         """``loss.png``, and for a run that was not stopped the summary and the files' line;
-        the rows of ``metrics.jsonl``."""
+        the rows of ``metrics.jsonl``. converted: the model is a Hugging Face one (the plan
+        counts its attention's tensors: ``planner.step.Step.converted``)."""
         cfg, out, rows = self.cfg, self.out, self.metrics.rows
         if rows:
             dp = cfg.dp or 1
@@ -304,7 +305,8 @@ class RunReport:
 
             ran = [r for r in rows if r["step"] > start]
             console = self.progress.console
-            console.print(summary(ran, sizes, comm, cfg, shape, optimizer, dropout, data_note))
+            console.print(summary(ran, sizes, comm, cfg, shape, optimizer, dropout, data_note,
+                                  converted))
             console.print(f"checkpoint: {find_checkpoint(out)}   metrics: "
                           f"{out / 'metrics.jsonl'}   plot: {out / 'loss.png'}"
                           + (f"   tensorboard: {out / 'tensorboard'}" if cfg.tensorboard
@@ -314,19 +316,21 @@ class RunReport:
 
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelShape,
             optimizer: str = "fused", dropout: bool = False,
-            data_note: str | None = None) -> Table:
+            data_note: str | None = None, converted: bool = False) -> Table:
     """The end-of-run table: loss, speed, memory per rank (measured against ``tensorpar plan``'s
     prediction) and the collectives of one step (measured against the analytic minimum).
     shape: the model as the planner sees it (``recipe.shape()``; None: the planner cannot describe
     it, the measured numbers alone); optimizer: the trainer's AdamW implementation
-    (``optim.implementation``); dropout: whether the model drops, for the plan."""
+    (``optim.implementation``); dropout: whether the model drops, and converted: whether it is
+    a Hugging Face model, for the plan."""
     tp, sp = cfg.tp, cfg.sequence_parallel
     how = (f", compiled ({cfg.compile_backend})" if cfg.compile else "") \
         + (", TF32" if cfg.tf32 else "")
     # the step as the planner sees it (each pass's activations; a step makes each pass's
     # collectives), and its numbers for the ranks measured, asked once
     step = Step.from_train_config(cfg, shape, optimizer, dropout,
-                                  sizes[0].get("device", "cpu") if sizes else "cpu") \
+                                  sizes[0].get("device", "cpu") if sizes else "cpu",
+                                  converted or None) \
         if shape is not None else None
     plan = None if step is None else plan_run(step, [
         RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0), s.get("pp_rank", 0))

@@ -48,7 +48,7 @@ from tensorpar.transformer.kv_cache import LayerKVCache
 from tensorpar.transformer.rotary import apply_rotary
 
 
-def head_layout(num_heads: int, num_kv_heads: int, n: int, rank: int):
+def head_shards(num_heads: int, num_kv_heads: int, n: int, rank: int):
     """Query heads [h0, h1) and KV heads [k0, k1) of ``rank``, and whether any KV head is shared.
 
     Raises ValueError when the heads cannot be split.
@@ -123,7 +123,7 @@ class ParallelSelfAttention(nn.Module):
         self.cp_group = cp_group
         kv_heads = num_kv_heads or num_heads
         n, rank = tp_size(group), tp_rank(group)
-        (h0, h1), (k0, k1), shared = head_layout(num_heads, kv_heads, n, rank)
+        (h0, h1), (k0, k1), shared = head_shards(num_heads, kv_heads, n, rank)
         if head_dim is None:
             if dim % num_heads:
                 raise ValueError(f"dim={dim} does not divide by num_heads={num_heads}; "
@@ -164,7 +164,7 @@ class ParallelSelfAttention(nn.Module):
                    cp_group: ProcessGroup | None = None):
         """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
         kv_heads = num_kv_heads or num_heads
-        head_layout(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
+        head_shards(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
         if q.out_features % num_heads:
             raise ValueError(f"q projection has {q.out_features} outputs, not a multiple of "
                              f"num_heads={num_heads}")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from tensorpar import ParallelMLP, ParallelSelfAttention
 from tensorpar.runtime.groups import tp_size
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 from tensorpar.transformer.reference import DenseAttention, DenseMLP
 
 from tests_common import WORLD_SIZES
@@ -91,7 +91,7 @@ def test_parallel_attention(ranks, n, heads, kv_heads, sp, fused):
     results = ranks(n).run(_attention_body, heads, kv_heads, sp, True, False, fused)
     if n == 1:
         return counts_ok(results, {}, {})
-    shared = head_layout(heads, kv_heads, n, 0)[2]
+    shared = head_shards(heads, kv_heads, n, 0)[2]
     fwd = FWD_SP if sp else {"all_reduce": 1}
     bwd = {"all_gather": 2, "reduce_scatter": 1} if sp else {"all_reduce": 1}
     if shared:
@@ -124,7 +124,7 @@ def test_parallel_attention_with_biases(ranks, n, sp, fused):
         return counts_ok(results, {}, {})
     fwd = FWD_SP if sp else {"all_reduce": 1}
     bwd = ({"all_gather": 2, "reduce_scatter": 1} if sp else {"all_reduce": 1})
-    bwd["all_reduce"] = bwd.get("all_reduce", 0) + head_layout(8, 2, n, 0)[2] + sp
+    bwd["all_reduce"] = bwd.get("all_reduce", 0) + head_shards(8, 2, n, 0)[2] + sp
     counts_ok(results, fwd, bwd)
 
 
@@ -143,13 +143,13 @@ def test_keep_gathered_input(ranks, n, fused):
               {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1})
 
 
-def test_head_layout_shares_kv_heads_only_when_needed():
+def test_head_shards_shares_kv_heads_only_when_needed():
     """MQA over 4 ranks: every rank holds KV head 0; GQA 8/4 over 2 ranks: a clean split."""
-    assert [head_layout(8, 1, 4, r)[1] for r in range(4)] == [(0, 1)] * 4
-    assert head_layout(8, 1, 4, 0)[2] is True
-    assert [head_layout(8, 4, 2, r)[:2] for r in range(2)] == [((0, 4), (0, 2)), ((4, 8), (2, 4))]
-    assert head_layout(8, 4, 2, 0)[2] is False
-    assert [head_layout(8, 4, 3, r)[1] for r in range(3)] == [(0, 2), (1, 3), (3, 4)]
+    assert [head_shards(8, 1, 4, r)[1] for r in range(4)] == [(0, 1)] * 4
+    assert head_shards(8, 1, 4, 0)[2] is True
+    assert [head_shards(8, 4, 2, r)[:2] for r in range(2)] == [((0, 4), (0, 2)), ((4, 8), (2, 4))]
+    assert head_shards(8, 4, 2, 0)[2] is False
+    assert [head_shards(8, 4, 3, r)[1] for r in range(3)] == [(0, 2), (1, 3), (3, 4)]
 
 
 def _attention_errors_body():

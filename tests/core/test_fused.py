@@ -287,13 +287,15 @@ def _opcheck_body():
     torch.manual_seed(0)
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
-    for sizes, regather, need_dx, need in (([], False, True, [True, True]),  # without SP
-                                           ([5], True, True, [True, True]),  # SP at n=1
-                                           ([5], False, False, [False, True]),
-                                           ([], False, True, [False, False])):
+    for sizes, regather, need_dx, need, partial in (
+            ([], False, True, [True, True], 0),  # without SP
+            ([], False, True, [True, True], 1),  # the last weight a LoRA factor (partial sums)
+            ([5], True, True, [True, True], 0),  # SP at n=1
+            ([5], False, False, [False, True], 0),
+            ([], False, True, [False, False], 0)):
         torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
                               (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8],
-                               sizes, regather, group_name(None), need_dx, need))
+                               sizes, regather, group_name(None), need_dx, need, partial))
     torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
     return True
 

@@ -200,9 +200,9 @@ def test_search_says_nothing_fits_llama_2_70b_on_8_x_24gb(capsys):
     assert out["layouts"] == [] and out["smallest"]["total"] > out["usable"]
     assert _plan("--model", "llama-2-70b", "--devices", "8", "--device-memory", "24GB") == 0
     text = " ".join(capsys.readouterr().out.split())  # as one line, unwrapped
-    assert "no layout of 8 devices fits 24GB (21.6 GB usable): the smallest peak is " in text
-    need = out["smallest"]["total"] / 0.9 / 1e9
-    assert f"which needs devices of {need:.1f} GB" in text
+    assert "no layout of 8 devices fits 24GB (20.1 GiB usable): the smallest peak is " in text
+    need = out["smallest"]["total"] / 0.9 / 2**30
+    assert f"which needs devices of {need:.1f} GiB" in text
 
 
 def test_cli_json_pipeline_layout(capsys):
