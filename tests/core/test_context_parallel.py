@@ -23,7 +23,7 @@ from tensorpar.parallel.context import (
     split_to_cp,
 )
 from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.transformer.attention import head_layout
+from tensorpar.transformer.attention import head_shards
 from tensorpar.transformer.context_parallel import CPSequence, attention_collective_counts
 from tensorpar.transformer.reference import DenseAttention
 from tensorpar.transformer.rotary import rotary_table, rotary_table_at
@@ -102,7 +102,7 @@ def _body(tp, cp, heads, kv_heads, T, packed):
 
 def _run(ranks, tp, cp, heads, kv_heads, T=30, packed=False):
     results = ranks(tp * cp).run(_body, tp, cp, heads, kv_heads, T, packed)
-    shared = head_layout(heads, kv_heads, tp, 0)[2]
+    shared = head_shards(heads, kv_heads, tp, 0)[2]
     want = attention_collective_counts(tp, cp, shared)
     for rank, (errors, counts) in enumerate(results):
         worst = max(errors, key=errors.get)
