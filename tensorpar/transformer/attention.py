@@ -266,4 +266,5 @@ class ParallelSelfAttention(nn.Module):
                 f"{self.kv_heads[1]} here{', shared' if self.kv_shared else ''}), "
                 f"head_dim={self.head_dim}, causal={self.causal}, "
                 f"sequence_parallel={self.sequence_parallel}"
-                + (", keep_gathered_input=True" if self.keep_gathered_input else ""))
+                + (", keep_gathered_input=True" if self.keep_gathered_input else "")
+                + (f", cp={cp_size(self.cp_group)}" if cp_size(self.cp_group) > 1 else ""))
