@@ -47,6 +47,8 @@ _WHERE = {
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
     "MoEConfig": "transformer.moe", "ParallelMoE": "transformer.moe",
     "combine_from_experts": "parallel.expert_dispatch",
+    "CPSequence": "transformer.context_parallel", "split_to_cp": "parallel.context",
+    "gather_from_cp": "parallel.context",
     "dispatch_to_experts": "parallel.expert_dispatch",
 }
 

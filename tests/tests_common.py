@@ -9,11 +9,28 @@ TINY_GPT = ["--n-layer", "1", "--dim", "32", "--n-head", "4", "--n-kv-head", "1"
             "32", "--batch-size", "4", "--warmup-steps", "3", "--seed", "2"]
 
 
-def cli_env() -> dict:
-    """This environment without what a surrounding torchrun would set."""
+def pools_checked(test_dir: str) -> bool:
+    """Whether the session's pools for the tests of directory ``test_dir`` (its name) check
+    their collectives: as TENSORPAR_CHECK_COLLECTIVES says, read as the CLI reads it; unset or
+    "core": the layer tests' (tests/core) alone."""
     import os
 
-    return {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
+    from tensorpar.runtime.groups import CHECK_ENV, checks_wanted
+
+    if os.environ.get(CHECK_ENV, "core").strip().lower() == "core":
+        return test_dir == "core"
+    return checks_wanted()
+
+
+def cli_env() -> dict:
+    """This environment without what a surrounding torchrun would set, nor the suite's own
+    switch of checked pools (a command runs as a user's would)."""
+    import os
+
+    from tensorpar.runtime.groups import CHECK_ENV
+
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("TORCHELASTIC", "MASTER_")) and k != CHECK_ENV}
 
 
 def checkout_env() -> dict:
@@ -50,12 +67,14 @@ def tensorpar_here(*args, cwd=None):
     import subprocess
 
     from tensorpar.cli.main import main
+    from tensorpar.runtime.groups import CHECK_ENV
 
     argv = list(map(str, args))
     signums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in signums}
     out, err = io.StringIO(), io.StringIO()
     try:
+        os.environ.pop(CHECK_ENV, None)  # the suite's switch is not the command's
         with (contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out),
               contextlib.redirect_stderr(err)):
             try:
@@ -82,6 +101,16 @@ def read_metrics(run) -> list[dict]:
     from pathlib import Path
 
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def board_scalars(board) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] of the TensorBoard folder ``board``, as TensorBoard shows them (its
+    reader applies the purges a resumed writer records)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(board), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def live_processes() -> list[tuple[int, int, int, str]]:

@@ -34,13 +34,22 @@ from tensorpar.ranks.signals import (
     signal_name,
     unwinding,
 )
-from tensorpar.runtime.groups import CHECK_ENV, DEVICE_ENV, TIMEOUT_ENV, check_device, wanted_device
+from tensorpar.runtime.groups import (
+    CHECK_ENV,
+    DEVICE_ENV,
+    TIMEOUT_ENV,
+    check_device,
+    checks_wanted,
+    env_switch,
+    wanted_device,
+)
 from tensorpar.runtime.torchrun import speaks as speaks_for_all
 
 SILENT_RANK_DELAY_S = 5.0  # a torchrun rank that leaves its error to rank 0 waits this long
 
 
 COMMANDS = ("train", "prepare", "generate", "export", "verify", "plan", "bench")
+DEBUG_ENV = "TENSORPAR_DEBUG"  # on: as --debug (runtime.groups.env_switch reads it)
 
 
 def _add_global_flags(p: argparse.ArgumentParser, default) -> None:
@@ -51,7 +60,7 @@ def _add_global_flags(p: argparse.ArgumentParser, default) -> None:
     its meaning there (``tensorpar plan --device``: the device planned for)."""
     g = _GlobalGroup(p.add_argument_group("every command"), p)
     g.add_argument("--debug", action="store_true", default=default or False,
-                   help="print the tracebacks of expected errors too (or set TENSORPAR_DEBUG=1) "
+                   help=f"print the tracebacks of expected errors too (or set {DEBUG_ENV}=1) "
                    "(default off)")
     g.add_argument("--timeout", type=float, metavar="SECONDS", default=default,
                    help="how long a collective waits for the other ranks before it fails (a "
@@ -107,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     """The ``tensorpar`` command's exit status. It sets this process's signal handlers (SIGTERM
     unwinds, ``ignore_stops`` after a signal's end): a caller that goes on restores them."""
     args = build_parser().parse_args(argv)
-    debug = args.debug or os.environ.get("TENSORPAR_DEBUG", "0") not in ("", "0")
     if args.timeout is not None:  # every rank started from here reads it (runtime/groups.py)
         if not args.timeout > 0:
             print(f"tensorpar: --timeout {args.timeout} must be > 0 (seconds)", file=sys.stderr)
@@ -120,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(CHECK_ENV, "1")
     if args.rank_device is not None:  # as --timeout (runtime/groups.py)
         os.environ[DEVICE_ENV] = args.rank_device
+    try:  # the switches set in the environment: one line for a value that is neither on nor off
+        debug = args.debug or env_switch(DEBUG_ENV)
+        checks_wanted()
+    except ValueError as e:
+        print(f"tensorpar {args.command}: {e}", file=sys.stderr)
+        return 2
     # under torchrun every rank runs this: checks made before the ranks meet fail alike on all of
     # them, and rank 0 speaks for them; an error raised on one rank alone is said by that rank
     speaks = speaks_for_all()

@@ -7,6 +7,8 @@
 - ``cross_entropy``: the vocab-parallel loss (logits never gathered)
 - ``norm``, ``dropout``: LayerNorm/RMSNorm and dropout on sequence shards, the RNG streams
 - ``fused``: the overlapped column op and the in-place row reduction (opt-in performance)
+- ``context``: the sequence split over context-parallel ranks (load-balanced chunks) and its
+  pairs: K/V all-gathered (reduce-scattered back), the sequence gathered back in order
 - ``expert_dispatch``: tokens to their experts and back (the all-to-all pair), split and
   gathered over TP; ``folding``: the rule for EP ranks borrowed from the dp x tp ranks
 - ``sharding``: ``tensor_split`` arithmetic and ``ShardSpec``; ``stages``: the same over layers

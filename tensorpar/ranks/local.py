@@ -43,6 +43,8 @@ from tensorpar.ranks.signals import forwarding, ignoring, rank_defaults, signal_
 from tensorpar.runtime.groups import DEVICE_ENV, check_device, checks_wanted, collectives_checked
 from tensorpar.runtime.torchrun import under_torchrun
 
+PORT_TRIES = 3  # starts of a pool's ranks, each on a new port, when its port was taken
+
 
 def free_port() -> int:
     """A TCP port that is free on this machine right now."""
@@ -150,10 +152,23 @@ class RankPool:
         self.checked = (checks_wanted(check_collectives)
                         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+        # the port is free when found, and bound by rank 0's store a moment later: another
+        # process may take it in between, so the ranks start again on another port then
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._start(nprocs, free_port(), (backend, threads), check_collectives, device)
+                break
+            except RankError as e:
+                if attempt == PORT_TRIES or "EADDRINUSE" not in str(e):
+                    raise
+
+    def _start(self, nprocs: int, port: int, how: tuple, check_collectives, device) -> None:
+        """Start the ranks on ``port`` (``how``: backend, threads) and wait until every one is
+        ready; closed again if they fail to."""
         ctx = start_server()  # a no-op once it runs (python -m tensorpar starts it early)
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(nprocs)]
-        args = (nprocs, free_port(), backend, threads, self._tasks, self._results, os.getpid(),
+        args = (nprocs, port, *how, self._tasks, self._results, os.getpid(),
                 dict(os.environ), check_collectives, device)
         # torch's own start (the forkserver's processes, as mp.spawn's); Ctrl-C ignored while
         # they start (inherited): one while a rank imports is the launcher's to handle
@@ -163,7 +178,7 @@ class RankPool:
         self._procs = self._context.processes
         self._closed = self._stop_asked = False
         try:  # every rank reports "ready" once its process group is up
-            self._collect(timeout_s)
+            self._collect(self.timeout_s)
         except BaseException:  # Ctrl-C while ranks start: no ``with`` closes the pool, and a
             self.close(force=True)  # rank left unpickling its arguments prints a traceback
             raise

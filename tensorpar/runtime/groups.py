@@ -74,12 +74,24 @@ def rank_device_type(local_world_size: int) -> str:
 # "1" in a rank's environment: check every collective (``tensorpar --check-collectives``)
 CHECK_ENV = "TENSORPAR_CHECK_COLLECTIVES"
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_switch(name: str) -> bool:
+    """Whether the environment variable ``name`` is on: "1", "true", "yes" or "on" (any case);
+    unset, "", "0", "false", "no" or "off" is off; anything else is a ValueError naming it."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name}={os.environ[name]!r}: set it to 1 or 0 (or true/false, yes/no, "
+                     "on/off)")
+
+
 def checks_wanted(check_collectives: bool | None = None) -> bool:
-    """``check_collectives`` when given, else whether ``TENSORPAR_CHECK_COLLECTIVES`` is set to
-    anything but "", "0", "false", "no" or "off"."""
+    """``check_collectives`` when given, else ``env_switch(TENSORPAR_CHECK_COLLECTIVES)``."""
     if check_collectives is not None:
         return check_collectives
-    return os.environ.get(CHECK_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env_switch(CHECK_ENV)
 
 
 def turn_on_checks() -> None:

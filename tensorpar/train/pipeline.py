@@ -194,7 +194,10 @@ class Schedule:
         self.tokens = tokens  # read by the loss function (torch 2.11 has no loss_kwargs)
         if self.keeps_outputs:  # the last stage's logits are not kept for the caller
             kwargs["return_outputs"] = False
-        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+        # contiguous: the rows of (B, T + 1) windows have a stride of T + 1, and torch checks a
+        # stage's input against the (B, T) it expects when collectives are checked
+        self.schedule.step(*((x.contiguous(),) if self.first else ()),
+                           target=y if self.last else None,
                            losses=losses if self.last else None, **kwargs)
         self.sum_tied_grads()
         total = torch.zeros((), device=self.device)

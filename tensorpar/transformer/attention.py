@@ -14,6 +14,10 @@ heads are held by several ranks: each such rank computes the KV projection itsel
 communication in forward), and in backward the KV weight gradients are summed over the ranks that
 hold each head with one all-reduce, so every copy gets the dense gradient.
 
+Context parallelism (``cp_group``): the sequence itself split over the CP ranks, each holding
+its load-balanced chunks and all-gathering the keys and values it reads
+(``context_parallel.py``); the heads stay split over TP as above.
+
 A batch of prompts of different lengths is left-padded: ``padded_causal_mask`` gives the boolean
 mask that keeps every query off the padding (generation only; training takes the fused causal path,
 no mask).
@@ -31,6 +35,15 @@ from tensorpar.parallel.grad_sync import sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear, column_linears
 from tensorpar.parallel.sharding import ShardSpec, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.transformer.context_parallel import (
+    CPSequence,
+    check_cp_input,
+    cp_attention_mask,
+    cp_keys_values,
+    cp_rope,
+    cp_size,
+    example_ids,
+)
 from tensorpar.transformer.kv_cache import LayerKVCache
 from tensorpar.transformer.rotary import apply_rotary
 
@@ -76,7 +89,7 @@ def packed_causal_mask(position_ids_BT: torch.Tensor) -> torch.Tensor:
     positions restart at 0 at each example: causal within an example, nothing across two (the
     block-diagonal mask)."""
     T = position_ids_BT.shape[1]
-    example_BT = (position_ids_BT == 0).long().cumsum(-1)  # which example each token is in
+    example_BT = example_ids(position_ids_BT)  # which example each token is in
     pos = torch.arange(T, device=position_ids_BT.device)
     same = example_BT[:, :, None] == example_BT[:, None, :]  # (B, T, T)
     return (same & (pos[None, :] <= pos[:, None]))[:, None]
@@ -94,14 +107,20 @@ class ParallelSelfAttention(nn.Module):
     keep_gathered_input: under SP, Q, K and V keep the all-gathered (B, T, dim) input for
         backward; by default they keep this rank's (B, T/n, dim) shard and all-gather it again in
         backward, overlapped with the input-gradient matmul (one more all-gather, 1/n the memory).
+    cp_group: the context-parallel group (None: no CP; not the world): the input is this rank's
+        ``split_to_cp`` chunks of the sequence and ``forward`` takes ``context=CPSequence(...)``.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, causal: bool = True,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
                  *, device=None, dtype=None, fused: bool = False,
-                 keep_gathered_input: bool = False):
+                 keep_gathered_input: bool = False, cp_group: ProcessGroup | None = None):
         super().__init__()
+        if sequence_parallel and cp_size(cp_group) > 1:
+            raise ValueError(f"ParallelSelfAttention: sequence parallelism with context "
+                             f"parallelism (cp={cp_size(cp_group)}) is not built yet")
+        self.cp_group = cp_group
         kv_heads = num_kv_heads or num_heads
         n, rank = tp_size(group), tp_rank(group)
         (h0, h1), (k0, k1), shared = head_shards(num_heads, kv_heads, n, rank)
@@ -141,7 +160,8 @@ class ParallelSelfAttention(nn.Module):
     def from_dense(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
                    num_kv_heads: int | None = None, causal: bool = True,
                    sequence_parallel: bool = False, group: ProcessGroup | None = None,
-                   fused: bool = False, keep_gathered_input: bool = False):
+                   fused: bool = False, keep_gathered_input: bool = False,
+                   cp_group: ProcessGroup | None = None):
         """Shard dense projections q (dim -> H*hd), k and v (dim -> Hkv*hd), o (H*hd -> dim)."""
         kv_heads = num_kv_heads or num_heads
         head_shards(num_heads, kv_heads, tp_size(group), tp_rank(group))  # validates the counts
@@ -160,7 +180,8 @@ class ParallelSelfAttention(nn.Module):
                     f"num_heads={num_heads}, num_kv_heads={kv_heads}, head_dim={hd}")
         attn = cls(dim, num_heads, kv_heads, hd, bias=False, causal=causal,
                    sequence_parallel=sequence_parallel, group=group, device="meta",
-                   dtype=q.weight.dtype, fused=fused, keep_gathered_input=keep_gathered_input)
+                   dtype=q.weight.dtype, fused=fused, keep_gathered_input=keep_gathered_input,
+                   cp_group=cp_group)
         for mine, dense in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v),
                             (attn.o_proj, o)):
             mine.load_dense(dense.weight, dense.bias)
@@ -179,16 +200,26 @@ class ParallelSelfAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerKVCache | None = None,
                 attn_mask: torch.Tensor | None = None,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, *,
+                context: CPSequence | None = None) -> torch.Tensor:
         """x: (B, T, dim), or under SP rank r's (B, T_r, dim) ``tensor_split`` shard of the T
         tokens, ``seq_len`` being T (without it the ranks exchange their sizes first). rope:
         rotary (cos, sin) tables for the T positions (see ``rotary_table``). cache: this
         layer's KV cache when decoding; the new positions follow the cached ones. attn_mask:
         (B, 1, T, S) bool over the S = cached + T keys, True where a query may read a key; it
-        replaces the causal rule (a padded batch: ``padded_causal_mask``)."""
+        replaces the causal rule (a padded batch: ``padded_causal_mask``). context: under CP,
+        the whole sequence x's chunks belong to (its length, the packed position ids); rope
+        then covers all of its positions."""
         if x.dim() != 3 or x.shape[-1] != self.q_proj.in_features:
             raise ValueError(f"ParallelSelfAttention: expected input (B, T, "
                              f"{self.q_proj.in_features}), got {tuple(x.shape)}")
+        cp = cp_size(self.cp_group) > 1
+        if cp:
+            if cache is not None or attn_mask is not None:
+                raise ValueError("ParallelSelfAttention: context parallelism takes no KV cache "
+                                 "and no attn_mask (packed examples: context.position_ids)")
+            check_cp_input(x, context, rope, self.cp_group)
+            rope = cp_rope(rope, context.seq_len, self.cp_group) if rope is not None else None
         wk, wv, bk, bv = self._kv_params()
         column = fused_column if self.fused else column_linears  # f, then the Q, K, V matmuls
         q, k, v = column(x, [self.q_proj.weight, wk, wv], [self.q_proj.bias, bk, bv],
@@ -205,6 +236,9 @@ class ParallelSelfAttention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)  # (B, kv_local, past + T, hd)
+        if cp:  # every CP rank's keys: (B, kv_local, seq_len, hd), in rank order
+            k, v = cp_keys_values(k, v, context.seq_len, self.cp_group)
+            attn_mask = cp_attention_mask(context, self.cp_group, self.causal, x.device)
         if self._kv_repeat is None:  # uneven: some local KV heads serve more query heads
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
         elif self._kv_repeat > 1:  # (B, kv_local, S, hd) -> (B, h_local, S, hd)
@@ -212,7 +246,7 @@ class ParallelSelfAttention(nn.Module):
             v = v.repeat_interleave(self._kv_repeat, dim=1)
         causal, mask = self.causal, None
         if attn_mask is not None:
-            if attn_mask.shape[-2:] != (T, k.shape[2]):
+            if attn_mask.shape[-2:] != (T, k.shape[2]):  # (under CP, built above: it fits)
                 raise ValueError(f"attn_mask covers {tuple(attn_mask.shape[-2:])} (queries, keys); "
                                  f"expected ({T}, {k.shape[2]})")
             causal, mask = False, attn_mask
@@ -232,4 +266,5 @@ class ParallelSelfAttention(nn.Module):
                 f"{self.kv_heads[1]} here{', shared' if self.kv_shared else ''}), "
                 f"head_dim={self.head_dim}, causal={self.causal}, "
                 f"sequence_parallel={self.sequence_parallel}"
-                + (", keep_gathered_input=True" if self.keep_gathered_input else ""))
+                + (", keep_gathered_input=True" if self.keep_gathered_input else "")
+                + (f", cp={cp_size(self.cp_group)}" if cp_size(self.cp_group) > 1 else ""))

@@ -31,9 +31,9 @@ from tensorpar.ranks.failures import (
 )
 from tensorpar.ranks.local import launch
 from tensorpar.runtime.counting import CollectiveCounter
-from tensorpar.runtime.groups import CHECK_ENV, collectives_checked, tp_rank
+from tensorpar.runtime.groups import CHECK_ENV, checks_wanted, collectives_checked, tp_rank
 
-from tests_common import checkout_env
+from tests_common import checkout_env, cli_env, pools_checked, tensorpar_here
 
 
 def _torch_says(rank: int, shape: str, other: int, other_shape: str) -> str:
@@ -210,6 +210,42 @@ def test_check_is_on_for_verify_by_default(monkeypatch, unset):
         os.environ.pop(CHECK_ENV, None)
         cli.main(argv)
         assert seen.pop() == want, argv
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), (" Yes", True), ("ON", True),
+                                      ("", False), ("0", False), ("false", False),
+                                      ("False", False), ("no", False), ("off ", False)])
+def test_env_switch_reads_as_the_flag(monkeypatch, value, on):
+    """TENSORPAR_CHECK_COLLECTIVES on or off, as --check-collectives / --no-check-collectives:
+    for the ranks, and for the suite's pools (every one, or none)."""
+    monkeypatch.setenv(CHECK_ENV, value)
+    assert checks_wanted() is on
+    assert pools_checked("train") is on and pools_checked("core") is on
+    monkeypatch.setenv(CHECK_ENV, "core")
+    assert (pools_checked("train"), pools_checked("core")) == (False, True)
+
+
+def test_env_switch_neither_on_nor_off_is_one_line(monkeypatch, capsys, unset):
+    """A value that is neither on nor off, of either switch: one line naming it, exit 2, no rank
+    started."""
+    for name in (CHECK_ENV, "TENSORPAR_DEBUG"):
+        monkeypatch.setenv(name, "maybe")
+        assert cli.main(["plan", "--model", "gpt2"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"tensorpar plan: {name}='maybe': set it to 1 or 0 (or true/false, yes/no, " \
+            "on/off)\n", err
+        monkeypatch.delenv(name)
+
+
+def test_suite_switch_stays_out_of_commands(monkeypatch):
+    """The suite's TENSORPAR_CHECK_COLLECTIVES reaches neither a command run as a process
+    (``cli_env``) nor one run in this process (``tensorpar_here``), and is back after."""
+    seen = []
+    monkeypatch.setattr(cli_export, "run", lambda args: seen.append(os.environ.get(CHECK_ENV)))
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert CHECK_ENV not in cli_env()
+    tensorpar_here("export", "--ckpt", "c", "--out", "o")
+    assert seen == [None] and os.environ[CHECK_ENV] == "1"
 
 
 def test_torch_message_read():

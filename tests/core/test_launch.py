@@ -128,3 +128,21 @@ def test_layers_on_tp_subgroups():
     only its group (group=...), and both groups reproduce the dense model with the TP=2
     collective counts."""
     assert launch(_verify_on_subgroup, 4) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+def test_ranks_start_again_when_their_port_was_taken(monkeypatch):
+    """The port found free is taken (here: listened on) before rank 0's store binds it: the
+    pool starts its ranks again on another port, and they run."""
+    import socket
+
+    from tensorpar.ranks import local
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        found = local.free_port
+        monkeypatch.setattr(local, "free_port", lambda: ports.pop() if ports else found())
+        with RankPool(2, backend="gloo", threads=1, timeout_s=60, grace_s=2) as pool:
+            assert pool.run(_whoami) == [(0, 2, "gloo"), (1, 2, "gloo")]
+        assert ports == []

@@ -2,6 +2,7 @@
 (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on 127.0.0.1) train TP=2 inside each node and
 DP=2, or two pipeline stages, across them, and the losses are those of one node with 4 ranks."""
 
+import shutil
 import subprocess
 import sys
 
@@ -32,14 +33,9 @@ def _one_node(out, pipeline):
     return train_rank(cfg, GPTConfig(**model), None).get("rows")
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["dp-across", "pp-across"])
-def test_two_torchrun_nodes_equal_one_node(ranks, tmp_path, pipeline):
-    """Each node's ranks are consecutive global ranks (torchrun numbers node by node), so a TP
-    group stays inside a node and the dp groups (or the pipeline's stages, the outermost mesh
-    dimension) cross the nodes; without --pp the run reads --dp from the world size (4 / --tp
-    2). The losses are the same bit for bit: the same ranks compute the same operations, one
-    thread each (torchrun's default with several ranks per node, the pool's)."""
-    port, out = free_port(), tmp_path / "two-nodes"
+def _two_nodes(port: int, out, pipeline: bool):
+    """Two torchrun nodes of 2 ranks each training to ``out``, meeting at ``port``: the nodes'
+    processes, ended, and their (stdout, stderr)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
            "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "tensorpar-test", "-m", "tensorpar", "train", "--tp", "2",
@@ -48,10 +44,25 @@ def test_two_torchrun_nodes_equal_one_node(ranks, tmp_path, pipeline):
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=checkout_env()) for _ in range(2)]
     try:
-        logs = [node.communicate(timeout=240) for node in nodes]
+        return nodes, [node.communicate(timeout=240) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["dp-across", "pp-across"])
+def test_two_torchrun_nodes_equal_one_node(ranks, tmp_path, pipeline):
+    """Each node's ranks are consecutive global ranks (torchrun numbers node by node), so a TP
+    group stays inside a node and the dp groups (or the pipeline's stages, the outermost mesh
+    dimension) cross the nodes; without --pp the run reads --dp from the world size (4 / --tp
+    2). The losses are the same bit for bit: the same ranks compute the same operations, one
+    thread each (torchrun's default with several ranks per node, the pool's)."""
+    out = tmp_path / "two-nodes"
+    for attempt in range(1, 4):  # the port found free may be taken before the store binds it
+        nodes, logs = _two_nodes(free_port(), out, pipeline)
+        if attempt == 3 or not any("EADDRINUSE" in err for _, err in logs):
+            break
+        shutil.rmtree(out, ignore_errors=True)
     for node, (_, err) in zip(nodes, logs, strict=True):
         assert node.returncode == 0, err
     summary = "".join(log[0] for log in logs)

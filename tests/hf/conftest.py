@@ -12,7 +12,7 @@ SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_hidd
 
 def tiny_configs():
     """4 heads and 2 KV heads (where the family has GQA), width 64, MLP 80, vocabulary 96."""
-    T = pytest.importorskip("transformers")
+    import transformers as T
     return {
         "gpt2": T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                              n_inner=80, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -44,7 +44,7 @@ def hf_configs():
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """Small random models of each family, saved with save_pretrained."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("hf")
@@ -63,7 +63,6 @@ def hf_dirs(tmp_path_factory):
 def models(tmp_path_factory):
     """The ``train --hf`` tests' tiny models (``hf_runs.py``): a directory per model, with its
     tokenizer, and ``data``: the training text. Saved once for both of their files."""
-    pytest.importorskip("transformers")
     from hf_runs import save_models
 
     return save_models(tmp_path_factory.mktemp("hf-train"))

@@ -5,8 +5,7 @@ every rank, with heads split evenly or not, eager or SDPA attention."""
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from tensorpar.hf.dropout import seed_dropout  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402

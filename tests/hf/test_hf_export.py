@@ -20,6 +20,7 @@ from unittest import mock
 
 import pytest
 import torch
+import transformers
 
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
@@ -32,8 +33,6 @@ from tensorpar.parallel.ownership import ShardOwnership
 
 from tests_common import TINY_GPT, checkout_env, leftovers
 from tests_common import tensorpar_cli as tensorpar
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["The with statement", "Él dijo «ñ» 日本"]  # ASCII, and 2- and 3-byte UTF-8
 NEW_TOKENS = 16

@@ -6,8 +6,7 @@ import importlib
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from tensorpar.hf import norms  # noqa: E402
 from tensorpar.hf.parallelize import parallelize  # noqa: E402

@@ -16,9 +16,6 @@ import shutil
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
 from hf_runs import (  # noqa: E402
     STEPS,
     TRAIN,

@@ -7,9 +7,6 @@ import shutil
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
 from hf_runs import VOCAB, checkpoint_logits, exported_logits  # noqa: E402
 
 from tests_common import read_metrics, tensorpar_cli, tensorpar_here  # noqa: E402

@@ -5,8 +5,7 @@ gathered for it (no all-gather of the vocabulary's size); without labels they co
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.parallel.sharding import ShardSpec  # noqa: E402

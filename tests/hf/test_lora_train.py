@@ -9,14 +9,12 @@ starts from such a folder; wrong flags are one line before any rank."""
 
 import json
 
+import hf_runs  # noqa: E402
+import peft
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
-import hf_runs  # noqa: E402
-from hf_runs import TRAIN, resolve, train  # noqa: E402
+import transformers
+from hf_runs import TRAIN, resolve, train, train_rank  # noqa: E402
 
 from tensorpar.checkpoint.format import find_checkpoint  # noqa: E402
 from tensorpar.checkpoint.load import CheckpointReader, load_checkpoint  # noqa: E402
@@ -25,25 +23,53 @@ from tensorpar.hf.pretrained import from_pretrained  # noqa: E402
 from tensorpar.parallel.lora import lora_parameters  # noqa: E402
 from tensorpar.parallel.mappings import gather_from_tp  # noqa: E402
 
-from tests_common import tensorpar_here  # noqa: E402
+from tests_common import read_metrics, tensorpar_here  # noqa: E402
 
 STEPS = 4
 LORA = TRAIN | {"steps": STEPS, "save_every": 2, "lora_rank": 4, "lora_alpha": 8.0,
                 "lr": 1e-2}
 
 
+def _train_keeping(cfg, recipe, resume_from):
+    """``train_rank``, and then whether each base parameter of the trained model (on this rank)
+    is still the file's, as ``from_pretrained`` loads it (the result's "base_changed": the names
+    of those that are not, or that lack)."""
+    built = []
+    build = recipe.build
+
+    def keeping(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    recipe.build = keeping
+    result = train_rank(cfg, recipe, resume_from)
+    trained = dict(built[0][0].named_parameters())
+    import torch.distributed as dist
+
+    fresh = from_pretrained(recipe.source, dist.group.WORLD if cfg.tp > 1 else None,
+                            plan=recipe.plan, sequence_parallel=cfg.sequence_parallel)
+    base = dict(fresh.named_parameters())
+    result["base_changed"] = sorted(n for n, p in base.items() if n not in trained or not
+                                    torch.equal(trained[n].detach().float(), p.detach()))
+    result["base_count"] = len(base)
+    return result
+
+
 @pytest.fixture(scope="module")
 def runs(ranks, models, tmp_path_factory):
-    """``runs(family, tp, dp, **flags)``: (run directory, rows, rank 0's result), made once."""
+    """``runs(family, tp, dp, **flags)``: (run directory, rows, rank 0's result), made once.
+    Without dp, each rank's result says which base parameters differ from the file's."""
     made = {}
 
     def get(family, tp, dp=None, **flags):
         key = (family, tp, dp, tuple(sorted(flags.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"lora-{family}-tp{tp}")
-            result, _ = train(ranks, models[family], out, tp, dp, whole=True,
-                              **(LORA | flags), data=str(models["data"]))
-            made[key] = out, result["rows"], result
+            cfg, recipe, _ = resolve(models[family], out=str(out), tp=tp, dp=dp,
+                                     **(LORA | flags), data=str(models["data"]))
+            rank = train_rank if dp else _train_keeping
+            results = ranks(tp * (dp or 1)).run(rank, cfg, recipe, None)
+            made[key] = out, results[0]["rows"], results[0] | {"ranks": results}
         return made[key]
 
     return get
@@ -102,8 +128,11 @@ def test_base_in_bf16_steps_as_autocast_with_less_memory(runs):
 
 def test_checkpoint_holds_the_adapters_and_the_base_is_untouched(runs, models):
     """The checkpoint has each adapter's two factors and their AdamW moments, nothing of the
-    base; the manifest names the base model; the base's weights on a rank are the file's."""
-    run = runs("llama", 2)[0]
+    base; the manifest names the base model; after the 4 steps the base's weights on each rank
+    are the file's, bit for bit."""
+    run, _, result = runs("llama", 2)
+    for r in result["ranks"]:
+        assert r["base_count"] > 0 and r["base_changed"] == [], r["base_changed"]
     reader = CheckpointReader(find_checkpoint(run))
     names = set(reader.tensors)
     weights = {n for n in names if not n.startswith("optimizer.")}
@@ -115,6 +144,17 @@ def test_checkpoint_holds_the_adapters_and_the_base_is_untouched(runs, models):
     assert reader.manifest["train"]["lora_rank"] == 4
     b = reader.read("model.layers.0.self_attn.q_proj.lora_B.weight")
     assert b.abs().max() > 0  # trained from zeros
+
+
+def test_checked_run_passes_with_the_unchecked_steps(runs, models, tmp_path):
+    """``train --check-collectives`` of a LoRA run at TP=2 (every collective compared across
+    the ranks first) exits 0 with the unchecked run's steps, bit for bit."""
+    done = tensorpar_here("train", "--check-collectives", "--hf", models["llama"], "--tp", 2,
+                          "--data", models["data"], "--out", tmp_path,
+                          *(x for k, v in LORA.items() for x in (f"--{k.replace('_', '-')}", v)))
+    assert done.returncode == 0, done.stderr
+    mine = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path)]
+    assert mine == [(r["step"], r["loss"], r["grad_norm"]) for r in runs("llama", 2)[1]]
 
 
 def test_resume_at_another_tp_continues_exactly(ranks, runs, models, tmp_path):

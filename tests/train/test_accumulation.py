@@ -56,6 +56,8 @@ def _close(a: float, b: float) -> bool:
 
 
 def _same_step(whole, accumulated, what):
+    assert [r["step"] for r in whole] == [r["step"] for r in accumulated] == \
+        list(range(1, STEPS + 1)), what
     for a, b in zip(accumulated, whole, strict=True):
         for key in ("loss", "grad_norm"):
             assert _close(a[key], b[key]), f"{what}: step {a['step']} {key} {a[key]} vs {b[key]}"

@@ -187,7 +187,7 @@ def test_tied_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
 def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual, tied):
     """Each pipeline rank's peak tensor memory in a step is the planner's for its stages
     (``plan_pipeline``: its blocks, embedding or head, the micro-batches 1F1B or the interleaved
-    order keeps in flight, the receive buffers), within 10%, at 1F1B and interleaved; a tied
+    order keeps in flight, the receive buffers), within 6%, at 1F1B and interleaved; a tied
     head's table (weights, gradient, AdamW) on the last stage too."""
     from tensorpar.planner.pipeline import plan_pipeline
     from tensorpar.planner.step import Step
@@ -200,7 +200,8 @@ def test_planned_stage_peaks_are_the_measured_ones(ranks, tmp_path, tp, virtual,
                               virtual=virtual, micro_batches=4))
     for s in sizes:
         want = plan["stages"][s["pp_rank"]]["total"] + s["data_bytes"]
-        assert s["peak_memory"] == pytest.approx(want, rel=0.10), (s, want)
+        # measured (torch 2.13 CPU): the planner 0.4-4.7% under
+        assert s["peak_memory"] == pytest.approx(want, rel=0.06), (s, want)
 
 
 @pytest.mark.slow

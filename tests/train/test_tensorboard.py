@@ -19,7 +19,7 @@ from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
 from tensorpar.train.report import Metrics, TensorBoardSink
 
-from tests_common import TINY_GPT, read_metrics, tensorpar_here
+from tests_common import TINY_GPT, board_scalars, read_metrics, tensorpar_here
 
 MODEL = GPTConfig(n_layer=1, dim=32, n_head=4, n_kv_head=1, hidden_dim=64)
 
@@ -32,21 +32,11 @@ def _train(out: Path, steps: int, resume_from=None) -> None:
     train_rank(cfg, MODEL, None if resume_from is None else str(resume_from))
 
 
-def _scalars(board: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)], as TensorBoard shows them (its reader applies the purges a
-    resumed writer records)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(board), size_guidance={"scalars": 0})  # 0: keep every event
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def _assert_board_is_metrics(run: Path) -> None:
     """Every number of every metrics.jsonl row is the scalar train/KEY at its step (float32, as
     TensorBoard stores it), and nothing else is there."""
     rows = read_metrics(run)
-    board = _scalars(run / "tensorboard")
+    board = board_scalars(run / "tensorboard")
     keys = sorted(k for k in rows[0] if k != "step")
     assert sorted(board) == [f"train/{k}" for k in keys]
     for key in keys:
@@ -64,7 +54,7 @@ def test_scalars_equal_metrics_and_resume_appends(tmp_path, capsys):
     last = " ".join(capsys.readouterr().out.split())  # rich wraps the line at 80 columns
     assert f"tensorboard: {run / 'tensorboard'}" in last
     _assert_board_is_metrics(run)
-    first = {tag: dict(v) for tag, v in _scalars(run / "tensorboard").items()}
+    first = {tag: dict(v) for tag, v in board_scalars(run / "tensorboard").items()}
 
     shutil.rmtree(run / "step-00000006")  # as if killed during the save of step 6
     ckpt = find_checkpoint(run)
@@ -73,7 +63,7 @@ def test_scalars_equal_metrics_and_resume_appends(tmp_path, capsys):
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
     _assert_board_is_metrics(run)
-    again = dict(_scalars(run / "tensorboard")["train/step_time_s"])
+    again = dict(board_scalars(run / "tensorboard")["train/step_time_s"])
     assert [again[s] == first["train/step_time_s"][s] for s in (4, 5, 6)] == [True, False, False]
 
 
@@ -84,7 +74,7 @@ def test_each_row_is_flushed_and_skipped_values_left_out(tmp_path):
     metrics.write({"step": 1, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0})
     metrics.write({"step": 2, "loss": None, "lr": 2e-3, "grad_norm": None,
                    "skipped": "non-finite: loss nan, gradient norm nan"})
-    board = _scalars(tmp_path / "tensorboard")
+    board = board_scalars(tmp_path / "tensorboard")
     metrics.close()
     assert board == {"train/loss": [(1, 5.5)], "train/grad_norm": [(1, 2.0)],
                      "train/lr": [(1, float(np.float32(1e-3))), (2, float(np.float32(2e-3)))]}

@@ -14,7 +14,7 @@ from tensorpar.gpt.model import GPTConfig
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
 
-from tests_common import tensorpar_here
+from tests_common import board_scalars, tensorpar_here
 
 MODEL = {"n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, "hidden_dim": 64}
 SEQ, BATCH, STEPS = 32, 4, 4
@@ -43,7 +43,7 @@ def _val(rows) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def tp1(ranks, val_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp1")
-    return out, ranks(1).run(_train, out, val_file, tp=1, eval_every=2)[0]
+    return out, ranks(1).run(_train, out, val_file, tp=1, eval_every=2, tensorboard=True)[0]
 
 
 @pytest.mark.parametrize("n,flags", [(2, {"tp": 2}), (2, {"tp": 1, "dp": 2, "dp_mode": "ddp"}),
@@ -62,9 +62,10 @@ def test_validation_loss_equal_across_tp_and_dp(ranks, val_file, tmp_path, tp1, 
 def test_validation_loss_is_what_transformers_computes(tp1, tmp_path):
     """The run exported at step 4 (``export --hf-out``): transformers' mean cross-entropy over
     the same windows (consecutive, non-overlapping, seq-len + 1 tokens, the last partial one
-    dropped) equals the run's val_loss of step 4 to 2e-7 (measured 1.8e-8); metrics.jsonl has
-    it after steps 2 and 4."""
-    transformers = pytest.importorskip("transformers")
+    dropped) equals the run's val_loss of step 4 to 2e-7 (measured 1.8e-8); metrics.jsonl and
+    TensorBoard's val/loss have it after steps 2 and 4."""
+    import transformers
+
     run, rows = tp1
     out = tensorpar_here("export", "--ckpt", run, "--hf-out", tmp_path / "hf")
     assert out.returncode == 0, out.stderr
@@ -80,6 +81,9 @@ def test_validation_loss_is_what_transformers_computes(tp1, tmp_path):
     assert abs(_val(rows)[4] - want) <= 2e-7 * want, (_val(rows)[4], want)
     written = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in written if "val_loss" in r] == [2, 4]
+    board = board_scalars(run / "tensorboard")["val/loss"]
+    assert board == [(r["step"], pytest.approx(r["val_loss"], rel=1e-7)) for r in written
+                     if "val_loss" in r]
 
 
 def test_windows_and_their_batches():

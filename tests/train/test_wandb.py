@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
+import wandb  # noqa: F401  (a dev dependency: missing, this file fails, not skips)
 
 from tensorpar.data.text import default_corpus
 from tensorpar.gpt.model import GPTConfig
@@ -17,8 +17,6 @@ from tensorpar.train.config import TrainConfig
 from tensorpar.train.loop import train_rank
 
 from tests_common import read_metrics, tensorpar_here
-
-pytest.importorskip("wandb")
 
 MODEL = GPTConfig(n_layer=1, dim=32, n_head=4, n_kv_head=1, hidden_dim=64)
 
@@ -46,7 +44,9 @@ def test_offline_run_holds_the_rows(tmp_path, monkeypatch, capsys):
     _train(out, 4, resume_from=out / "step-00000002")
     assert (out / "wandb-id").read_text().strip() == run_id
     logged = b"".join(p.read_bytes() for p in (out / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one per start
+    # a folder per start, named by the second it started: two starts in one second share one
+    folders = [p.name for p in (out / "wandb").glob("offline-run-*")]
+    assert folders and all(name.endswith(f"-{run_id}") for name in folders), folders
     for name in (b"train/loss", b"train/grad_norm", b"val/loss"):
         assert name in logged
     rows = read_metrics(out)
