@@ -33,7 +33,7 @@ _WHERE = {
     "seed_dropout": "hf.dropout",
     "vocab_parallel_cross_entropy": "parallel.cross_entropy",
     "ParallelDropout": "parallel.dropout", "TensorParallelRNG": "parallel.dropout",
-    "VocabParallelEmbedding": "parallel.embedding", "sum_grads_in_backward": "parallel.grad_sync",
+    "VocabParallelEmbedding": "parallel.embedding", "sum_grads_in_backward": "parallel.mappings",
     "ColumnParallelLinear": "parallel.linear", "RowParallelLinear": "parallel.linear",
     **dict.fromkeys(["copy_to_tp", "gather_from_sequence", "gather_from_tp", "reduce_from_tp",
                      "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp"],

@@ -41,7 +41,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_column
-from tensorpar.parallel.grad_sync import sum_shared_shard_grads
 from tensorpar.parallel.linear import ColumnParallelLinear
 from tensorpar.parallel.lora import (
     column_factors,
@@ -50,7 +49,7 @@ from tensorpar.parallel.lora import (
     drops,
     has_lora,
 )
-from tensorpar.parallel.mappings import gather_from_tp
+from tensorpar.parallel.mappings import gather_from_tp, sum_shared_shard_grads
 from tensorpar.parallel.sharding import ShardSpec
 
 if TYPE_CHECKING:

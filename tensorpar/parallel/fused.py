@@ -309,7 +309,7 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     of their outputs is its part of the whole (LoRA's A: ``parallel/lora.py``); those output
     gradients join the input gradient's all-reduce and their weight gradients come out whole.
     Only without SP, on an input that needs a gradient (``lora.column_factors`` decides);
-    elsewhere pass 0 and sum their gradients yourself (``grad_sync.sum_grads_in_backward``).
+    elsewhere pass 0 and sum their gradients yourself (``mappings.sum_grads_in_backward``).
     """
     if partial and sequence_parallel:
         raise ValueError("fused_column: partial weights are not taken under SP")

@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.fused import fused_row, regathering_column
-from tensorpar.parallel.grad_sync import sum_grads_in_backward
 from tensorpar.parallel.lora import has_lora, lora_row, row_addend
 from tensorpar.parallel.mappings import (
     enter_tp_region,
@@ -42,6 +41,7 @@ from tensorpar.parallel.mappings import (
     gather_from_sequence,
     gather_from_tp,
     scatter_to_tp,
+    sum_grads_in_backward,
 )
 from tensorpar.parallel.sharding import replicated_parameter, shard_range, sharded_parameter
 from tensorpar.runtime.groups import tp_rank, tp_size

@@ -15,7 +15,7 @@ Column-parallel base (W split by output features)::
     and where the input needs no gradient (the first block's, the embedding frozen), A's product's
     gradient joins the input gradient's reduce-scatter as in the plain op and A's gradients are
     summed over the group in backward: one all-reduce of r · in values per op
-    (``grad_sync.sum_grads_in_backward``).
+    (``mappings.sum_grads_in_backward``).
 
 Row-parallel base (W split by input features)::
 
@@ -68,8 +68,7 @@ from torch.distributed import ProcessGroup
 from tensorpar.parallel.collectives import start_all_reduce
 from tensorpar.parallel.dropout import dropout_mask
 from tensorpar.parallel.fused import autocast_cast
-from tensorpar.parallel.grad_sync import sum_grads_in_backward
-from tensorpar.parallel.mappings import enter_tp_region
+from tensorpar.parallel.mappings import enter_tp_region, sum_grads_in_backward
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.seeds import derive_seed

@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.grad_sync import sum_grads_in_backward
+from tensorpar.parallel.mappings import sum_grads_in_backward
 from tensorpar.parallel.sharding import REPLICATED
 
 _FUSED_FORWARD = hasattr(torch.ops.aten, "_fused_rms_norm")  # torch's RMSNorm forward kernel

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.parallel.sharding import shard_range, shard_sizes
-from tensorpar.planner.experts import moe_tensors
-from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.shapes import ModelShape, moe_tensors
 from tensorpar.planner.step import Step
 from tensorpar.transformer.attention import head_shards
 

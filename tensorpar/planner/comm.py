@@ -10,7 +10,8 @@ tokens, width D, TP size t > 1::
                 SP: each all-reduce becomes an all-gather + a reduce-scatter of the same N·D,
                 and backward all-gathers again the N/t·D input shard attention's and the MLP's
                 column side kept instead of the gathered input (Megatron; payload N·D in the
-                matmuls' dtype), unless ``keep_gathered_input``
+                matmuls' dtype; the GPT's ``keep_gathered_input`` option, which keeps the
+                gathered input and skips it, is not planned here)
     embedding   forward g (SP: reduce-scatter; its backward all-gather; a converted Hugging
                 Face model all-reduces it and splits at the first layer, ``hf/sequence.py``)
     LM head     backward f of the head's input (SP: all-gather forward, reduce-scatter and the
@@ -86,11 +87,10 @@ class _TPRows:
     (B, T, D) activations, ``act`` elements, uneven shards padded), each made once a pass but
     for the step's own."""
 
-    def __init__(self, tp: int, passes: int, sp: bool, act: int, res_b: int, out_b: int,
-                 regather: bool):
+    def __init__(self, tp: int, passes: int, sp: bool, act: int, res_b: int, out_b: int):
         self.rows: list[dict] = []
         self.t, self.passes, self.sp, self.act = tp, passes, sp, act
-        self.res_b, self.out_b, self.regather_input = res_b, out_b, regather
+        self.res_b, self.out_b = res_b, out_b
 
     def add(self, source: str, phase: str, kind: str, calls: int, payload: int) -> None:
         if self.t == 1 or calls == 0:
@@ -118,23 +118,21 @@ class _TPRows:
                  self.act * self.res_b + extra)
 
     def regather(self, source: str, calls: int) -> None:
-        if self.sp and self.regather_input:  # the kept shard, cast to the matmuls' dtype
+        if self.sp:  # the kept shard, cast to the matmuls' dtype
             self.add(source, "backward", "all_gather", calls, self.act * self.out_b)
 
 
 def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
                    sequence_parallel: bool = False, dtype: str = "fp32",
-                   recompute: str = "none", keep_gathered_input: bool = False,
-                   passes: int = 1, bf16_params: bool = False,
+                   recompute: str = "none", passes: int = 1, bf16_params: bool = False,
                    lora: dict | None = None) -> dict:
     """Collectives of one step of tensorpar's GPT of ``shape`` (forward, backward, grad norm).
 
-    keep_gathered_input: the GPT's column layers keep their SP-gathered input for backward
-    (no re-gather there), as its ``keep_gathered_input`` option. passes: forward and backward
-    passes of the step (gradient accumulation), ``batch`` sequences each: their collectives
-    are made once a pass, the gradient norm's once a step. bf16_params: the model computes with
-    bf16 copies of its weights (FSDP2's mixed precision; with dtype "bf16"): see the module
-    docstring. lora: LoRA fine-tuning of a converted Hugging Face model (``lora_sites``).
+    passes: forward and backward passes of the step (gradient accumulation), ``batch``
+    sequences each: their collectives are made once a pass, the gradient norm's once a step.
+    bf16_params: the model computes with bf16 copies of its weights (FSDP2's mixed precision;
+    with dtype "bf16"): see the module docstring. lora: LoRA fine-tuning of a converted Hugging
+    Face model (``lora_sites``).
 
     Returns {"counts", "bytes", "ring_bytes"}: per kind (as ``CollectiveCounter``), and
     "breakdown": rows {source, phase, kind, calls, bytes, ring_bytes}; "minimum": Megatron's
@@ -147,7 +145,7 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     res_b = 2 if bf16_params else 4
     # under SP uneven shards travel padded to the largest, ceil(seq / t) tokens each
     act = batch * (t * -(-seq // t) if sp else seq) * D
-    r = _TPRows(t, passes, sp, act, res_b, out_b, not keep_gathered_input)
+    r = _TPRows(t, passes, sp, act, res_b, out_b)
     if sp and shape.sp_embedding_all_reduce:  # the whole (B, T, D), then split: no padding
         r.add("embedding", "forward", "all_reduce", 1, N * D * res_b)
     else:

@@ -68,9 +68,8 @@ from __future__ import annotations
 
 from tensorpar.planner.activations import rank_shapes
 from tensorpar.planner.comm import totals
-from tensorpar.planner.experts import moe_tensors
 from tensorpar.planner.memory import step_temporaries
-from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.shapes import ModelShape, moe_tensors
 from tensorpar.planner.step import DP_MODES, Budget, Step
 from tensorpar.runtime.counting import ring_share
 from tensorpar.transformer.attention import head_shards

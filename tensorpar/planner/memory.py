@@ -70,8 +70,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorpar.planner.activations import PassSizes, block_terms, pass_sizes, rank_shapes
-from tensorpar.planner.experts import with_experts
-from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.shapes import ModelShape, with_experts
 from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, BlockBudget, Budget, Step
 from tensorpar.transformer.attention import head_shards
 

@@ -62,7 +62,7 @@ def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: i
 
 def expert_sizes(shape: ModelShape, tp: int, dp: int) -> list[int]:
     """The EP sizes a search tries at (tp, dp): every divisor of dp x tp up to the routed
-    experts (``parallel.folding``); 1 for a dense model."""
+    experts (``parallel.sharding.check_expert_parallel``); 1 for a dense model."""
     if shape.moe is None:
         return [1]
     return [e for e in range(1, min(dp * tp, shape.moe.experts) + 1) if (dp * tp) % e == 0]

@@ -5,7 +5,7 @@ parallelism (``data_parallel.dp_memory``), the step's peak and whether it fits a
 
 from __future__ import annotations
 
-from tensorpar.parallel.folding import check_expert_parallel
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.activations import paper_activations
 from tensorpar.planner.data_parallel import check_dp, dp_memory
 from tensorpar.planner.memory import DTYPES, RECOMPUTE, rank_params, tensorpar_memory

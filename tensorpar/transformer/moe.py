@@ -46,8 +46,7 @@ from tensorpar.parallel.expert_dispatch import (
     gather_tokens,
     split_tokens,
 )
-from tensorpar.parallel.grad_sync import sum_grads_in_backward
-from tensorpar.parallel.mappings import reduce_from_tp
+from tensorpar.parallel.mappings import reduce_from_tp, sum_grads_in_backward
 from tensorpar.parallel.sharding import ShardSpec, shard_range, shard_sizes
 from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.mlp import ParallelMLP

@@ -10,14 +10,13 @@ import re
 import pytest
 
 from tensorpar.cli import plan as plan_cli
-from tensorpar.parallel.folding import check_expert_parallel
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.activations import block_terms
 from tensorpar.planner.comm import predicted_comm
-from tensorpar.planner.experts import moe_tensors
 from tensorpar.planner.memory import rank_params
 from tensorpar.planner.moe_comm import expected_calls, moe_comm
 from tensorpar.planner.report import params_text
-from tensorpar.planner.shapes import MOE_CONFIGS, preset, shape_from_hf_config
+from tensorpar.planner.shapes import MOE_CONFIGS, moe_tensors, preset, shape_from_hf_config
 from tensorpar.planner.step import Step
 from tensorpar.planner.tp_plan import plan_memory
 from tensorpar.transformer.moe import moe_collective_counts
