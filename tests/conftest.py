@@ -9,7 +9,7 @@ a collective different shapes fails with one line naming them instead of gloo ab
 The collective counts are the same (the check runs below the dispatcher that counts them). The
 check costs about 3 ms per collective, a quarter to a third more time for tests that run many
 steps, but the whole suite took 540 s checked against 550 s with only tests/core checked
-(2026-11-26, fresh clones, the same machine). ``TENSORPAR_CHECK_COLLECTIVES=0`` (or false, no,
+(two fresh clones on the same machine). ``TENSORPAR_CHECK_COLLECTIVES=0`` (or false, no,
 off) runs every pool unchecked, ``=1`` (true, yes, on) every pool checked, ``=core`` only the layer
 tests' (tests/core). Commands the tests start, as processes or in this one, run as a user's
 would: unchecked, unless the test asks for the check (the variable is not passed on to them).

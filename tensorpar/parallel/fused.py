@@ -313,6 +313,8 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     """
     if partial and sequence_parallel:
         raise ValueError("fused_column: partial weights are not taken under SP")
+    if partial and not x.requires_grad:  # their sums ride the input gradient's all-reduce
+        raise ValueError("fused_column: partial weights need an input that requires grad")
     if x.dim() != 3:
         raise ValueError(f"fused_column: expected activations (B, T, D), got {tuple(x.shape)}")
     try:

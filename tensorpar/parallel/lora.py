@@ -30,10 +30,12 @@ Row-parallel base (W split by input features)::
     gradient on a rank is s · dy_r z_r^T over its tokens, so B's gradients are summed in
     backward: one all-reduce of out · r values.
 
-So LoRA adds no collective without SP: z (r values a token) rides each row layer's forward
-all-reduce and dz each column op's input-gradient all-reduce; only a column op whose input
-needs no gradient (the first block's attention) sums its A's gradients in one all-reduce of its
-own. Under SP it adds one all-reduce of the replicated factor's gradient per adapted op (A for
+So LoRA adds no collective without SP and without adapter dropout: z (r values a token) rides
+each row layer's forward all-reduce and dz each column op's input-gradient all-reduce; only the
+first adapted column op whose input needs no gradient (the first block's attention with the
+default targets) sums its A's gradients in one all-reduce of its own. With adapter dropout A
+leaves the fused op: each adapted column op all-reduces its dz, (B, T, r), in backward.
+Under SP it adds one all-reduce of the replicated factor's gradient per adapted op (A for
 a block's column op, B for each row layer), r/(B·T) of the activations' size.
 
 Initialised as PEFT does: A by ``nn.Linear``'s rule (Kaiming uniform, a = sqrt(5)) drawn dense

@@ -156,8 +156,15 @@ def ddp_buckets(shape: ModelShape, tp: int, rank: int = 0, grad_bytes: int = 4,
     """Bytes of each of DDP's gradient buckets in a steady step (after its rebuild in the first
     step), in order: tensors in ``ready_order`` fill a bucket until it holds ``first`` bytes,
     then each next until ``cap``; the rest make the last."""
+    return fill_buckets(ready_order(shape, tp, rank, ep), grad_bytes, first, cap)
+
+
+def fill_buckets(tensors: list[tuple], grad_bytes: int, first: int = DDP_FIRST_BUCKET,
+                 cap: int = DDP_BUCKET_CAP) -> list[int]:
+    """DDP's rule: (name, d0, row) gradients, in the order they are ready, fill a bucket until it
+    holds ``first`` bytes, then each next until ``cap``; the rest make the last."""
     buckets, size, limit = [], 0, first
-    for _, d0, row in ready_order(shape, tp, rank, ep):
+    for _, d0, row in tensors:
         size += d0 * row * grad_bytes
         if size >= limit:
             buckets.append(size)

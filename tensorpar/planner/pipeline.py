@@ -64,6 +64,7 @@ from tensorpar.planner.activations import rank_shapes
 from tensorpar.planner.comm import predicted_comm, totals
 from tensorpar.planner.data_parallel import (
     dp_comm,
+    fill_buckets,
     fsdp_elements,
     partly_owned,
     tensor_shapes,
@@ -350,8 +351,7 @@ def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
     return totals(rows)
 
 
-def _bucket_counts(t: dict, layers: int, grad_bytes: int, first: int = 2**20,
-                   cap: int = 25 * 2**20) -> dict[int, int]:
+def _bucket_counts(t: dict, layers: int, grad_bytes: int) -> dict[int, int]:
     """DDP's buckets of a pipeline rank's gradients, {bytes: how many}, filled in the order they
     are ready (head, final norm, blocks from the last, embedding) as
     ``data_parallel.ddp_buckets`` fills a whole model's."""
@@ -360,13 +360,7 @@ def _bucket_counts(t: dict, layers: int, grad_bytes: int, first: int = 2**20,
     order += [x for x in reversed(t["root"]) if x[0].startswith("norm.")]
     order += list(reversed(t["block"])) * layers
     order += [x for x in t["root"] if x[0].startswith(("embed.", "pos."))]
-    buckets, size, limit = [], 0, first
-    for _, d0, row in order:
-        size += d0 * row * grad_bytes
-        if size >= limit:
-            buckets.append(size)
-            size, limit = 0, cap
-    buckets += [size] if size else []
+    buckets = fill_buckets(order, grad_bytes)
     return {s: buckets.count(s) for s in sorted(set(buckets), reverse=True)}
 
 

@@ -21,7 +21,8 @@ from tensorpar.checkpoint.load import CheckpointReader
 from tensorpar.data.chat import is_chat_file
 from tensorpar.data.text import check_corpus, overlap_warning
 from tensorpar.runtime.groups import pick_backend, rank_device_type, wanted_device
-from tensorpar.runtime.torchrun import speaks, under_torchrun
+from tensorpar.runtime.torchrun import say as speak
+from tensorpar.runtime.torchrun import under_torchrun
 from tensorpar.train.compute import check_compile_device, tf32_note
 from tensorpar.train.config import TrainConfig, passes, pipeline_micro_batch
 from tensorpar.train.history import resume_notes, saved_settings
@@ -157,6 +158,5 @@ def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
 
 def say(line: str) -> None:
     """One line for the user, from one process: the launcher, or rank 0 under torchrun."""
-    if speaks():
-        print(f"tensorpar train: {line}", file=sys.stderr, flush=True)
+    speak(f"tensorpar train: {line}", file=sys.stderr, flush=True)
 
