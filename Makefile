@@ -31,7 +31,7 @@ test: setup
 	$(PYTHON) -m pytest -q --durations=25
 
 # The fast tier for development: every package's core behaviour, under 3 minutes on 2 cores
-# (2 min 17 s here); the end-to-end runs and the larger sizes (tests/conftest.py's SLOW) left out.
+# (2 min 22 s here); the end-to-end runs and the larger sizes (tests/conftest.py's SLOW) left out.
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
 
