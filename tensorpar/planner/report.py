@@ -223,7 +223,7 @@ def print_tables(data: dict, args) -> None:
               f"{data['comm_dtype']} activations)")
     for col in ("TP", "kind", "calls", "payload MiB", "ring MiB sent"):
         c.add_column(col, justify="right")
-    _comm_rows(c, data["comm"], "ring_bytes")
+    _kind_rows(c, data["comm"], "ring_bytes")
     console.print(c)
     if "ep_comm" in data:
         print_ep_comm(console, data)
@@ -233,7 +233,7 @@ def print_tables(data: dict, args) -> None:
         for col in ("dtype", "TP", "kind", "calls", "payload MiB", "ring MiB sent"):
             d.add_column(col, justify="right")
         for dtype, by_tp in data["dp_comm"].items():
-            _comm_rows(d, by_tp, "ring_bytes", dtype)
+            _kind_rows(d, by_tp, "ring_bytes", dtype)
         console.print(d)
     if "split" in data:
         sp = Table(title="gelu(X W1) W2: forward + backward communication")
@@ -257,11 +257,11 @@ def print_ep_comm(console, data: dict) -> None:
               "sent: the even-routing expectation, (ep-1)/ep of the rows)")
     for col in ("TP", "kind", "calls", "payload MiB", "MiB sent"):
         c.add_column(col, justify="right")
-    _comm_rows(c, data["ep_comm"], "sent")
+    _kind_rows(c, data["ep_comm"], "sent")
     console.print(c)
 
 
-def _comm_rows(table, by_tp: dict, sent: str, *first: str) -> None:
+def _kind_rows(table, by_tp: dict, sent: str, *first: str) -> None:
     """A row per TP size and collective kind: calls, payload and ``sent`` bytes in MiB (the
     columns after ``first``)."""
     for tp, comm in by_tp.items():
