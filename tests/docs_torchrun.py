@@ -1,8 +1,9 @@
-"""``torchrun --standalone --nproc-per-node N NAME.py`` for the docs' examples, without new
-interpreters: N ranks forked from the session's fork server (which has imported torch and
-transformers, conftest.py), each given the environment torchrun gives its ranks (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, one
-thread), running NAME.py as ``__main__`` in the example's directory. A torchrun process and its
+"""``torchrun --standalone --nproc-per-node N NAME.py`` (or ``-m MODULE ARGS``) for the docs'
+examples, without new interpreters: N ranks forked from the session's fork server (which has
+imported torch and transformers, conftest.py), each given the environment torchrun gives its
+ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RUN_ID, one thread), running NAME.py (or the module) as ``__main__`` in the
+example's directory. A torchrun process and its
 ranks each import torch (and transformers) again: 10-15 s an example on 2 cores, where forked
 ranks start in a second. torchrun itself is tested where tensorpar runs under it
 (tests/train/test_torchrun_train.py, tests/dp/test_multinode.py and others)."""
@@ -18,20 +19,22 @@ from pathlib import Path
 NPROC = ("--nproc-per-node", "--nproc_per_node")
 
 
-def torchrun_args(args: list[str]) -> tuple[int, str] | None:
-    """(N, NAME.py) of torchrun's arguments ``--standalone --nproc-per-node N NAME.py``; None for
-    any other form (run as a process)."""
-    if len(args) == 4 and args[0] == "--standalone" and args[1] in NPROC and args[2].isdigit() \
-            and args[3].endswith(".py"):
-        return int(args[2]), args[3]
+def torchrun_args(args: list[str]) -> tuple[int, list[str]] | None:
+    """(N, what each rank runs) of torchrun's arguments ``--standalone --nproc-per-node N`` and
+    ``NAME.py`` or ``-m MODULE ARGS``; None for any other form (run as a process)."""
+    if len(args) > 3 and args[0] == "--standalone" and args[1] in NPROC and args[2].isdigit() \
+            and (args[3:] == [args[3]] and args[3].endswith(".py")
+                 or args[3] == "-m" and len(args) > 4):
+        return int(args[2]), args[3:]
     return None
 
 
-def _rank(rank: int, world: int, port: int, script: str, cwd: str, env: dict, out: str,
+def _rank(rank: int, world: int, port: int, words: list[str], cwd: str, env: dict, out: str,
           err: str) -> None:
     """One rank: torchrun's environment, its output to ``out`` and ``err`` (the descriptors too,
-    for what C++ prints), ``script`` run as ``__main__``; an exception or SystemExit becomes the
-    process's exit status, as in a process torchrun starts."""
+    for what C++ prints), ``words`` (``NAME.py`` or ``-m MODULE ARGS``) run as ``__main__``; an
+    exception or SystemExit becomes the process's exit status, as in a process torchrun
+    starts."""
     import runpy
 
     import torch
@@ -54,13 +57,18 @@ def _rank(rank: int, world: int, port: int, script: str, cwd: str, env: dict, ou
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.chdir(cwd)
-    sys.argv, sys.path[0:0] = [script], [cwd]
-    runpy.run_path(os.path.join(cwd, script), run_name="__main__")
+    sys.path.insert(0, cwd)
+    if words[0] == "-m":  # python -m MODULE ARGS
+        sys.argv = [words[1], *words[2:]]
+        runpy.run_module(words[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = words
+        runpy.run_path(os.path.join(cwd, words[0]), run_name="__main__")
 
 
-def torchrun_here(world: int, script: str, cwd: Path, env: dict,
+def torchrun_here(world: int, words: list[str], cwd: Path, env: dict,
                   timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``world`` forked ranks (``_rank``); the CompletedProcess torchrun's
+    """Run ``words`` on ``world`` forked ranks (``_rank``); the CompletedProcess torchrun's
     would give: its ranks' output in rank order, exit status 1 if a rank failed."""
     from tensorpar.ranks.forkserver import rank_context
     from tensorpar.ranks.local import free_port
@@ -68,7 +76,7 @@ def torchrun_here(world: int, script: str, cwd: Path, env: dict,
     ctx, port = rank_context(), free_port()
     with tempfile.TemporaryDirectory() as logs:
         files = [(f"{logs}/{r}.out", f"{logs}/{r}.err") for r in range(world)]
-        procs = [ctx.Process(target=_rank, args=(r, world, port, script, str(cwd), env, *files[r]),
+        procs = [ctx.Process(target=_rank, args=(r, world, port, words, str(cwd), env, *files[r]),
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()
@@ -78,7 +86,7 @@ def torchrun_here(world: int, script: str, cwd: Path, env: dict,
     code = 0 if all(c == 0 for c in codes) else 1
     if code:
         err += f"\nranks' exit codes {codes}"
-    return subprocess.CompletedProcess(["torchrun", script], code, out, err)
+    return subprocess.CompletedProcess(["torchrun", *words], code, out, err)
 
 
 def _wait(procs, timeout: float) -> None:
