@@ -102,12 +102,13 @@ SHARD_TAGS = ("tp_shard", "ep_shard")  # the attributes a parameter's ShardSpec 
 
 def param_shard(p: torch.Tensor) -> ShardSpec:
     """The split of parameter ``p``: its experts' (``ep_shard``: dim 0, the routed experts cut
-    across the EP ranks) if it has one, else its TP split (``tp_shard``), else replicated. The
-    expert dim is a shard dim like TP's: checkpoints store and load it as one."""
+    across the EP ranks) if it has one, else its TP split (``tp_shard``), else replicated (a
+    ``tp_shard`` beside an ``ep_shard`` is the same split, or none). The expert dim is a shard
+    dim like TP's: checkpoints store and load it as one."""
     tp, ep = getattr(p, "tp_shard", REPLICATED), getattr(p, "ep_shard", None)
     if ep is None:
         return tp
-    if tp.dim is not None:  # no layer makes one: a bug, not a user's input
+    if tp.dim is not None and tp != ep:  # no layer makes one: a bug, not a user's input
         raise ValueError(f"a parameter of shape {tuple(p.shape)} is split both by TP (dim "
                          f"{tp.dim}) and across experts (dim {ep.dim})")
     return ep
