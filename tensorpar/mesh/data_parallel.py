@@ -26,8 +26,8 @@ each dp rank takes an equal slice of it (the trainer's rule), so TP x DP is exac
 device.
 
 What tensorpar's own code needs of a parameter survives the wrapping: FSDP2 replaces each
-parameter by a DTensor (sharded on dim 0 over dp) and the ``tp_shard`` and ``ep_shard`` tags
-(``ShardSpec``) are copied onto it, so the ownership, the checkpoint and the gradient norm read it as before; its shape
+parameter by a DTensor (sharded on dim 0 over dp) and the ``tp_shard`` tag (``ShardSpec``) is
+copied onto it, so the ownership, the checkpoint and the gradient norm read it as before; its shape
 is the whole TP shard's. DDP keeps the parameters; the model is ``wrapped.module``.
 """
 
@@ -44,7 +44,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel  # loaded by ``import torch`` already
 
-from tensorpar.parallel.sharding import shard_tags
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import collectives_checked
 
@@ -103,13 +102,13 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     # and the gradients are reduce-scattered, and so stored, in fp32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
-    tags = {name: shard_tags(p) for name, p in model.named_parameters()}
+    specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
     for unit in shard_units(model) if units is None else units:
         fully_shard(unit, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     for name, p in model.named_parameters():
-        for tag, spec in tags[name].items():
-            setattr(p, tag, spec)
+        if name in specs:
+            p.tp_shard = specs[name]
     return model
 
 

@@ -46,7 +46,7 @@ from torch import nn
 
 from tensorpar.gpt.stages import GPTStage, rank_part
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.parallel.sharding import shard_sizes, shard_tags
+from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.parallel.stages import is_stage_copy, mark_stage_copy
 from tensorpar.runtime.dtensors import local_part
 from tensorpar.runtime.groups import tp_size
@@ -119,15 +119,14 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
-    tags = {name: shard_tags(p) for name, p in parts.net.named_parameters()}
+    specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
     copies = {name for name, p in parts.net.named_parameters() if is_stage_copy(p)}
     for block in parts.net.blocks:
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
     for stage in parts.stages:
         fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
     for name, p in parts.net.named_parameters():
-        for tag, spec in tags[name].items():
-            setattr(p, tag, spec)
+        p.tp_shard = specs[name]
         if name in copies:
             mark_stage_copy(p)
     return list(parts.stages)
