@@ -97,9 +97,6 @@ def replicated_parameter(dense: torch.Tensor) -> torch.nn.Parameter:
     return p
 
 
-SHARD_TAGS = ("tp_shard", "ep_shard")  # the attributes a parameter's ShardSpec is kept in
-
-
 def param_shard(p: torch.Tensor) -> ShardSpec:
     """The split of parameter ``p``: its experts' (``ep_shard``: dim 0, the routed experts cut
     across the EP ranks) if it has one, else its TP split (``tp_shard``), else replicated (a
@@ -112,12 +109,6 @@ def param_shard(p: torch.Tensor) -> ShardSpec:
         raise ValueError(f"a parameter of shape {tuple(p.shape)} is split both by TP (dim "
                          f"{tp.dim}) and across experts (dim {ep.dim})")
     return ep
-
-
-def shard_tags(p: torch.Tensor) -> dict[str, ShardSpec]:
-    """The ShardSpec attributes ``p`` carries, to put back on the parameter that replaces it
-    (FSDP2's ``fully_shard`` makes new ones): ``{"tp_shard": ..., "ep_shard": ...}``."""
-    return {tag: getattr(p, tag) for tag in SHARD_TAGS if hasattr(p, tag)}
 
 
 def dense_shape(p: torch.Tensor) -> tuple[int, ...]:
