@@ -74,6 +74,14 @@ class ShardSpec:
 REPLICATED = ShardSpec(dim=None)
 
 
+def is_expert_split(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds part of its MoE layer's experts (an ``ep_shard`` short of all of
+    them): data parallelism leaves such a tensor out, the gradient norm counts it over the EP
+    group."""
+    spec = getattr(p, "ep_shard", None)
+    return spec is not None and spec.stop - spec.start != spec.full_size
+
+
 def slice_dense(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """A contiguous copy of ``t[start:stop]`` along ``dim`` (never a view of the dense tensor)."""
     return t.detach().narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
