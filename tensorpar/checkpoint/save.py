@@ -39,6 +39,7 @@ from tensorpar.checkpoint.format import (
     sha256_of,
 )
 from tensorpar.parallel.ownership import ShardOwnership, owned_local
+from tensorpar.parallel.sharding import is_expert_split
 from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -96,7 +97,7 @@ def _expert_writers(model, grid: Grid) -> dict[str, list[tuple[int, int, int]]]:
     holds them, so that no expert is written twice by its expert-data replicas. One exchange of
     every rank's expert ranges over the stage (the names are the stage's own)."""
     mine = {name: (p.ep_shard.start, p.ep_shard.stop) for name, p in saved(model)
-            if hasattr(p, "ep_shard")}
+            if is_expert_split(p)}
     writers: dict[str, list[tuple[int, int, int]]] = {}
     for i, theirs in enumerate(grid.agree_in_stage(mine)):
         for name, (a, b) in theirs.items():
@@ -111,9 +112,10 @@ def _expert_writers(model, grid: Grid) -> dict[str, list[tuple[int, int, int]]]:
 
 
 def _has_experts(model, pp_group: ProcessGroup | None) -> bool:
-    """Whether the model (any pipeline stage of it) has routed experts: then every data rank
-    writes (the experts they hold), on every stage alike."""
-    mine = any(hasattr(p, "ep_shard") for _, p in saved(model))
+    """Whether the model (any pipeline stage of it) has routed experts split across ranks: then
+    every data rank writes (the experts it holds), on every stage alike. (Experts held whole by
+    every rank are written as any replicated tensor.)"""
+    mine = any(is_expert_split(p) for _, p in saved(model))
     if pp_group is None or tp_size(pp_group) == 1:
         return mine
     return any(_agree(mine, pp_group))
@@ -218,8 +220,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
             if is_dtensor(t):
                 t = _whole(t)
             if name in writers:  # routed experts: this rank's, if it is their writer
-                mine = t if (grid.rank, p.ep_shard.start, p.ep_shard.stop) in writers[name] \
-                    else None
+                spec = p.ep_shard
+                mine = t if (grid.rank, spec.start, spec.stop) in writers[name] else None
             else:  # the first data replica's
                 mine = owned_local(ownership, name, t, rank) if grid.dp_rank == 0 else None
             if mine is not None:

@@ -5,8 +5,9 @@ what was saved, bit for bit, and the loaded layers compute what one device compu
 
 Layouts on n ranks, rank = d * tp + t (TP groups are consecutive ranks, data groups strided):
 ``ep="world"`` splits the experts over every rank (tp 2, dp 2, ep 4: 2, 2, 1, 1 experts),
-``ep="data"`` over the data ranks (tp 2, dp 2, ep 2: the TP peers hold copies of the same
-experts, which are written once), ``ep="tp"`` over the TP group.
+``ep="tp"`` over the TP group (tp 2, dp 2, ep 2: the second data rank's TP group holds copies of
+the first's experts, which are written once), as ``train --ep`` folds them
+(``mesh/experts.py``).
 """
 
 import pytest
@@ -27,7 +28,7 @@ from tensorpar.transformer.reference import DenseMoE
 CONFIG = MoEConfig(dim=16, hidden_dim=16, num_experts=6, top_k=2, shared_hidden_dim=8)
 LAYERS = 2
 LAYOUTS = {  # name: (ranks, tp, ep over)
-    "tp1-ep1": (1, 1, "tp"), "tp2-dp2-ep4": (4, 2, "world"), "tp2-dp2-ep2": (4, 2, "data"),
+    "tp1-ep1": (1, 1, "tp"), "tp2-dp2-ep4": (4, 2, "world"), "tp2-dp2-ep2": (4, 2, "tp"),
     "tp4-ep4": (4, 4, "tp"),
 }
 _GROUPS: dict = {}
@@ -43,7 +44,7 @@ def _groups(n: int, tp: int, ep: str):
             [list(range(t, n, tp)) for t in range(tp)])[0]
         _GROUPS[n, tp] = tp_group, dp_group
     tp_group, dp_group = _GROUPS[n, tp]
-    return tp_group, dp_group, {"world": None, "data": dp_group, "tp": tp_group}[ep]
+    return tp_group, dp_group, {"world": None, "tp": tp_group}[ep]
 
 
 class MoEStack(nn.Module):
@@ -159,7 +160,7 @@ def test_every_expert_written_once(saved, layout):
     assert stored == want
     writers = {f.name: sorted(k for k in load_file(f) if k.startswith("layers.0.experts.down"))
                for f in files}
-    expected = {"tp2-dp2-ep4": [0, 1, 2, 3], "tp2-dp2-ep2": [0, 2]}[layout]
+    expected = {"tp2-dp2-ep4": [0, 1, 2, 3], "tp2-dp2-ep2": [0, 1]}[layout]
     assert [i for i, f in enumerate(files) if writers[f.name]] == expected
 
 
