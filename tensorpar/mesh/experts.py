@@ -98,3 +98,13 @@ def reduce_expert_grads(model: nn.Module, groups: ExpertGroups | None) -> None:
             dist.all_reduce(p.grad, group=groups.expert_data)
         if groups.dp > 1:
             p.grad.div_(groups.dp)
+
+
+def ignore_experts_in_ddp(module: nn.Module) -> None:
+    """Leave ``module``'s split experts out of the DDP wrapper made next (their gradients are
+    reduced over the expert-data ranks instead; their shapes may differ between ranks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [name for name, p in module.named_parameters() if is_expert_split(p)]
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.sharding import ShardSpec, dense_shape, param_shard
+from tensorpar.parallel.sharding import ShardSpec, dense_shape, is_expert_split, param_shard
 from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor, local_part
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -111,7 +111,8 @@ def owned_local(ownership: ShardOwnership, name: str, t: torch.Tensor,
 def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float,
                     group: ProcessGroup | None = None,
                     dp_group: ProcessGroup | None = None,
-                    pp_group: ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: ProcessGroup | None = None,
+                    ep_group: ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so the global L2 norm (of the dense model) is at most ``max_norm``.
 
     Each rank sums the squares of the gradient elements it owns; one all-reduce of that scalar
@@ -126,6 +127,9 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
     pp_group: with pipeline stages, each rank holds its stages' parameters alone, so the sum is
     all-reduced over the pipeline too; a stage's copy of another stage's parameter (a tied
     table on the last stage, ``stages.mark_stage_copy``) is counted once, by the other.
+    ep_group: the ranks a MoE layer's experts are split across (``sharding.is_expert_split``
+    tensors: each rank holds others, the same as its expert-data peers): their squares are
+    summed over ``ep_group`` alone, each expert counted once, and added to the rest's.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -133,8 +137,16 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     dp_sharded = False
+    experts = torch.zeros((), dtype=torch.float32, device=device)
+    split = {name for name, p in model.named_parameters() if is_expert_split(p)}
+    if split and ep_group is None:  # before any collective
+        raise ValueError(f"clip_grad_norm_: {sorted(split)[0]} holds part of its layer's "
+                         "experts; pass the EP group (ep_group=) to count each once")
     for name, g in grads:
         if name in copies:  # another stage's parameter too: counted there, scaled here
+            continue
+        if name in split:
+            experts += g.float().pow(2).sum()
             continue
         if is_dtensor(g):
             dp_sharded = True
@@ -148,6 +160,10 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
         dist.all_reduce(sq, group=group)
     if dp_sharded and dp_group is not None and tp_size(dp_group) > 1:
         dist.all_reduce(sq, group=dp_group)
+    if split:
+        if tp_size(ep_group) > 1:
+            dist.all_reduce(experts, group=ep_group)
+        sq = sq + experts
     if pp_group is not None and tp_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()

@@ -264,9 +264,11 @@ class RunReport:
         return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
 
     def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
-             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0) -> None:
+             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0,
+             extra: dict | None = None) -> None:
         """The row of ``step``; ``val_loss``: the validation loss after it, when computed;
-        data_seconds: how long the step waited for its batch."""
+        data_seconds: how long the step waited for its batch; extra: more of the row (a MoE
+        model's ``aux_loss`` and ``expert_load``, ``train/moe.py``)."""
         if not self.lead:
             return
         tokens = self.cfg.batch_size * self.cfg.seq_len
@@ -275,6 +277,7 @@ class RunReport:
                "step_time_s": seconds, "data_s": data_seconds}
         if val_loss is not None:
             row["val_loss"] = val_loss
+        row.update(extra or {})
         if not finite:  # JSON has no NaN: the values are named instead
             row["skipped"] = f"non-finite: loss {loss}, gradient norm {norm}"
         self.metrics.write(row)
