@@ -256,6 +256,8 @@ class GPT(nn.Module):
             local = nn.Parameter(full.to(device=device, dtype=p.dtype).clone(),  # not a view:
                                  requires_grad=p.requires_grad)  # it would keep all of `full`
             local.tp_shard = spec
+            if hasattr(p, "ep_shard"):  # a routed expert's range (checkpoints, --ep) too
+                local.ep_shard = p.ep_shard
             owner, attr = self._owner(name)
             setattr(owner, attr, local)
         for block in self.blocks:  # buffers built on meta
