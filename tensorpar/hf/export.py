@@ -37,6 +37,13 @@ so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does. A GP
 ``--tokenizer DIR`` is exported with the run's copy of that tokenizer instead, its end-of-text
 and start ids in the config.
 
+A GPT with MoE blocks (``--moe-experts``) is a ``MixtralForCausalLM``, with shared experts a
+``Qwen2MoeForCausalLM`` (``moe_kind``); attention, norms, embedding and head as above, and::
+
+    blocks.i.mlp.router              model.layers.i.mlp.gate
+    blocks.i.mlp.experts.*           model.layers.i.mlp.experts.{gate_up_proj,down_proj}
+    blocks.i.mlp.shared.{gate,up,down}   model.layers.i.mlp.shared_expert.{gate,up,down}_proj
+
 The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
 writer: ``"gpt"`` above; ``"hf"``, a run fine-tuned from a Hugging Face model (``train --hf``),
 is written back as that model (``export_finetuned.py``). Nothing half-written: the target is
