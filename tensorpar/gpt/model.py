@@ -256,7 +256,7 @@ class GPT(nn.Module):
             local = nn.Parameter(full.to(device=device, dtype=p.dtype).clone(),  # not a view:
                                  requires_grad=p.requires_grad)  # it would keep all of `full`
             local.tp_shard = spec
-            if hasattr(p, "ep_shard"):  # a routed expert's range (checkpoints, --ep) too
+            if hasattr(p, "ep_shard"):  # an MoE block's experts (moe_blocks.py)
                 local.ep_shard = p.ep_shard
             owner, attr = self._owner(name)
             setattr(owner, attr, local)

@@ -148,9 +148,9 @@ class TrainConfig:
         "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "ep", "pp", "pp_virtual", "steps", "batch_size", "micro_batch_size",
-                     "seq_len", "save_every", "lr_decay_steps", "eval_every", "eval_batches",
-                     "lora_rank"):
+        for flag in ("tp", "dp", "ep", "pp", "pp_virtual", "steps", "batch_size",
+                     "micro_batch_size", "seq_len", "save_every", "lr_decay_steps", "eval_every",
+                     "eval_batches", "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):

@@ -22,6 +22,7 @@ from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
+from tensorpar.train.moe_report import moe_rows
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -398,6 +399,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         where += f" (pp {s['pp_rank']})" if pp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     _comm_rows(table, comm, plan, tp, sp, bool(rows))
+    if step is not None:
+        moe_rows(table, rows, comm, step)
     return table
 
 
