@@ -32,7 +32,7 @@ PROMPTS = ["The with statement", "def main():"]
 
 
 def _train(out, tp, dp, ep, resume_from=None):
-    cfg = TrainConfig(tp=tp, dp=dp, ep=ep, dp_mode="ddp", steps=STEPS, batch_size=4,
+    cfg = TrainConfig(tp=tp, dp=dp, ep=ep, dp_mode="fsdp", steps=STEPS, batch_size=4,
                       seq_len=16, warmup_steps=2, out=out, save_every=STOP, seed=1)
     return train_rank(cfg, GPTConfig(**MODEL), resume_from).get("rows")
 
