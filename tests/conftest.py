@@ -54,6 +54,7 @@ SLOW = (
     "tests/train/test_wandb.py", "tests/train/test_shards_cli.py",
     "tests/train/test_checked_runs.py", "tests/hf/test_lora_train.py",
     "tests/gpt/test_compile_model.py", "tests/train/test_moe_resume.py",
+    "tests/hf/test_hf_export_moe.py::test_shared_experts_export_as_qwen2_moe",
     "tests/hf/test_hf_train.py", "tests/hf/test_hf_train_cli.py", "tests/hf/test_hf_generate.py",
     "tests/hf/test_hf_dropout.py", "tests/hf/test_hf_export.py", "tests/dp/test_multinode.py",
     "tests/core/test_torchrun_crash.py", "tests/bench/", "tests/planner/test_meter_profiled.py",
