@@ -1,10 +1,12 @@
 """Where every parameter of a sharded model lives across the TP group, and what that is used for.
 
-``ShardOwnership.gather(model, group)`` collects each rank's ``param.tp_shard`` once (one
+``ShardOwnership.gather(model, group)`` collects each rank's ``param_shard`` once (one
 ``all_gather_object`` at setup). From it, every rank knows which dense slice it *owns*: its own
 slice minus what a lower rank already holds. Ownership makes each dense element count once, even
 where ranks hold copies (replicated norms, KV heads shared when there are fewer KV heads than
-ranks). It is what the global gradient norm sums and what a checkpoint stores.
+ranks). It is what the global gradient norm sums and what a checkpoint stores. Routed experts
+(``ep_shard``) are split like a TP dim: TP ranks that hold different experts each own theirs,
+TP ranks that hold the same ones own them once.
 
 A fused dimension (``ShardSpec.parts`` = P equal blocks of size B, GPT-2's q|k|v) is split block
 by block: a rank holds [start, stop) of every block, so it owns [s, e) (computed within a block,
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.sharding import REPLICATED, ShardSpec, dense_shape, is_expert_split
+from tensorpar.parallel.sharding import ShardSpec, dense_shape, is_expert_split, param_shard
 from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor, local_part
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -37,7 +39,7 @@ class ShardOwnership:
 
     @classmethod
     def gather(cls, model: nn.Module, group: ProcessGroup | None = None) -> ShardOwnership:
-        mine = {name: getattr(p, "tp_shard", REPLICATED) for name, p in model.named_parameters()}
+        mine = {name: param_shard(p) for name, p in model.named_parameters()}
         shapes = {name: dense_shape(p) for name, p in model.named_parameters()}
         every = [mine]
         if tp_size(group) > 1:
