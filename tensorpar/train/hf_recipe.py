@@ -126,6 +126,9 @@ class HFRecipe:
                              "masks and positions made inside it, so torch.distributed."
                              "pipelining cannot cut it into stages without a model-specific "
                              "stage forward, which tensorpar does not have yet")
+        if cfg.ep > 1:
+            raise ValueError(f"--ep {cfg.ep} with --hf {self.origin}: expert parallelism is "
+                             "built for tensorpar's GPT (--moe-experts) only so far")
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
