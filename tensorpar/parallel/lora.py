@@ -69,7 +69,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.collectives import start_all_reduce
 from tensorpar.parallel.dropout import dropout_mask
-from tensorpar.parallel.fused import autocast_cast
+from tensorpar.parallel.fused import ColumnLoRA, autocast_cast
 from tensorpar.parallel.mappings import enter_tp_region, sum_grads_in_backward
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -190,25 +190,29 @@ def has_lora(layer: nn.Module) -> bool:
 
 def column_update(y: torch.Tensor, z: torch.Tensor, layer: nn.Module,
                   b: torch.Tensor | None = None) -> torch.Tensor:
-    """A column layer's output ``y`` plus its update ``s · B_i z`` (z = A x from the fused op;
-    b: B as the caller has it, its gradients summed where ranks share its rows)."""
+    """A column layer's output ``y`` plus its update ``s · B_i z`` (z = A dropout(x), when the
+    adapter drops; b: B as the caller has it, its gradients summed where ranks share its rows)."""
     b = layer.lora_B.weight if b is None else b
     # one addmm: y + s · z B^T, with no pass over y for the scale
     return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
                        alpha=layer.lora_scale).view(y.shape)
 
 
-def column_factors(layers: list[nn.Module], x: torch.Tensor, group: ProcessGroup | None,
-                   sequence_parallel: bool) -> tuple[list[torch.Tensor], int]:
-    """The A factors of the column ``layers`` as more weights of their fused column op on ``x``,
-    and how many of them it takes as ``partial`` (``fused.fused_column``): all of them without
-    SP on an input that needs a gradient (their products' gradients ride the input gradient's
-    all-reduce), else none, their gradients then summed by one all-reduce of their own."""
+def column_lora(layers: list[nn.Module], targets: list[int], bs: list[torch.Tensor],
+                x: torch.Tensor, group: ProcessGroup | None,
+                sequence_parallel: bool) -> ColumnLoRA:
+    """The adapters of the column ``layers`` (outputs ``targets`` of their fused column op on
+    ``x``; bs: their B as the caller has them) folded into that op (``fused.ColumnLoRA``). A's
+    products' gradients are partial sums that ride the input gradient's all-reduce without SP
+    on an input that needs a gradient; elsewhere A's gradients are summed by one all-reduce of
+    their own."""
     factors = [c.lora_A.weight for c in layers]
-    if not sequence_parallel and tp_size(group) > 1 and x.requires_grad \
-            and torch.is_grad_enabled():
-        return factors, len(factors)
-    return sum_grads_in_backward(factors, group), 0
+    partial = not sequence_parallel and tp_size(group) > 1 and x.requires_grad \
+        and torch.is_grad_enabled()
+    if not partial:
+        factors = sum_grads_in_backward(factors, group)
+    return ColumnLoRA(tuple(factors), tuple(bs), tuple(targets),
+                      tuple(c.lora_scale for c in layers), partial)
 
 
 class _LoRARow(torch.autograd.Function):

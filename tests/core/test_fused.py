@@ -287,15 +287,20 @@ def _opcheck_body():
     torch.manual_seed(0)
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
-    for sizes, regather, need_dx, need, partial in (
-            ([], False, True, [True, True], 0),  # without SP
-            ([], False, True, [True, True], 1),  # the last weight a LoRA factor (partial sums)
-            ([5], True, True, [True, True], 0),  # SP at n=1
-            ([5], False, False, [False, True], 0),
-            ([], False, True, [False, False], 0)):
+    # a LoRA adapter (rank 3) on the second output: A, B and z = x A^T as forward made them
+    a, b = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+    adapter = ([a], [b], torch.randn(10, 3, dtype=torch.bfloat16), [1], [0.5])
+    for sizes, regather, need_dx, need, lora in (
+            ([], False, True, [True, True], None),  # without SP
+            ([], False, True, [False, False, True, True], (*adapter, True)),  # partial sums
+            ([5], True, True, [False, True, True, False], (*adapter, False)),  # SP at n=1
+            ([5], True, True, [True, True], None),  # SP at n=1
+            ([5], False, False, [False, True], None),
+            ([], False, True, [False, False], None)):
         torch.library.opcheck(torch.ops.tensorpar.column_backward.default,
                               (dys, x, [w.bfloat16() for w in ws], torch.float32, [2, 5, 8],
-                               sizes, regather, group_name(None), need_dx, need, partial))
+                               sizes, regather, group_name(None), need_dx, need,
+                               *(lora or ([], [], None, [], [], False))))
     torch.library.opcheck(_rotary_table_op, (8, 3, 5, 10000.0, torch.device("cpu")))
     return True
 
