@@ -7,7 +7,9 @@ Column-parallel base (W split by output features)::
     A replicated (r, in)        z = A x          x: the layer's input inside the TP region
     B split like W's rows       y_i = W_i x + s · B_i z
 
-    A's product z is one more output of the block's fused column op. Each rank's gradient of it,
+    The adapters are part of the block's fused column op (``fused.ColumnLoRA``): it computes
+    z for all of them in one matmul, adds s · B_i z to its outputs in place, and in backward
+    makes B_i's gradient s · dy_i z^T (local) and z's. Each rank's gradient of z,
     dz_i = s B_i^T dy_i, is its part of the whole dz. Without SP dz_i travels in the base's
     input-gradient all-reduce (``fused_column``'s ``partial``): after it every rank holds
     Σ_i W_i^T dy_i and dz, so dx = Σ_i W_i^T dy_i + A^T dz is the dense input gradient and
@@ -233,7 +235,7 @@ class _LoRARow(torch.autograd.Function):
         torch.mm(x_a.reshape(N, -1), a.t(), out=flat[N * out:].view(N, r))
         flat = start_all_reduce(flat, group)()  # in place (eager)
         z = flat[N * out:].view(N, r).clone()  # (a view would keep the product for backward)
-        y = torch.addmm(flat[:N * out].view(N, out), z, b.t(), alpha=scale)
+        y = flat[:N * out].view(N, out).addmm_(z, b.t(), alpha=scale)  # in place: no copy
         ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, x_a, weight, a, b, z)
         ctx.own_input = ctx.needs_input_grad[1]  # x_a is a tensor of its own
         return y.view(*x.shape[:-1], out)
@@ -243,8 +245,8 @@ class _LoRARow(torch.autograd.Function):
         x, x_a, weight, a, b, z = ctx.saved_tensors
         need_dx, need_dxa, need_dw, need_da, need_db = ctx.needs_input_grad[:5]
         dy_2d = dy.reshape(-1, dy.shape[-1])
-        dz = dy_2d.mm(b) * ctx.scale  # (N, r), whole: s B^T dy
-        db = dy_2d.t().mm(z) * ctx.scale if need_db else None
+        dz = dy_2d.mm(b).mul_(ctx.scale)  # (N, r), whole: s B^T dy
+        db = dy_2d.t().mm(z).mul_(ctx.scale) if need_db else None
         da = dz.t().mm(x_a.reshape(dz.shape[0], -1)) if need_da else None
         dx = dxa = None
         if need_dx:
