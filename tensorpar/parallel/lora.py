@@ -11,7 +11,7 @@ Column-parallel base (W split by output features)::
     z for all of them in one matmul, adds s · B_i z to its outputs in place, and in backward
     makes B_i's gradient s · dy_i z^T (local) and z's. Each rank's gradient of z,
     dz_i = s B_i^T dy_i, is its part of the whole dz. Without SP dz_i travels in the base's
-    input-gradient all-reduce (``fused_column``'s ``partial``): after it every rank holds
+    input-gradient all-reduce (``ColumnLoRA.partial``): after it every rank holds
     Σ_i W_i^T dy_i and dz, so dx = Σ_i W_i^T dy_i + A^T dz is the dense input gradient and
     dA = dz x^T is whole: no collective of A's own. Under SP (each rank's dA is over its tokens),
     and where the input needs no gradient (the first block's, the embedding frozen), A's product's
