@@ -159,7 +159,8 @@ def _split_call(kwargs: dict, group: ProcessGroup) -> dict:
         shifted = _shifted(labels) if shifted is None else shifted
         if kwargs.get("num_items_in_batch") is None:  # the whole rows' count, on every rank
             out["num_items_in_batch"] = (shifted != IGNORE).sum()
-        out["labels"], out["shift_labels"] = labels.index_select(1, idx), shifted.index_select(1, idx)
+        out["labels"] = labels.index_select(1, idx)
+        out["shift_labels"] = shifted.index_select(1, idx)
     out[CP_KWARG] = CPBatch(group, CPSequence(T, pos))
     return out
 
