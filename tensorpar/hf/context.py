@@ -176,6 +176,11 @@ def _attention_in_own_config(model: nn.Module) -> None:
             m.config = new
 
 
+def model_cp_group(model: nn.Module) -> ProcessGroup | None:
+    """The CP group ``model`` was converted with (through a DDP wrapper too); None: no CP."""
+    return getattr(getattr(model, "module", model), "cp_group", None)
+
+
 def install_context_parallel(model: nn.Module, group: ProcessGroup) -> None:
     """Make ``model`` (a converted Llama-family causal LM) context-parallel over ``group``: its
     forward splits the rows (module docstring), its attention runs ``cp_attention``, its

@@ -11,6 +11,7 @@ whole row.
 """
 
 import pytest
+import test_chat
 import torch
 import torch.distributed as dist
 import transformers
@@ -186,3 +187,48 @@ def test_layouts_refused_before_any_rank(hf_configs):
     for m, sp, says in cases:
         with pytest.raises(ValueError, match=says):
             check_plan_fits(m, plan_for(m), 1, sp, context_parallel=True)
+
+
+# ``train --hf --cp``: runs of the trainer on the pools, against one rank
+
+
+def _train_rows(ranks, path, out, tp: int, cp: int, **flags) -> list[dict]:
+    from hf_runs import train
+
+    return train(ranks, path, out, tp, cp=cp, **flags)
+
+
+def _assert_same_steps(rows: list[dict], ref: list[dict], tol: float) -> None:
+    assert len(rows) == len(ref) == STEPS, (rows, ref)
+    for mine, want in zip(rows, ref, strict=True):
+        for key in ("loss", "grad_norm"):
+            err = abs(mine[key] - want[key]) / abs(want[key])
+            assert err <= tol, f"step {want['step']}: {key} {mine[key]} vs {want[key]} ({err:.1e})"
+
+
+STEPS = 3
+chat = test_chat.chat  # the fixture: the tiny Llama with a chat template, and conversations
+TRAIN_TOL = 1e-5  # measured: see the tests
+
+
+@pytest.mark.slow
+def test_train_text_at_cp2_equals_one_rank(ranks, models, tmp_path):
+    """``train --hf`` on text at cp 2, rows of 30 tokens (chunks 8, 8, 7, 7): each step's loss
+    and gradient norm equal the one-rank run's (measured 2e-7)."""
+    flags = {"steps": STEPS, "batch_size": 4, "seq_len": 30, "seed": 1, "lr": 3e-3,
+             "warmup_steps": 1, "data": str(models["data"])}
+    ref = _train_rows(ranks, models["llama"], tmp_path / "one", 1, 1, **flags)
+    _assert_same_steps(_train_rows(ranks, models["llama"], tmp_path / "cp2", 1, 2, **flags),
+                       ref, TRAIN_TOL)
+
+
+@pytest.mark.slow
+def test_train_packed_chat_at_tp2_cp2_equals_one_rank(ranks, chat, tmp_path):
+    """``train --hf --pack`` on chat data at (tp 2, cp 2): rows of several examples each
+    (positions restarting, nothing read across an example on any CP rank), each step's loss and
+    gradient norm equal the one-rank packed run's (measured 2e-7)."""
+    flags = {"steps": STEPS, "batch_size": 2, "seq_len": 96, "seed": 3, "lr": 1e-3,
+             "warmup_steps": 1, "data": str(chat / "chat.jsonl"), "pack": True}
+    ref = _train_rows(ranks, chat / "marked", tmp_path / "one", 1, 1, **flags)
+    _assert_same_steps(_train_rows(ranks, chat / "marked", tmp_path / "tp2cp2", 2, 2, **flags),
+                       ref, TRAIN_TOL)
