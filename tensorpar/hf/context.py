@@ -70,16 +70,14 @@ def check_context_parallel(model: nn.Module, sequence_parallel: bool, dropout: b
     """Raise ValueError, the same on every rank, unless ``model`` can run context-parallel."""
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in CP_FAMILIES:
-        raise ValueError(f"cp_group: context parallelism is supported for the families whose "
-                         f"attention is Llama's ({', '.join(CP_FAMILIES)}), not "
-                         f"model_type={family!r}")
+        raise ValueError(f"context parallelism runs the families whose attention is Llama's "
+                         f"({', '.join(CP_FAMILIES)}), not model_type={family!r}")
     if sequence_parallel:
-        raise ValueError("cp_group: sequence parallelism with context parallelism is not built "
-                         "for Hugging Face models yet; leave out sequence_parallel")
+        raise ValueError("sequence parallelism with context parallelism is not built for "
+                         "Hugging Face models yet; leave out sequence parallelism")
     if dropout:
-        raise ValueError("cp_group: the model has dropout, which is not supported under context "
-                         "parallelism for Hugging Face models yet; set its dropout "
-                         "probabilities to 0")
+        raise ValueError("the model has dropout, which context parallelism does not support "
+                         "for Hugging Face models yet; set its dropout probabilities to 0")
 
 
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

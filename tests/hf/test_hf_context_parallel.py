@@ -232,3 +232,17 @@ def test_train_packed_chat_at_tp2_cp2_equals_one_rank(ranks, chat, tmp_path):
     ref = _train_rows(ranks, chat / "marked", tmp_path / "one", 1, 1, **flags)
     _assert_same_steps(_train_rows(ranks, chat / "marked", tmp_path / "tp2cp2", 2, 2, **flags),
                        ref, TRAIN_TOL)
+
+
+def test_train_refusals_before_any_rank(models):
+    """``train --hf --cp``: a family whose attention is not Llama's, and LoRA dropout, are
+    refused in one line before any rank starts."""
+    from hf_runs import resolve
+
+    cases = [(models["gpt2"], {}, "--hf .*gpt2 at --tp 2 --cp 2: context parallelism runs the "
+                                  "families whose attention is Llama's"),
+             (models["llama"], {"lora_rank": 4, "lora_dropout": 0.1}, "--lora-dropout 0.1 with "
+                                                                     "--cp 2")]
+    for path, flags, says in cases:
+        with pytest.raises(ValueError, match=says):
+            resolve(path, cp=2, seq_len=16, **flags)
