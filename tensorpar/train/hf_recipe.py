@@ -24,9 +24,14 @@ from the model's per-rank stream (``hf/dropout.py``), restarted each step from (
 
 Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
 safetensors weights; a model no plan covers (the error lists its linear layers); a split the
-model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
-model flags; --no-fused, and --compile with --recompute for a model with dropout (not supported
-here yet); on --resume, a --hf whose config.json is not the run's.
+model cannot take (heads over --tp, --sequence-parallel outside the Llama family; --cp outside
+it, or with --sequence-parallel, dropout or --lora-dropout); the GPT's model flags; --no-fused,
+and --compile with --recompute for a model with dropout (not supported here yet); on --resume, a
+--hf whose config.json is not the run's.
+
+``--cp N`` (the Llama family, ``hf/context.py``): every CP rank is given the same whole rows, the
+model keeps its load-balanced chunks of them, and the loss reads the targets of those chunks
+(the trainer averages the gradients over dp x cp and divides the loss by the step's tokens).
 
 ``--compile`` compiles the converted model as the GPT's (``train/compute.py``): one graph, no
 break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
