@@ -27,9 +27,10 @@ PACKED = [[7, 11, 11], [29]]
 # the largest relative error of the logits, the loss and every gradient, ~10x the largest
 # measured over every case here (torch 2.13 CPU)
 TOL = 6e-6  # measured 5.8e-7 (a gradient at tp 2, cp 2)
+# a Mixtral whose sliding window (5 tokens) cuts into every example
 MOE = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-       "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+       "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+       "num_experts_per_tok": 2, "sliding_window": 5}
 _GROUPS: dict = {}
 
 
@@ -84,10 +85,11 @@ def _llama_case(path: str, tp: int, cp: int, packed: bool, recompute: bool = Fal
 
 
 def _moe_case(cp: int) -> dict:
-    """Qwen3-MoE: its attention is Llama's, converted alone (the experts stay whole)."""
+    """Mixtral: its attention is Llama's (with a sliding window), converted alone (the experts
+    stay whole)."""
     tp_group, cp_group = _groups(1, cp)
     torch.manual_seed(0)
-    dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**MOE))
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**MOE))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(dense.config)
     model.load_state_dict(dense.state_dict())
@@ -118,7 +120,7 @@ def _cp2_body(path: str) -> dict:
     return {"plain": _llama_case(path, 1, 2, packed=False),
             "packed": _llama_case(path, 1, 2, packed=True),
             "recompute": _llama_case(path, 1, 2, packed=True, recompute=True),
-            "qwen3-moe": _moe_case(2), "refused": _refusals(path, 2)}
+            "mixtral": _moe_case(2), "refused": _refusals(path, 2)}
 
 
 def _tp2cp2_body(path: str) -> dict:
@@ -143,12 +145,12 @@ def _assert_exact(results: list[dict], case: str) -> None:
             assert err <= TOL, f"{case}, rank {rank}: {kind} off by {err:.2e} > {TOL:.0e}"
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "recompute", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["plain", "packed", "recompute", "mixtral"])
 def test_cp2_equals_the_dense_model(cp2, case):
     """cp 2 on 29 tokens (uneven chunks), GQA: logits, loss and summed gradients equal the dense
     model's on the whole rows; packed examples stay apart on both ranks (the dense model runs
     them with transformers' own packed mask); gradient checkpointing recomputes the same; a
-    Qwen3-MoE, whose attention is Llama's, the same."""
+    Mixtral, whose attention is Llama's, packed, with a sliding window of 5 tokens, the same."""
     _assert_exact(cp2, case)
 
 
