@@ -223,18 +223,6 @@ def check_cp_flags(cfg: TrainConfig) -> None:
                          "and gathers are not traced yet)")
 
 
-def without_cp(cfg: TrainConfig) -> TrainConfig:
-    """The run as a planner without context parallelism sees CP rank 0's part of it (what the
-    summary plans its TP and dp collectives from): each of the dp x cp ranks runs the step's
-    rows of a dp rank, at that rank's token count, and the gradients are averaged over all of
-    them. ``cfg`` itself without --cp. (The gathered K/V are not in its memory plan.)"""
-    if cfg.cp == 1:
-        return cfg
-    return dataclasses.replace(cfg, cp=1, seq_len=cp_sizes(cfg.seq_len, cfg.cp)[0],
-                               batch_size=cfg.batch_size * cfg.cp,
-                               dp=(cfg.dp or 1) * cfg.cp)
-
-
 def check_pipeline_flags(cfg: TrainConfig) -> None:
     """What ``--pp`` needs of the other flags (the model's side: ``gpt_recipe.check``)."""
     for flag in ("val_data", "compile"):

@@ -18,13 +18,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tensorpar.gpt.stages import describe_split
+from tensorpar.parallel.context import cp_sizes
 from tensorpar.parallel.stages import stage_blocks
 from tensorpar.planner.comm import cp_comm
 from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
-from tensorpar.train.config import without_cp
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -408,6 +408,18 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         _collective_rows(table, "cp ", comm["cp"], None if step is None else cp_comm(
             shape, micro, cfg.seq_len, tp, cp, cfg.dtype, step.recompute, n, layers))
     return table
+
+
+def without_cp(cfg):
+    """The run as a planner without context parallelism sees CP rank 0's part of it (what the
+    summary plans its TP and dp collectives from): each of the dp x cp ranks runs the step's
+    rows of a dp rank, at that rank's token count, and the gradients are averaged over all of
+    them. ``cfg`` itself without --cp. (The gathered K/V are not in its memory plan.)"""
+    if cfg.cp == 1:
+        return cfg
+    return dataclasses.replace(cfg, cp=1, seq_len=cp_sizes(cfg.seq_len, cfg.cp)[0],
+                               batch_size=cfg.batch_size * cfg.cp,
+                               dp=(cfg.dp or 1) * cfg.cp)
 
 
 def _comm_rows(table: Table, comm: dict, plan: RunPlan | None, tp: int, sp: bool,
