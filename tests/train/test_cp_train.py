@@ -78,8 +78,9 @@ FAST = ("cp2",)  # (the layer's own tests, tests/core, are the fast tier's too)
     pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in LAYOUTS])
 def test_cp_trains_as_one_rank(runs, layout):
     """Losses and gradient norms of 5 steps, and the validation loss after the last, equal one
-    rank's at the full sequence (1e-5 relative): the loss is normalized by the step's tokens over dp x cp, the gradients are
-    averaged over the flattened (dp, cp) mesh and the norm counts each gradient once."""
+    rank's at the full sequence (1e-5 relative): the loss is normalized by the step's tokens
+    over dp x cp, the gradients are averaged over the flattened (dp, cp) mesh and the norm
+    counts each gradient once."""
     tp, cp, dp, pp, flags = LAYOUTS[layout]
     _same(runs(tp, cp, dp, pp, **flags)["rows"], runs()["rows"], layout)
 
@@ -102,9 +103,9 @@ def _summary_text(result, **flags) -> str:
     for k in ("cp2", "tp2-cp2", "cp2-dp2", "tp2-cp2-sp", "cp2-pp2", "cp2-recompute")])
 def test_summary_counts_cp_collectives(runs, layout):
     """Rank 0's measured step: per block and pass one K/V all-gather forward (one more
-    recomputed) and one reduce-scatter backward on the CP group, the TP collectives at the CP rank's tokens and
-    the dp x cp ones (FSDP2's, the loss's and the norm's reductions) all equal the summary's
-    analytic count."""
+    recomputed) and one reduce-scatter backward on the CP group, the TP collectives at the CP
+    rank's tokens and the dp x cp ones (FSDP2's, the loss's and the norm's reductions, a
+    pipeline's transfers) all equal the summary's analytic count."""
     tp, cp, dp, pp, flags = LAYOUTS[layout]
     result = runs(tp, cp, dp, pp, **flags)
     # rank 0's blocks (a pipeline's first stage: half of them) times the step's passes
