@@ -70,6 +70,7 @@ LAYOUTS = {  # id: (tp, cp, dp, pp, flags)
     "tp2-cp2-sp": (2, 2, 1, 1, {"sequence_parallel": True}),
     "cp2-pp2": (1, 2, 1, 2, {"micro_batch_size": 1}),  # 4 micro-batches, 1F1B
     "cp2-recompute": (1, 2, 1, 1, {"recompute": True}),
+    "tp2-cp2-ddp": (2, 2, 1, 1, {"dp_mode": "ddp"}),  # DDP over the (dp, cp) ranks
 }
 FAST = ("cp2",)  # (the layer's own tests, tests/core, are the fast tier's too)
 
