@@ -72,7 +72,9 @@ LAYOUTS = {  # id: (tp, cp, dp, pp, flags)
     "cp2-recompute": (1, 2, 1, 1, {"recompute": True}),
     "tp2-cp2-ddp": (2, 2, 1, 1, {"dp_mode": "ddp"}),  # DDP over the (dp, cp) ranks
 }
-FAST = ("cp2",)  # (the layer's own tests, tests/core, are the fast tier's too)
+# trainer runs are the full suite's (about 2 s each once the pools run); the fast tier keeps
+# the layer's own tests (tests/core/test_context_parallel.py) and this file's refusals
+FAST = ()
 
 
 @pytest.mark.parametrize("layout", [
