@@ -116,8 +116,19 @@ def dp_size(mesh: DeviceMesh | None) -> int:
 
 
 def cp_group(mesh: DeviceMesh | None):
-    """The context-parallel group of ``mesh`` (None without a "cp" dim: no CP)."""
-    return mesh["cp"].get_group() if has_cp(mesh) else None
+    """A process group of this rank's CP ranks in ``mesh`` (None without a "cp" dim: no CP), of
+    its own: torch hands the mesh's "cp" dim the very group of the flattened ("dp", "cp") one
+    when dp is 1 (the world's, at tp 1), and the K/V gathers would then be counted with FSDP's
+    and the loss's collectives. Every rank calls it (each group is created by all), once."""
+    if not has_cp(mesh):
+        return None
+    import torch.distributed as dist
+
+    names = list(mesh.mesh_dim_names)
+    n = mesh["cp"].size()
+    ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, n).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(ranks)
+    return group
 
 
 def cp_size(mesh: DeviceMesh | None) -> int:

@@ -189,7 +189,7 @@ class Run:
         self.forward = recipe.loss_fn(self.model, cfg, self.group)
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
-            ({} if dp == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
+            ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
             ({} if self.pp_group is None else {"pp": self.pipeline.groups()}) | \
             ({} if self.cp_group is None else {"cp": self.cp_group})
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
