@@ -40,7 +40,8 @@ class TrainConfig:
         "help": "context-parallel size: each sequence split over N ranks (2N chunks, rank i "
                 "holding chunks i and 2N-1-i, the causal load balance), keys and values "
                 "all-gathered in attention; tp x cp x dp x pp ranks in all, the gradients "
-                "summed over dp x cp (the GPT)", "default": "1, no context parallelism"})
+                "summed over dp x cp (the GPT, and --hf models of the Llama family)",
+        "default": "1, no context parallelism"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
     steps: int = dataclasses.field(default=400, metadata={
