@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.fused_blocks import FusedColumnLinear, InRegionColumn, Region
+from tensorpar.hf.moe import SHARED, convert_experts
 from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
 from tensorpar.hf.sequence import SequenceLength
 from tensorpar.parallel.embedding import VocabParallelEmbedding
@@ -72,11 +73,13 @@ class _Reader:
 
 
 class Converter:
-    """seq: under sequence parallelism, the model's ``SequenceLength`` (None: off)."""
+    """seq: under sequence parallelism, the model's ``SequenceLength`` (None: off).
+    ep_group: the ranks MoE blocks cut their routed experts across (None: the TP group)."""
 
     def __init__(self, source, group: ProcessGroup | None, dtype,
-                 seq: SequenceLength | None = None):
+                 seq: SequenceLength | None = None, ep_group: ProcessGroup | None = None):
         self.source, self.group, self.dtype, self.seq = source, group, dtype, seq
+        self.ep_group = group if ep_group is None else ep_group
         self.n, self.rank = tp_size(group), tp_rank(group)
         self.model = getattr(source, "model", None)  # None: from_pretrained checked up front
         self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
@@ -170,6 +173,7 @@ class Converter:
         q/k/v projections (Llama and most families) and GPT-2's packed q|k|v Conv1D."""
         if self.model is not None:
             check_split(self.model, name, "attention", self.n)
+        heads = attention_heads(m, getattr(m, "config", None))[0]  # before they become local
         if hasattr(m, "c_attn"):
             columns, converted, hd = self._packed_qkv(name, m)
         elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
@@ -180,7 +184,7 @@ class Converter:
                              f"{OUT_PROJ}, or c_attn/c_proj; "
                              f"{type(m).__name__} has "
                              f"{[c for c, _ in m.named_children()]}")
-        self._other_parameters(name, m, converted, hd)
+        self._other_parameters(name, m, converted, hd, heads)
         Region(m, columns, self.group, self.seq)
         return m
 
@@ -226,14 +230,20 @@ class Converter:
                            h_local // k_local if uniform else 1)
         return [m.q_proj, m.k_proj, m.v_proj], {"q_proj", "k_proj", "v_proj", out}, hd
 
-    def _other_parameters(self, name, m, converted: set[str], hd: int) -> None:
+    def _other_parameters(self, name, m, converted: set[str], hd: int, heads: int) -> None:
         """Other parameters of the attention (Qwen3's per-head q/k norms) stay whole but see
         only this rank's heads: their gradients are partial sums, completed over the group in
-        backward. Ones that mix heads, or the module's own, are refused."""
+        backward. Ones that mix heads, or the module's own, are refused, but for per-head
+        attention sinks (GPT-OSS), split with the query heads."""
         own = [p for p, _ in m.named_parameters(recurse=False)]
-        if own:  # e.g. per-head attention sinks: they would need splitting by heads too
+        if own == ["sinks"] and m.sinks.shape == (heads,):  # GPT-OSS: one per query head
+            h0, h1 = head_shards(heads, heads, self.n, self.rank)[0]
+            m.sinks = local_parameter(self.source.read(f"{name}.sinks", 0, h0, h1)
+                                      .to(self.dtype or m.sinks.dtype),
+                                      ShardSpec(0, h0, h1, heads), m.sinks.requires_grad)
+        elif own:  # parameters that mix heads or that nothing here knows how to split
             raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
-                             "splits only its projections")
+                             "splits only its projections and per-head attention sinks")
         others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
                   if c not in converted for p, t in child.named_parameters()]
         for pname, t in others:
@@ -242,6 +252,22 @@ class Converter:
                                  f"({hd}): it mixes heads, so it cannot run on a rank's heads "
                                  "alone; this attention is not supported by style 'attention'")
         self.grad_sum += [pname for pname, _ in others]
+
+    def moe(self, name, m) -> list[str]:
+        """An MoE block (``moe.py``): the routed experts cut across the EP group, the shared
+        expert(s) split like the MLP, the router and the shared expert's gate whole; a block
+        without experts (a dense layer of an MoE model) is an MLP. Returns the TP regions."""
+        if not hasattr(m, "experts"):
+            self.mlp(name, m)
+            return [name]
+        m.experts = convert_experts(self.source, f"{name}.experts", m.experts, self.group,
+                                    self.ep_group, self.dtype)
+        regions = []
+        for child in SHARED:
+            if isinstance(getattr(m, child, None), nn.Module):
+                self.mlp(f"{name}.{child}", getattr(m, child))
+                regions.append(f"{name}.{child}")
+        return regions
 
     def mlp(self, name, m):
         linears = [(c, sub) for c, sub in m.named_children()

@@ -360,7 +360,8 @@ class ParallelMoE(nn.Module):
                                                     device=router_weight.device)
         start, stop = moe.expert_range
         dense_experts = [("gate_up_proj", gate_up_proj), ("down_proj", down_proj)]
-        dense_experts += list(zip(("gate_up_bias", "down_bias"), expert_biases or ()))
+        if expert_biases is not None:
+            dense_experts += list(zip(("gate_up_bias", "down_bias"), expert_biases, strict=True))
         for name, dense in dense_experts:
             p = nn.Parameter(dense.detach()[start:stop].clone())
             p.ep_shard = ShardSpec(0, start, stop, config.num_experts)
