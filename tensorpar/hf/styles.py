@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.hf.fused_blocks import FusedColumnLinear, InRegionColumn, Region
 from tensorpar.hf.moe import SHARED, convert_experts
+from tensorpar.hf.norms import HeadsRMSNorm
 from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
 from tensorpar.hf.sequence import SequenceLength
 from tensorpar.parallel.embedding import VocabParallelEmbedding
@@ -244,10 +245,15 @@ class Converter:
         elif own:  # parameters that mix heads or that nothing here knows how to split
             raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
                              "splits only its projections and per-head attention sinks")
+        for c, child in list(m.named_children()):
+            if c not in converted and _norm_over_heads(child, hd):
+                setattr(m, c, self._heads_norm(f"{name}.{c}", child, hd, heads,
+                                               attention_heads(m, getattr(m, "config", None))))
+                converted = converted | {c}
         others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
                   if c not in converted for p, t in child.named_parameters()]
         for pname, t in others:
-            if t.numel() > hd:  # e.g. OLMo-2's q_norm: one norm over all heads together
+            if t.numel() > hd:  # a parameter over all heads that is not such a norm
                 raise ValueError(f"{pname} has {t.numel()} elements, more than one head "
                                  f"({hd}): it mixes heads, so it cannot run on a rank's heads "
                                  "alone; this attention is not supported by style 'attention'")
@@ -269,6 +275,22 @@ class Converter:
                 regions.append(f"{name}.{child}")
         return regions
 
+    def _heads_norm(self, name, norm, hd: int, heads: int, counts) -> HeadsRMSNorm:
+        """An RMSNorm over all query heads or all KV heads (OLMoE's q/k norms), split with them
+        (``HeadsRMSNorm``); refused when ranks share KV heads (their squares would count
+        twice)."""
+        H, K = heads, counts[1]
+        (h0, h1), (k0, k1), shared = head_shards(H, K, self.n, self.rank)
+        width = norm.weight.numel()
+        a, b = (h0, h1) if width == H * hd else (k0, k1)
+        if width != H * hd and shared:
+            raise ValueError(f"{name}: a norm over all {K} KV heads cannot be split over "
+                             f"{self.n} ranks that share KV heads; use a TP size of at most {K}")
+        weight = local_parameter(self.source.read(f"{name}.weight", 0, a * hd, b * hd)
+                                 .to(self.dtype or norm.weight.dtype),
+                                 ShardSpec(0, a * hd, b * hd, width), norm.weight.requires_grad)
+        return HeadsRMSNorm(weight, width, norm.variance_epsilon, self.group)
+
     def mlp(self, name, m):
         linears = [(c, sub) for c, sub in m.named_children()
                    if isinstance(sub, nn.Linear) or is_conv1d(sub)]
@@ -288,6 +310,14 @@ class Converter:
                 setattr(m, c, columns[-1])
         Region(m, columns, self.group, self.seq)
         return m
+
+
+def _norm_over_heads(m: nn.Module, hd: int) -> bool:
+    """An RMSNorm (a weight and ``variance_epsilon``) wider than one head: over all heads."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 1 and w.numel() > hd and \
+        w.numel() % hd == 0 and hasattr(m, "variance_epsilon") and \
+        [n for n, _ in m.named_parameters()] == ["weight"] and "RMSNorm" in type(m).__name__
 
 
 # the names transformers' attention modules give their head counts, across families and
