@@ -161,3 +161,16 @@ def test_deepseek_v3_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^no tensor-parallel plan for DeepseekV3ForCausalLM: "
                                          r"its multi-head latent attention [^\n]*$"):
         parallelize(model)
+
+
+def test_verify_hf_on_qwen3_moe(ranks, moe_dirs, capsys):
+    """``verify --hf`` (``run_verify_hf``) on the Qwen3-MoE at 2 ranks passes: every layer's
+    output and gradients, the logits, the loss with its aux loss and greedy tokens as the
+    dense model's; the experts' all-to-alls among its collectives."""
+    from tensorpar.cli.verify_hf import run_verify_hf
+
+    ok = run_verify_hf(str(moe_dirs / "qwen3_moe"), 2,
+                       run=lambda fn, k, *args: ranks(k).run(fn, *args))
+    out = capsys.readouterr().out
+    assert ok, out
+    assert "all outputs, gradients and greedy tokens match" in out and "'all_to_all': 3" in out
