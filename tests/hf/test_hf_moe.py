@@ -18,6 +18,8 @@ from tensorpar.cli.compare import dense_shard, max_rel_error
 from tensorpar.hf.parallelize import parallelize
 from tensorpar.hf.pretrained import from_pretrained
 
+from tests_common import char_tokenizer
+
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 # the largest relative error of each kind, ~10x the largest measured over every case here
 # (torch 2.13 CPU): the split only reorders fp32 sums
@@ -66,6 +68,7 @@ def moe_dirs(tmp_path_factory):
                     if "sinks" in name or "bias" in name:
                         p.normal_(std=0.5)
         model.save_pretrained(root / family)
+    char_tokenizer().save_pretrained(root / "qwen3_moe")  # for train --hf
     return root
 
 
@@ -174,3 +177,47 @@ def test_verify_hf_on_qwen3_moe(ranks, moe_dirs, capsys):
     out = capsys.readouterr().out
     assert ok, out
     assert "all outputs, gradients and greedy tokens match" in out and "'all_to_all': 3" in out
+
+
+TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 1, "lr": 3e-3, "seed": 1, "steps": 4}
+
+
+@pytest.fixture(scope="module")
+def trained(ranks, moe_dirs, tmp_path_factory):
+    """``train --hf`` on the Qwen3-MoE (in-process, the pool's ranks), all weights and LoRA
+    (rank 4: the attention's and the dense layer's projections; the experts frozen), at TP 1
+    and 2: {(tp, lora): (the run's folder, its metrics rows)}."""
+    from hf_runs import train
+
+    root = tmp_path_factory.mktemp("hf-moe-train")
+    runs = {}
+    for tp in (1, 2):
+        for lora in (False, True):
+            out = root / f"tp{tp}{'-lora' if lora else ''}"
+            runs[tp, lora] = out, train(ranks, moe_dirs / "qwen3_moe", out, tp, **TRAIN,
+                                        **({"lora_rank": 4} if lora else {}))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_hf_at_tp2_equals_one_rank(trained, lora):
+    """Each step's loss (the model's aux loss included: it moves the loss) and gradient norm at
+    TP 2, the experts cut across the 2 ranks, equal TP 1's (1e-5 relative)."""
+    (_, one), (_, two) = trained[1, lora], trained[2, lora]
+    assert len(one) == len(two) == TRAIN["steps"]
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_export_of_a_tp2_run_loads_in_transformers(trained, tmp_path):
+    """``export --hf-out`` of the TP-2 run: transformers loads it with no missing or unexpected
+    key (the experts written whole, fused) and computes the checkpoint's logits."""
+    from hf_runs import checkpoint_logits, exported_logits
+
+    run = trained[2, False][0]
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = checkpoint_logits(run, ids)
+    assert max_rel_error(exported_logits(run, tmp_path / "hf", ids), expected) <= TOL["logits"]
