@@ -221,3 +221,53 @@ def test_export_of_a_tp2_run_loads_in_transformers(trained, tmp_path):
     ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     expected = checkpoint_logits(run, ids)
     assert max_rel_error(exported_logits(run, tmp_path / "hf", ids), expected) <= TOL["logits"]
+
+
+def _folded_body(path, folding: str) -> dict:
+    """4 ranks as 2 data replicas (rank // 2) of TP 2, each on a batch of its own; the experts
+    cut across ``ep_group``: "ep2" the ranks with the same TP rank ({0, 2}, {1, 3}: TP peers
+    hold the same experts), "ep4" all four. Largest errors against the dense model: each
+    replica's logits and loss on its batch, every gradient but the experts' as its replica's
+    dense one, the experts' as the sum of both replicas' (their tokens share the experts)."""
+    import torch.distributed as dist
+
+    transformers.logging.set_verbosity_error()
+    rank, d = dist.get_rank(), dist.get_rank() // 2
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])] if folding == "ep2" else \
+        [dist.new_group([0, 1, 2, 3])]
+    ep_group = ep_groups[rank % 2] if folding == "ep2" else ep_groups[0]
+    batches = torch.randint(1, 96, (2, 2, 10), generator=torch.Generator().manual_seed(0))
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model = parallelize(transformers.AutoModelForCausalLM.from_pretrained(path),
+                        group=tp_groups[d], ep_group=ep_group)
+    model.gather_logits = True
+    out = model(batches[d], labels=batches[d])
+    out.loss.backward()
+    grads = []
+    for ids in batches:
+        dense.zero_grad()
+        ref = dense(ids, labels=ids)
+        ref.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in dense.named_parameters()})
+        if len(grads) == d + 1:
+            errors = {"logits": max_rel_error(out.logits, ref.logits),
+                      "loss": max_rel_error(out.loss, ref.loss), "grad": 0.0}
+    for name, p in model.named_parameters():
+        spec = getattr(p, "ep_shard", None)
+        expected = spec.take(grads[0][name] + grads[1][name]) if spec is not None else \
+            dense_shard(grads[d][name], p.tp_shard)
+        errors["grad"] = max(errors["grad"], max_rel_error(p.grad, expected))
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folding", ["ep2", "ep4"])
+def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
+    """``parallelize(..., ep_group=)``: the experts cut across ranks of two data replicas,
+    TP 2 x EP 2 (TP peers hold the same experts, their gradients summed over TP) and TP 2 in
+    EP 4; each replica's logits and loss are its dense model's, the experts' gradients the
+    sum over both replicas' tokens."""
+    for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding)):
+        for kind, err in errors.items():
+            assert err <= TOL[kind], f"rank {rank}: {kind} {err:.2e}"
