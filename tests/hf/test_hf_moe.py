@@ -166,6 +166,7 @@ def test_deepseek_v3_refused_in_one_line():
         parallelize(model)
 
 
+@pytest.mark.slow
 def test_verify_hf_on_qwen3_moe(ranks, moe_dirs, capsys):
     """``verify --hf`` (``run_verify_hf``) on the Qwen3-MoE at 2 ranks passes: every layer's
     output and gradients, the logits, the loss with its aux loss and greedy tokens as the
