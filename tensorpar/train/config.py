@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from tensorpar.mesh.data_parallel import check_dp_mode
+from tensorpar.mesh.experts import check_ep
 from tensorpar.train.compute import check_compile_backend
 
 
@@ -22,6 +23,11 @@ class TrainConfig:
     dp_mode: str = dataclasses.field(default="fsdp", metadata={
         "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
+    ep: int = dataclasses.field(default=1, metadata={
+        "help": "with --moe-experts: expert-parallel size, the routed experts split over N of "
+                "the dp x tp ranks of a stage (consecutive; 1 or a multiple of --tp), each "
+                "expert held once in that group and replicated over the other dp x tp / N "
+                "ranks", "default": "1, every rank holds every expert"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
@@ -142,9 +148,9 @@ class TrainConfig:
         "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "pp", "pp_virtual", "steps", "batch_size", "micro_batch_size",
-                     "seq_len", "save_every", "lr_decay_steps", "eval_every", "eval_batches",
-                     "lora_rank"):
+        for flag in ("tp", "dp", "ep", "pp", "pp_virtual", "steps", "batch_size",
+                     "micro_batch_size", "seq_len", "save_every", "lr_decay_steps", "eval_every",
+                     "eval_batches", "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -182,6 +188,8 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
+        if self.ep > 1 and self.dp is not None:  # under torchrun: when the mesh is built
+            check_ep(self.ep, self.tp, self.dp)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 

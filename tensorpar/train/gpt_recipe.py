@@ -103,6 +103,7 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        check_experts(self.model_cfg, getattr(cfg, "ep", 1))
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:
             check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
@@ -127,8 +128,9 @@ class GPTRecipe:
 
     def build(self, cfg, group, dp_rank: int, device: torch.device,
               **part) -> tuple[nn.Module, Callable[[int], None]]:
-        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, as
-        ``GPT`` takes them) and what sets each step's dropout streams."""
+        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, and the
+        MoE blocks' ``experts`` groups, as ``GPT`` takes them) and what sets each step's
+        dropout streams."""
         rng = TensorParallelRNG(cfg.seed, group, dp_rank)  # dropout masks differ by dp rank
         net = GPT(self.model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, rng=rng,
                   device=device, fused=cfg.fused, recompute=cfg.recompute, **part)
@@ -161,6 +163,16 @@ class GPTRecipe:
         HFTokenizer(self.tokenizer_dir).save(tmp)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def check_experts(model_cfg: GPTConfig, ep: int) -> None:
+    """``--ep`` against the model's experts: one line naming the numbers."""
+    if ep > 1 and not model_cfg.moe_experts:
+        raise ValueError(f"--ep {ep} splits a Mixture of Experts' experts: add --moe-experts E "
+                         "(the GPT is dense without it)")
+    if ep > max(model_cfg.moe_experts, 1):
+        raise ValueError(f"--ep {ep} is more than the {model_cfg.moe_experts} experts: every "
+                         "EP rank needs at least one")
 
 
 def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorpar.gpt.stages import GPTStage, rank_part
+from tensorpar.mesh.experts import ignore_experts_in_ddp, split_expert_params
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.parallel.stages import is_stage_copy, mark_stage_copy
@@ -95,10 +96,12 @@ class PipelineParts:
     stages: list[GPTStage]
 
 
-def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int):
-    """This rank's part of the GPT and its stages; with the recipe's per-step callback."""
+def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int,
+                **extra):
+    """This rank's part of the GPT and its stages; with the recipe's per-step callback.
+    extra: more of what ``recipe.build`` takes (the MoE blocks' ``experts``)."""
     mine, ranges, part = rank_part(recipe.model_cfg.n_layer, cfg.pp, cfg.pp_virtual, pp_rank)
-    net, at_step = recipe.build(cfg, group, dp_rank, device, **part)
+    net, at_step = recipe.build(cfg, group, dp_rank, device, **part, **extra)
     stages = [GPTStage(net, s, len(ranges), ranges[s]) for s in mine]
     return PipelineParts(net, stages), at_step
 
@@ -113,6 +116,8 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        for s in parts.stages:
+            ignore_experts_in_ddp(s)
         return [DistributedDataParallel(s, process_group=mesh["dp"].get_group(),
                                         broadcast_buffers=False) for s in parts.stages]
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -121,10 +126,13 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
     copies = {name for name, p in parts.net.named_parameters() if is_stage_copy(p)}
+    ignored = set(split_expert_params(parts.net)) or None  # reduced by the trainer (--ep)
     for block in parts.net.blocks:
-        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for stage in parts.stages:
-        fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for name, p in parts.net.named_parameters():
         p.tp_shard = specs[name]
         if name in copies:

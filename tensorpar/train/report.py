@@ -22,6 +22,7 @@ from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
+from tensorpar.train.moe_report import moe_rows
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -264,9 +265,11 @@ class RunReport:
         return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
 
     def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
-             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0) -> None:
+             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0,
+             extra: dict | None = None) -> None:
         """The row of ``step``; ``val_loss``: the validation loss after it, when computed;
-        data_seconds: how long the step waited for its batch."""
+        data_seconds: how long the step waited for its batch; extra: more of the row (a MoE
+        model's ``aux_loss`` and ``expert_load``, ``train/moe.py``)."""
         if not self.lead:
             return
         tokens = self.cfg.batch_size * self.cfg.seq_len
@@ -275,6 +278,7 @@ class RunReport:
                "step_time_s": seconds, "data_s": data_seconds}
         if val_loss is not None:
             row["val_loss"] = val_loss
+        row.update(extra or {})
         if not finite:  # JSON has no NaN: the values are named instead
             row["skipped"] = f"non-finite: loss {loss}, gradient norm {norm}"
         self.metrics.write(row)
@@ -395,6 +399,8 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         where += f" (pp {s['pp_rank']})" if pp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     _comm_rows(table, comm, plan, tp, sp, bool(rows))
+    if step is not None:
+        moe_rows(table, rows, comm, step)
     return table
 
 
