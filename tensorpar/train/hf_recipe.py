@@ -134,11 +134,20 @@ class HFRecipe:
                              f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
                              "layer replays its TP regions' masks through checkpoint contexts, "
                              "which torch.compile does not trace")
+        if "moe" in self.plan.values() and ((cfg.dp or 1) > 1 or (cfg.ep or 1) > 1):
+            raise ValueError(f"--hf {self.origin} (Mixture of Experts): its experts are cut "
+                             "across the --tp ranks; --dp and --ep with a Hugging Face MoE "
+                             "model are not supported yet")
         split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
         try:
             check_plan_fits(self.meta_model(), self.plan, cfg.tp, cfg.sequence_parallel)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
+
+    def expert_group(self, group):
+        """The ranks a converted MoE model's experts are cut across (its TP group; ``check``
+        refuses other foldings), or None for a dense model: the gradient norm's EP group."""
+        return group if "moe" in self.plan.values() else None
 
     def tokenizer(self) -> HFTokenizer:
         return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
