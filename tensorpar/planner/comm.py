@@ -52,6 +52,7 @@ gradient norm stay fp32.
 from __future__ import annotations
 
 from tensorpar.planner.shapes import ModelShape
+from tensorpar.planner.step import Step
 from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_shards
 
@@ -199,6 +200,35 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     r.add("grad norm", "step", "all_reduce", 1, 4)
     minimum = 2 * L * N * D * (out_b + res_b)
     return totals(r.rows) | {"minimum_block_bytes": minimum if t > 1 else 0}
+
+
+def cp_comm(step: Step, rank: int = 0) -> dict:
+    """TP rank ``rank``'s context-parallel collectives in one step of ``step`` (its
+    micro-batches' passes of ``step.micro`` sequences), as ``predicted_comm`` returns the TP
+    ones; nothing at cp 1. Per layer and pass (``attention_collective_counts``), the rank's K
+    and V (its KV heads, in the projections' dtype: bf16 under autocast) stacked into one
+    all-gather over the CP group forward, their gradients into one reduce-scatter backward;
+    the payload is the whole sequence's (2, B, kv_local, T, hd), the CP ranks' uneven chunks
+    padded to the largest. Full recomputation gathers again in backward."""
+    cp = step.cp
+    if cp == 1:
+        return totals([])
+    kv_local = head_shards(step.shape.n_head, step.shape.n_kv_head, step.tp, rank)[1]
+    kv_b = 4 if step.dtype == "fp32" else 2
+    payload = 2 * step.micro * (kv_local[1] - kv_local[0]) * cp * step.rank_seq * \
+        step.shape.head_dim * kv_b
+    L, passes, rows = step.shape.n_layer, step.micro_batches, []
+    for source, phase, kind, calls in (
+            (f"K/V all-gather (x{L} blocks)", "forward", "all_gather", L),
+            (f"K/V gradients (x{L} blocks)", "backward", "reduce_scatter", L),
+            (f"recompute: K/V all-gather (x{L} blocks)", "backward", "all_gather",
+             L if step.recompute == "full" else 0)):
+        if calls:
+            calls *= passes
+            rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
+                         "bytes": calls * payload,
+                         "ring_bytes": calls * round(payload * ring_share(kind, cp))})
+    return totals(rows)
 
 
 def moe_tp_rows(add, shape: ModelShape, N: int, D: int, sp: bool, recompute: str,

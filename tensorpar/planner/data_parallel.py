@@ -278,7 +278,7 @@ def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budge
     "cuda". Returns the data-parallel step's budget, its "dp_buffers" DDP's buckets (held the
     whole run), or the gathered weights and reduce-scatter buffers at FSDP2's peak.
     """
-    dp, mode = step.dp, step.dp_mode
+    dp, mode = step.dp_ranks, step.dp_mode  # the CP ranks of a copy shard and sum with it
     check_dp(dp, mode)
     if dp == 1:
         return accumulated(step, mem, rank).replace(dp_buffers=0, held=0)
