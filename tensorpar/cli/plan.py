@@ -10,13 +10,15 @@
     tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
         --micro-batch-size 2
     tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB   # which layouts fit
+    tensorpar plan --model llama-3-8b --tp 8 --cp 8 --seq-len 131072 --dtype bf16  # long sequences
 
 The shape flags are ``tensorpar train``'s (``--batch-size``, ``--seq-len``,
 ``--micro-batch-size``), so a train line's plan is typed as it is; the older ``--batch``,
 ``--seq`` and ``--micro-batches`` (a count of micro-batches) still work.
 
 Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
-``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies), ``pipeline.py`` and ``schedule.py``
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies; under ``--cp`` over the dp x cp
+ranks), ``activations.py`` and ``comm.cp_comm`` (``--cp``), ``pipeline.py`` and ``schedule.py``
 (``--pp`` stages, the bubble, point to point), ``search.py`` (the ``--devices`` search); the
 step they plan is one ``step.Step``, built from the flags by ``step_from_flags``. What the command
 says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
@@ -72,6 +74,7 @@ examples:
   tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
       --micro-batch-size 2          # a tensorpar train line's shape flags, as typed
   tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB
+  tensorpar plan --model llama-3-8b --tp 8 --cp 8 --seq-len 131072 --dtype bf16
 """
 
 

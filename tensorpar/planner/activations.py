@@ -1,4 +1,6 @@
-"""What one transformer block keeps for backward, tensor by tensor, per device.
+"""What one transformer block keeps for backward, tensor by tensor, per device (under context
+parallelism per CP rank: its tokens' share, the whole sequence's K and V, its queries' mask
+against every key: ``cp_terms``).
 
 The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of the
 step), and Korthikanti et al.'s formula it is shown against (``paper_activations``). ``block_terms``

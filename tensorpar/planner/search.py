@@ -1,11 +1,12 @@
-"""The search for a (tp, pp, dp) layout of a number of devices that fits, and the device
+"""The search for a (tp, cp, pp, dp) layout of a number of devices that fits, and the device
 constants its ranking proxy assumes.
 
 ``search_layouts``: every tp <= 8 that divides the devices and the query heads, every pp that
-divides the rest with P·V <= L, dp the rest; the batch split over dp, the micro-batches one
-sequence each unless given. A layout fits when its largest rank's peak
-(``pipeline.plan_pipeline``) is within the device memory less the reserve. Fits are ranked by an
-estimated step time (``step_seconds``): the model's FLOPs per device at ``DEVICE_FLOPS``
+divides the rest with P·V <= L, dp the rest; context parallelism (every cp that divides the
+devices left and cuts the sequence into 2 chunks a rank) only when nothing fits at cp 1; the
+batch split over dp, the micro-batches one sequence each unless given. A layout fits when its
+largest rank's peak (``pipeline.plan_pipeline``) is within the device memory less the reserve.
+Fits are ranked by an estimated step time (``step_seconds``): the model's FLOPs per device at ``DEVICE_FLOPS``
 stretched by the bubble, plus each group's bytes sent per rank at ``NODE_BYTES_S`` inside a node
 of ``GPUS_PER_NODE`` devices and ``NETWORK_BYTES_S`` between nodes, with no overlap of
 communication and compute: a ranking proxy that weighs a bubble against bytes, not a prediction.

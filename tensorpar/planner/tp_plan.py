@@ -64,7 +64,7 @@ def plan_memory(step: Step, device_memory: float | None = None, reserve: float =
     mem = dp_memory(step, step_memory(step))
     dp = step.dp
     row = {"model": step.shape.name, "tp": step.tp, "cp": step.cp, "dp": dp,
-           "dp_mode": step.dp_mode if dp > 1 else None, "dtype": step.dtype,
+           "dp_mode": step.dp_mode if step.dp_ranks > 1 else None, "dtype": step.dtype,
            "sequence_parallel": step.sequence_parallel, "recompute": step.recompute,
            "batch": step.batch, "seq": step.seq, "device": step.device,
            "params_per_rank": rank_params(step.shape, step.tp, 0, step.ep)["total"],
