@@ -296,8 +296,8 @@ def build(args) -> dict:
            "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp * cp > 1 else None,
            "cp": cp}
     if cp > 1:  # the K/V all-gathers and reduce-scatters over the CP group
-        out["cp_comm"] = {str(tp): cp_comm(step.replace(tp=tp, dtype=comm_dtype))
-                          for tp in tps}
+        out["cp_comm"] = {str(tp): cp_comm(shape, args.batch // dp, args.seq, tp, cp, comm_dtype,
+                                           rec) for tp in tps}
     if dp * cp > 1:  # what travels on the dp group (the dp x cp ranks): fp32 but for
         # Megatron-style bf16 (and FSDP2's bf16 gathers under bf16-autocast)
         out["dp_comm"] = {dtype: {str(tp): dp_comm(

@@ -17,6 +17,11 @@ Where the model is split::
 Per block: one all-reduce in forward and one in backward for attention, the same for the MLP
 (under sequence parallelism each becomes an all-gather plus a reduce-scatter).
 
+Context parallelism (``cp_group=``): every CP rank is given the whole rows (ids, targets,
+packed positions) and keeps its load-balanced chunks of them (``parallel/context.py``); the
+blocks run on those tokens (under SP split once more over TP), attention all-gathers the keys
+and values over CP, and the loss is this rank's tokens' share (see ``forward``).
+
 Initialization depends only on the seed and each parameter's name: every parameter is drawn dense
 from its own generator and sliced, so TP=1, 2 and 4 start from the same weights.
 """
@@ -33,6 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from tensorpar.parallel.context import cp_sizes, split_to_cp
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.dropout import ParallelDropout, TensorParallelRNG, region_for
 from tensorpar.parallel.embedding import VocabParallelEmbedding
@@ -41,7 +47,7 @@ from tensorpar.parallel.linear import ColumnParallelLinear, column_linears
 from tensorpar.parallel.norm import RMSNorm
 from tensorpar.parallel.sharding import dense_shape
 from tensorpar.parallel.stages import mark_stage_copy
-from tensorpar.runtime.groups import tp_size
+from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.runtime.seeds import derive_seed
 from tensorpar.transformer.attention import (
     ParallelSelfAttention,
@@ -49,6 +55,7 @@ from tensorpar.transformer.attention import (
     packed_causal_mask,
     padded_causal_mask,
 )
+from tensorpar.transformer.context_parallel import CPSequence, cp_size
 from tensorpar.transformer.kv_cache import KVCache
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.rotary import rotary_table, rotary_table_at
@@ -107,25 +114,28 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool, group: ProcessGroup | None,
                  rng: TensorParallelRNG, device=None, fused: bool = True,
-                 keep_gathered_input: bool = False):
+                 keep_gathered_input: bool = False, cp_group: ProcessGroup | None = None):
         super().__init__()
         kw = {"sequence_parallel": sequence_parallel, "group": group}
         cols = {"fused": fused, "keep_gathered_input": keep_gathered_input}
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.attn = ParallelSelfAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=False,
-                                          device=device, **cols, **kw)
+                                          device=device, cp_group=cp_group, **cols, **kw)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
         self.mlp = ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
                                bias=False, device=device, **cols, **kw)
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
-    def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None, key=None):
+    def forward(self, x, rope, cache=None, attn_mask=None, seq_len=None, key=None, context=None):
         """x: (B, T, D), or under SP this rank's (B, T_r, D) shard of the ``seq_len`` tokens.
-        key: the dropout key of the block (its masks: sites 0 and 1), or None: a new one."""
+        key: the dropout key of the block (its masks: sites 0 and 1), or None: a new one.
+        context: under CP, the whole sequence (``CPSequence``); x and seq_len are then this CP
+        rank's tokens."""
         if key is None and self.drop.p > 0 and self.drop.training:
             key = self.drop.rng.key(self.drop.region)
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len), key, 0)
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache, attn_mask, seq_len,
+                                    context=context), key, 0)
         return x + self.drop(self.mlp(self.mlp_norm(x), seq_len), key, 1)
 
 
@@ -161,6 +171,8 @@ class GPT(nn.Module):
         all-gathered (B, T, D) input for backward instead of their (B, T/n, D) shard and skip
         the all-gather again in backward (the default keeps the shard, as Megatron does: less
         memory, one more all-gather per column op, overlapped with the input-gradient matmul).
+    cp_group: the context-parallel group (None: no CP): ``forward`` takes the whole rows and
+        keeps this rank's chunks of them.
     blocks, embed, head: a pipeline rank's part of the model (``gpt/stages.py``): only the
         blocks of those indices (default all), the embedding only if ``embed``, the final norm
         and the head only if ``head``; every parameter has its name and its values in the whole
@@ -173,10 +185,12 @@ class GPT(nn.Module):
                  sequence_parallel: bool = False, seed: int = 0,
                  rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
                  recompute: bool = False, keep_gathered_input: bool = False,
-                 blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True):
+                 blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True,
+                 cp_group: ProcessGroup | None = None):
         super().__init__()
         cfg.check(tp_size(group))
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.cp_group = cp_group if cp_size(cp_group) > 1 else None
         self.fused, self.recompute = fused, recompute
         self.keep_gathered_input = keep_gathered_input
         self.rng = rng or TensorParallelRNG(seed, group)
@@ -189,7 +203,8 @@ class GPT(nn.Module):
             if embed or copy else None
         held = range(cfg.n_layer) if blocks is None else blocks
         self.blocks = BlockDict({str(i): Block(cfg, sequence_parallel, group, self.rng, "meta",
-                                               fused, keep_gathered_input) for i in held})
+                                               fused, keep_gathered_input, self.cp_group)
+                                 for i in held})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta) if head else None
         if recompute:
             # a replayed block stops once its last saved tensor is back: with the all-reduce
@@ -237,6 +252,13 @@ class GPT(nn.Module):
         """The rotary table and the attention mask (None: plain causal) of a forward over T
         tokens (``forward`` says what each argument means)."""
         start = cache.length if cache is not None else 0
+        if self.cp_group is not None:  # the whole rows' rotary table; attention masks itself
+            if cache is not None or attention_mask_BS is not None:
+                raise ValueError("context parallelism is for training: no cache and no "
+                                 "attention_mask_BS")
+            if position_ids is None:
+                return rotary_table(self.cfg.head_dim, 0, T, self.cfg.rope_theta, device), None
+            return rotary_table_at(self.cfg.head_dim, position_ids, self.cfg.rope_theta), None
         if position_ids is not None:
             if cache is not None or attention_mask_BS is not None:
                 raise ValueError("position_ids (packed examples) is for training: without a "
@@ -256,14 +278,30 @@ class GPT(nn.Module):
         rope = rotary_table_at(self.cfg.head_dim, pos_BT, self.cfg.rope_theta)
         return rope, padded_causal_mask(valid_BS, T)  # (B, 1, T, S), the same for each block
 
+    def cp_local(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This CP rank's chunks of whole rows ``t`` (B, T, ...) (``t`` itself without CP)."""
+        return t if t is None or self.cp_group is None else split_to_cp(t, self.cp_group)
+
+    def cp_tokens(self, T: int) -> int:
+        """How many of the rows' T tokens this CP rank holds (T without CP)."""
+        if self.cp_group is None:
+            return T
+        return cp_sizes(T, cp_size(self.cp_group))[tp_rank(self.cp_group)]
+
+    def cp_context(self, T: int, position_ids: torch.Tensor | None) -> CPSequence | None:
+        """What attention needs of the whole rows under CP (None without CP)."""
+        return None if self.cp_group is None else CPSequence(T, position_ids)
+
     def run_blocks(self, x: torch.Tensor, rope, attn_mask, T: int,
                    cache: KVCache | None = None, blocks: BlockDict | None = None,
-                   first_key: int | None = None) -> torch.Tensor:
+                   first_key: int | None = None, context: CPSequence | None = None
+                   ) -> torch.Tensor:
         """``x`` through ``blocks`` (default this model's), each block's dropout key taken here:
         a recomputed block is handed it again (the masks of its first forward), and a compiled
         checkpoint sees no side effect. first_key: block i's key is number first_key + i + 1 of
         its stream (a pipeline stage's, the number the whole model's forward gives it);
-        None: the stream's next keys."""
+        None: the stream's next keys. context: under CP the whole rows (``cp_context``), T
+        then this rank's token count."""
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i, block in (self.blocks if blocks is None else blocks).items():
             i = int(i)
@@ -272,10 +310,11 @@ class GPT(nn.Module):
                 key = self.rng.key(block.drop.region) if first_key is None else \
                     self.rng.key_at(block.drop.region, first_key + i + 1)
             if recompute:
-                x = checkpoint(block, x, rope, None, attn_mask, T, key, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, attn_mask, T, key, context,
+                               use_reentrant=False)
             else:
                 x = block(x, rope, cache.layers[i] if cache is not None else None, attn_mask, T,
-                          key)
+                          key, context)
         return x
 
     def logits(self, x: torch.Tensor, T: int) -> torch.Tensor:
@@ -316,16 +355,27 @@ class GPT(nn.Module):
 
         position_ids: (B, T) positions restarting at 0 at each of several examples packed in a
         row (``--pack``): the rotary positions, and attention confined to each example (the
-        block-diagonal causal mask), so an example's logits are those it gets alone."""
+        block-diagonal causal mask), so an example's logits are those it gets alone.
+
+        Under CP (``cp_group``) the ids, targets and position_ids are the whole rows, the same
+        on every CP rank; the logits are this rank's chunks' (``split_to_cp`` order), and the
+        loss is its chunks' summed losses over loss_tokens, which is then the step's count over
+        the ranks the gradient is averaged over (dp x cp); None: the rows' count / cp, so that
+        the mean over the CP ranks is the rows' mean."""
         B, T = ids_BT.shape
-        x = self.embed(ids_BT)  # (B, T, D); under SP this rank's tensor_split shard (B, T_r, D)
+        ids, targets = self.cp_local(ids_BT), self.cp_local(targets_BT)
+        t = ids.shape[1]  # this CP rank's tokens (T without CP)
+        if self.cp_group is not None and targets is not None and loss_tokens is None:
+            count = (targets_BT != -100).sum()
+            loss_tokens = count / cp_size(self.cp_group)
+        x = self.embed(ids)  # (B, t, D); under SP this rank's tensor_split shard (B, t_r, D)
         rope, attn_mask = self.positions(B, T, ids_BT.device, cache, attention_mask_BS,
                                          position_ids)
-        x = self.run_blocks(x, rope, attn_mask, T, cache)
-        logits_BTV_local = self.logits(x, T)
-        if targets_BT is None:
+        x = self.run_blocks(x, rope, attn_mask, t, cache, context=self.cp_context(T, position_ids))
+        logits_BTV_local = self.logits(x, t)
+        if targets is None:
             return logits_BTV_local
         loss = vocab_parallel_cross_entropy(
-            logits_BTV_local, targets_BT, group=self.group, vocab_size=self.cfg.vocab_size,
+            logits_BTV_local, targets, group=self.group, vocab_size=self.cfg.vocab_size,
             reuse_logits=True, reduction="mean" if loss_tokens is None else "sum")
         return loss if loss_tokens is None else loss / loss_tokens

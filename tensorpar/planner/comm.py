@@ -55,8 +55,8 @@ gradient norm stay fp32.
 
 from __future__ import annotations
 
+from tensorpar.parallel.context import cp_sizes
 from tensorpar.planner.shapes import ModelShape
-from tensorpar.planner.step import Step
 from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_shards
 
@@ -204,35 +204,6 @@ def predicted_comm(shape: ModelShape, batch: int, seq: int, tp: int,
     r.add("grad norm", "step", "all_reduce", 1, 4)
     minimum = 2 * L * N * D * (out_b + res_b)
     return totals(r.rows) | {"minimum_block_bytes": minimum if t > 1 else 0}
-
-
-def cp_comm(step: Step, rank: int = 0) -> dict:
-    """TP rank ``rank``'s context-parallel collectives in one step of ``step`` (its
-    micro-batches' passes of ``step.micro`` sequences), as ``predicted_comm`` returns the TP
-    ones; nothing at cp 1. Per layer and pass (``attention_collective_counts``), the rank's K
-    and V (its KV heads, in the projections' dtype: bf16 under autocast) stacked into one
-    all-gather over the CP group forward, their gradients into one reduce-scatter backward;
-    the payload is the whole sequence's (2, B, kv_local, T, hd), the CP ranks' uneven chunks
-    padded to the largest. Full recomputation gathers again in backward."""
-    cp = step.cp
-    if cp == 1:
-        return totals([])
-    kv_local = head_shards(step.shape.n_head, step.shape.n_kv_head, step.tp, rank)[1]
-    kv_b = 4 if step.dtype == "fp32" else 2
-    payload = 2 * step.micro * (kv_local[1] - kv_local[0]) * cp * step.rank_seq * \
-        step.shape.head_dim * kv_b
-    L, passes, rows = step.shape.n_layer, step.micro_batches, []
-    for source, phase, kind, calls in (
-            (f"K/V all-gather (x{L} blocks)", "forward", "all_gather", L),
-            (f"K/V gradients (x{L} blocks)", "backward", "reduce_scatter", L),
-            (f"recompute: K/V all-gather (x{L} blocks)", "backward", "all_gather",
-             L if step.recompute == "full" else 0)):
-        if calls:
-            calls *= passes
-            rows.append({"source": source, "phase": phase, "kind": kind, "calls": calls,
-                         "bytes": calls * payload,
-                         "ring_bytes": calls * round(payload * ring_share(kind, cp))})
-    return totals(rows)
 
 
 def moe_tp_rows(add, shape: ModelShape, N: int, D: int, sp: bool, recompute: str,
@@ -388,3 +359,33 @@ def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,
                     "bytes": sum(b for *_, b in ops) if t > 1 else 0,
                     "ring_bytes": sum(ring(k, b) for _, k, b in ops)})
     return sorted(out, key=lambda r: (r["ring_bytes"], r["calls"]))
+
+
+def cp_comm(shape: ModelShape, batch: int, seq: int, tp: int, cp: int, dtype: str = "fp32",
+            recompute: str = "none", passes: int = 1, layers: int | None = None,
+            tp_rank: int = 0) -> dict:
+    """The collectives of one training step on a rank's context-parallel group (the GPT under
+    ``train --cp``), as ``CollectiveCounter`` counts them: per block and pass, one all-gather of
+    the rank's K and V (stacked, each rank's chunks padded to the longest rank's count, the
+    ``tensor_split`` of ``seq`` into 2·cp chunks) forward, and one reduce-scatter of their
+    gradients backward; recomputed, the block's forward gathers them again. Payload: the
+    gathered (2, B, kv_local, cp·longest, head_dim) tensor, in the activations' dtype (bf16
+    under autocast). The loss's reductions run over dp x cp (``data_parallel.dp_comm`` with dp
+    x cp ranks), not on this group. layers: the blocks the rank holds (default all; a pipeline
+    rank's share)."""
+    rows: list[dict] = []
+    if cp > 1:
+        (k0, k1) = head_shards(shape.n_head, shape.n_kv_head, tp, tp_rank)[1]
+        head_dim = shape.head_dim or shape.dim // shape.n_head
+        size = 2 if dtype != "fp32" else 4
+        payload = 2 * batch * (k1 - k0) * cp * max(cp_sizes(seq, cp)) * head_dim * size
+        blocks = (shape.n_layer if layers is None else layers) * passes
+        gathers = blocks * (2 if recompute == "full" else 1)
+        for phase, kind, calls in (("forward", "all_gather", blocks),
+                                   ("backward", "reduce_scatter", blocks),
+                                   ("recompute", "all_gather", gathers - blocks)):
+            if calls:
+                rows.append({"source": "attention K/V", "phase": phase, "kind": kind,
+                             "calls": calls, "bytes": calls * payload,
+                             "ring_bytes": calls * round(payload * ring_share(kind, cp))})
+    return totals(rows)

@@ -6,10 +6,11 @@ divides the rest with P·V <= L, dp the rest; context parallelism (every cp that
 devices left and cuts the sequence into 2 chunks a rank) only when nothing fits at cp 1; the
 batch split over dp, the micro-batches one sequence each unless given. A layout fits when its
 largest rank's peak (``pipeline.plan_pipeline``) is within the device memory less the reserve.
-Fits are ranked by an estimated step time (``step_seconds``): the model's FLOPs per device at ``DEVICE_FLOPS``
-stretched by the bubble, plus each group's bytes sent per rank at ``NODE_BYTES_S`` inside a node
-of ``GPUS_PER_NODE`` devices and ``NETWORK_BYTES_S`` between nodes, with no overlap of
-communication and compute: a ranking proxy that weighs a bubble against bytes, not a prediction.
+Fits are ranked by an estimated step time (``step_seconds``): the model's FLOPs per device at
+``DEVICE_FLOPS`` stretched by the bubble, plus each group's bytes sent per rank at
+``NODE_BYTES_S`` inside a node of ``GPUS_PER_NODE`` devices and ``NETWORK_BYTES_S`` between
+nodes, with no overlap of communication and compute: a ranking proxy that weighs a bubble
+against bytes, not a prediction.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def plan_layout(step: Step, layout: dict, device_memory: float, reserve: float,
     stage = planned.replace(shape=dataclasses.replace(step.shape,
                                                       n_layer=-(-step.shape.n_layer // pp)))
     if cp > 1:  # the K/V all-gathers and reduce-scatters of the largest stage's layers
-        sent["cp"] = sum(cp_comm(stage)["ring_bytes"].values())
+        sent["cp"] = sum(cp_comm(stage.shape, stage.micro, stage.seq, tp, cp, stage.dtype,
+                                 stage.recompute, stage.micro_batches)["ring_bytes"].values())
     if step.shape.moe is not None:  # the all-to-alls of the largest stage's layers
         sent["ep"] = moe_comm(stage)["sent"].get("all_to_all", 0)
     return layout | {

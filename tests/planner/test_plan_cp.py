@@ -128,7 +128,7 @@ def test_cp_comm_counts_the_layers_collectives(recompute):
     (30 tokens over cp 4: 7, 7, 8, 8, so 4 x 8 rows); ring bytes 3/4 of the payload."""
     step = Step(gpt_shape(CFG), tp=2, seq=T, dtype="bf16-autocast", cp=4, batch=6,
                 micro_batches=3, recompute=recompute)
-    c = cp_comm(step)
+    c = cp_comm(step.shape, step.micro, T, 2, 4, step.dtype, recompute, step.micro_batches)
     layer = attention_collective_counts(2, 4)
     passes = CFG.n_layer * 3
     forward = 2 if recompute == "full" else 1
@@ -137,7 +137,7 @@ def test_cp_comm_counts_the_layers_collectives(recompute):
     payload = 2 * 2 * 1 * 4 * 8 * CFG.head_dim * 2  # K and V, B=2, 1 KV head at TP 2, bf16
     assert c["bytes"]["reduce_scatter"] == passes * payload
     assert c["ring_bytes"]["all_gather"] == forward * passes * payload * 3 // 4
-    assert cp_comm(step.replace(cp=1))["counts"] == {}
+    assert cp_comm(step.shape, step.micro, T, 2, 1, step.dtype)["counts"] == {}
 
 
 def test_search_tries_cp_only_when_no_layout_fits_without():
