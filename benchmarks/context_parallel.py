@@ -163,7 +163,8 @@ def rank_run(kind: str, cfg: GPTConfig, seq: int, steps: int) -> dict:
 
 
 def planned(kind: str, cfg: GPTConfig, seq: int, cp: int) -> dict:
-    """The planner's kept bytes and peak at ``cp`` (fp32, CPU; module docstring)."""
+    """The planner's kept bytes and peak at ``cp`` (fp32, CPU; module docstring), and the
+    masks of all layers."""
     step = Step(gpt_shape(cfg), seq=seq, dtype="fp32", cp=cp)
     mem = tensorpar_memory(step)
     mask = cfg.n_layer * block_terms(step)["attention mask"]
@@ -207,7 +208,7 @@ def main() -> None:
         print(f"{cp:>3} {r['tokens']:>7} {r['kept'] / MiB:>9.1f} {plan['kept'] / MiB:>9.1f} "
               f"{plan['kept'] / r['kept'] - 1:>+6.1%} {r['peak'] / MiB:>9.1f} "
               f"{plan['peak'] / MiB:>9.1f} {plan['peak'] / r['peak'] - 1:>+6.1%} "
-              f"{cfg.n_layer * plan['mask'] / MiB:>9.1f} {r['peak'] / base[1]['peak']:>9.3f} "
+              f"{plan['mask'] / MiB:>9.1f} {r['peak'] / base[1]['peak']:>9.3f} "
               f"{step_s:>7.2f} {step_s / base[3]:>6.2f} {r['threads']:>7} "
               f"{load0:>4.1f}-{load1:<4.1f}")
 
