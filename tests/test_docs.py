@@ -1,12 +1,14 @@
 """The README's and the docs' examples run as written and print what the pages show.
 
 Every ```python block (docs_source.py) is saved as NAME.py in an empty directory and run with
-the command its first line gives (``torchrun`` as ``python -m torch.distributed.run``; ``python
-NAME.py`` in this process, as ``__main__``, its ranks forked from the session's server, its
-RNGs and environment put back after: ``_python_here``); what it prints is compared with the
+the command its first line gives (``python NAME.py`` in this process, as ``__main__``, its
+ranks forked from the session's server, its RNGs and environment put back after:
+``_python_here``; ``torchrun --standalone --nproc-per-node N NAME.py`` as N ranks forked from
+that server with torchrun's environment: ``docs_torchrun.py``); what it prints is compared with the
 ```text block the page shows after it (docs_compare.py). Every line of a ```bash block either
 runs here, in order, or is in ``NOT_RUN`` with the reason; a ``tensorpar`` line runs through
-``cli.main`` in this process (``_run``), others as processes. A line that runs keeps its words;
+``cli.main`` in this process (``_run``), a ``torchrun --standalone`` line on forked ranks as
+above, others as processes. A line that runs keeps its words;
 only flags that make it small are added (``SMALL``), step counts are divided by
 ``STEP_SCALE`` (``--steps 800`` and ``step-00000800`` alike) and placeholder paths
 (``PLACEHOLDERS``) are filled in. Examples write under ``runs/`` only, never into the
@@ -38,6 +40,7 @@ from docs_source import (
     shown_commands,
     tensorpar_at,
 )
+from docs_torchrun import torchrun_args, torchrun_here
 
 from tensorpar.data.text import default_corpus
 
@@ -157,8 +160,11 @@ def _set_random_states(states: tuple) -> None:
 
 
 def _run(argv: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
+    torchrun = torchrun_args(argv[3:]) if argv[1:3] == ["-m", "torch.distributed.run"] else None
     if len(argv) == 2 and argv[1].endswith(".py"):  # python NAME.py
         out = _python_here(argv[1], cwd)
+    elif torchrun:  # torchrun --standalone --nproc-per-node N NAME.py (or -m ...), forked
+        out = torchrun_here(*torchrun, cwd, env())
     elif argv[1:3] == ["-m", "tensorpar"]:
         # ``tensorpar ARGS`` through the command's entry (``cli.main``) in this process, its
         # ranks forked from the session's fork server, which has imported what they need

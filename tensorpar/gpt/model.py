@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from tensorpar.gpt.moe_blocks import GPTMoE, check_moe
 from tensorpar.parallel.context import cp_sizes, split_to_cp
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.dropout import ParallelDropout, TensorParallelRNG, region_for
@@ -56,6 +57,7 @@ from tensorpar.transformer.attention import (
     padded_causal_mask,
 )
 from tensorpar.transformer.context_parallel import CPSequence, cp_size
+from tensorpar.transformer.expert_groups import ExpertGroups
 from tensorpar.transformer.kv_cache import KVCache
 from tensorpar.transformer.mlp import ParallelMLP
 from tensorpar.transformer.rotary import rotary_table, rotary_table_at
@@ -81,6 +83,29 @@ class GPTConfig:
     norm_eps: float = dataclasses.field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
     dropout: float = dataclasses.field(default=0.0, metadata={
         "help": "dropout on each residual branch"})
+    # Mixture of Experts (gpt/moe_blocks.py): every block's MLP routed to experts
+    moe_experts: int = dataclasses.field(default=0, metadata={
+        "help": "routed experts per block, each a SwiGLU of --hidden-dim (0: dense MLP blocks)"})
+    moe_top_k: int = dataclasses.field(default=2, metadata={
+        "help": "with --moe-experts: the experts each token goes to"})
+    moe_shared_experts: int = dataclasses.field(default=0, metadata={
+        "help": "with --moe-experts: shared experts every token goes through (one SwiGLU of "
+                "this many times --hidden-dim, split by TP)"})
+    moe_router: str = dataclasses.field(default="softmax", metadata={
+        "help": "with --moe-experts: softmax (Mixtral: top-k of the softmax, renormalised) or "
+                "sigmoid (DeepSeek-V3: top-k of sigmoid scores plus a selection bias)"})
+    moe_balance: str = dataclasses.field(default="aux", metadata={
+        "help": "with --moe-experts: aux (the load-balancing loss alone) or bias (also "
+                "DeepSeek-V3's loss-free balancing: the sigmoid router's selection bias moved "
+                "after each step by --moe-bias-rate x sign(mean load - load), loads summed over "
+                "all ranks)"})
+    moe_aux_coef: float = dataclasses.field(default=0.01, metadata={
+        "help": "with --moe-experts: the load-balancing loss's coefficient (E x sum f_i P_i, "
+                "as transformers' Mixtral; k when balanced)"})
+    moe_z_coef: float = dataclasses.field(default=0.0, metadata={
+        "help": "with --moe-experts: the router z-loss's coefficient (mean logsumexp^2)"})
+    moe_bias_rate: float = dataclasses.field(default=0.001, metadata={
+        "help": "with --moe-balance bias: the selection bias's step"})
 
     def __post_init__(self):
         if self.hidden_dim == 0:
@@ -107,6 +132,7 @@ class GPTConfig:
                 raise ValueError(f"{flag} {value} cannot be split over --tp {tp}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout {self.dropout} must be in [0, 1)")
+        check_moe(self)
 
 
 class Block(nn.Module):
@@ -114,7 +140,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool, group: ProcessGroup | None,
                  rng: TensorParallelRNG, device=None, fused: bool = True,
-                 keep_gathered_input: bool = False, cp_group: ProcessGroup | None = None):
+                 keep_gathered_input: bool = False, experts: ExpertGroups | None = None,
+                 cp_group: ProcessGroup | None = None):
         super().__init__()
         kw = {"sequence_parallel": sequence_parallel, "group": group}
         cols = {"fused": fused, "keep_gathered_input": keep_gathered_input}
@@ -122,8 +149,9 @@ class Block(nn.Module):
         self.attn = ParallelSelfAttention(cfg.dim, cfg.n_head, cfg.n_kv_head, bias=False,
                                           device=device, cp_group=cp_group, **cols, **kw)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, **kw)
-        self.mlp = ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
-                               bias=False, device=device, **cols, **kw)
+        self.mlp = GPTMoE(cfg, sequence_parallel, group, experts, device) if cfg.moe_experts \
+            else ParallelMLP(cfg.dim, cfg.hidden_dim, gated=True, activation="silu",
+                             bias=False, device=device, **cols, **kw)
         # the residual stream is replicated, or sequence-sharded under SP: pick the mask stream
         self.drop = ParallelDropout(cfg.dropout, rng, region_for(sequence_parallel))
 
@@ -179,6 +207,8 @@ class GPT(nn.Module):
         model. A tied head without the embedding holds a copy of the embedding table
         (``parallel.stages.mark_stage_copy``): the trainer sums the two copies' gradients over
         the first and last pipeline stages, so they stay equal.
+    experts: with ``cfg.moe_experts``, the groups of the MoE blocks (``mesh/experts.py``:
+        EP, router statistics, expert-data); None: the experts split over ``group``.
     """
 
     def __init__(self, cfg: GPTConfig, group: ProcessGroup | None = None,
@@ -186,7 +216,7 @@ class GPT(nn.Module):
                  rng: TensorParallelRNG | None = None, device=None, *, fused: bool = True,
                  recompute: bool = False, keep_gathered_input: bool = False,
                  blocks: Sequence[int] | None = None, embed: bool = True, head: bool = True,
-                 cp_group: ProcessGroup | None = None):
+                 experts: ExpertGroups | None = None, cp_group: ProcessGroup | None = None):
         super().__init__()
         cfg.check(tp_size(group))
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
@@ -203,14 +233,18 @@ class GPT(nn.Module):
             if embed or copy else None
         held = range(cfg.n_layer) if blocks is None else blocks
         self.blocks = BlockDict({str(i): Block(cfg, sequence_parallel, group, self.rng, "meta",
-                                               fused, keep_gathered_input, self.cp_group)
+                                               fused, keep_gathered_input, experts,
+                                               self.cp_group)
                                  for i in held})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, **meta) if head else None
         if recompute:
             # a replayed block stops once its last saved tensor is back: with the all-reduce
             # outside the row matmul's op, the replay skips the MLP's exit (one fewer per block)
             for block in self.blocks:
-                block.attn.o_proj.fused = block.mlp.down.fused = False
+                mlp = block.mlp.shared if cfg.moe_experts else block.mlp
+                block.attn.o_proj.fused = False
+                if mlp is not None:
+                    mlp.down.fused = False
         self.lm_head = None if cfg.tie_embeddings or not head else \
             ColumnParallelLinear(cfg.dim, cfg.vocab_size, bias=False, **meta)
         self.init_weights(seed, device)
@@ -228,7 +262,7 @@ class GPT(nn.Module):
                 full = torch.ones(dense_shape(p))
             else:
                 std = 0.02
-                if name.endswith(("o_proj.weight", "down.weight")):
+                if name.endswith(("o_proj.weight", "down.weight", "down_proj")):
                     std /= math.sqrt(2 * self.cfg.n_layer)
                 gen = torch.Generator().manual_seed(derive_seed(seed, "init", name))
                 full = torch.empty(dense_shape(p)).normal_(0.0, std, generator=gen)
@@ -237,10 +271,14 @@ class GPT(nn.Module):
             local = nn.Parameter(full.to(device=device, dtype=p.dtype).clone(),  # not a view:
                                  requires_grad=p.requires_grad)  # it would keep all of `full`
             local.tp_shard = spec
+            if hasattr(p, "ep_shard"):  # an MoE block's experts (moe_blocks.py)
+                local.ep_shard = p.ep_shard
             owner, attr = self._owner(name)
             setattr(owner, attr, local)
         for block in self.blocks:  # buffers built on meta
             block.attn.kv_index = block.attn.kv_index.to(device or "cpu")
+            if isinstance(block.mlp, GPTMoE):
+                block.mlp.materialize(device)
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         path, _, attr = name.rpartition(".")

@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel  # loaded by ``import torch`` already
 
+from tensorpar.mesh.experts import ignore_experts_in_ddp, split_expert_params
 from tensorpar.mesh.mesh import replica_mesh
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import collectives_checked
@@ -99,6 +100,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
         group = replicas.get_group()
         if collectives_checked(group):
             group = _unchecked_dp_group(mesh)
+        ignore_experts_in_ddp(model)
         return DistributedDataParallel(model, process_group=group, **{quiet: False})
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -107,9 +109,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
+    # split experts (--ep) are left to the trainer, which sums them over the expert-data ranks
+    ignored = set(split_expert_params(model)) or None
     for unit in shard_units(model) if units is None else units:
-        fully_shard(unit, mesh=replicas, mp_policy=policy)
-    fully_shard(model, mesh=replicas, mp_policy=policy)
+        fully_shard(unit, mesh=replicas, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=replicas, mp_policy=policy, ignored_params=ignored)
     for name, p in model.named_parameters():
         if name in specs:
             p.tp_shard = specs[name]

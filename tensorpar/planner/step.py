@@ -126,7 +126,7 @@ class Step:
                    pp=cfg.pp, virtual=cfg.pp_virtual,
                    micro_batches=per_copy // (cfg.micro_batch_size or per_copy),
                    optimizer=optimizer, dropout=dropout, device=device, fused=cfg.fused,
-                   lora=lora, packed=cfg.pack, converted=converted,
+                   lora=lora, packed=cfg.pack, converted=converted, ep=getattr(cfg, "ep", 1),
                    cp=getattr(cfg, "cp", None) or 1)
 
 

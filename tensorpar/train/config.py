@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from tensorpar.mesh.data_parallel import check_dp_mode
+from tensorpar.mesh.experts import check_ep
 from tensorpar.parallel.context import cp_sizes
 from tensorpar.train.compute import check_compile_backend
 
@@ -23,6 +24,11 @@ class TrainConfig:
     dp_mode: str = dataclasses.field(default="fsdp", metadata={
         "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
+    ep: int = dataclasses.field(default=1, metadata={
+        "help": "with --moe-experts: expert-parallel size, the routed experts split over N of "
+                "the dp x tp ranks of a stage (consecutive; 1 or a multiple of --tp), each "
+                "expert held once in that group and replicated over the other dp x tp / N "
+                "ranks", "default": "1, every rank holds every expert"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
@@ -148,7 +154,7 @@ class TrainConfig:
         "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "pp", "pp_virtual", "cp", "steps", "batch_size",
+        for flag in ("tp", "dp", "ep", "pp", "pp_virtual", "cp", "steps", "batch_size",
                      "micro_batch_size", "seq_len", "save_every", "lr_decay_steps", "eval_every",
                      "eval_batches", "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
@@ -190,6 +196,8 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
+        if self.ep > 1 and self.dp is not None:  # under torchrun: when the mesh is built
+            check_ep(self.ep, self.tp, self.dp)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
@@ -221,18 +229,6 @@ def check_cp_flags(cfg: TrainConfig) -> None:
     if cfg.compile:
         raise ValueError("--cp with --compile is not supported yet (the CP attention's mask "
                          "and gathers are not traced yet)")
-
-
-def without_cp(cfg: TrainConfig) -> TrainConfig:
-    """The run as a planner without context parallelism sees CP rank 0's part of it (what the
-    summary plans its TP and dp collectives from): each of the dp x cp ranks runs the step's
-    rows of a dp rank, at that rank's token count, and the gradients are averaged over all of
-    them. ``cfg`` itself without --cp. (The gathered K/V are not in its memory plan.)"""
-    if cfg.cp == 1:
-        return cfg
-    return dataclasses.replace(cfg, cp=1, seq_len=cp_sizes(cfg.seq_len, cfg.cp)[0],
-                               batch_size=cfg.batch_size * cfg.cp,
-                               dp=(cfg.dp or 1) * cfg.cp)
 
 
 def check_pipeline_flags(cfg: TrainConfig) -> None:

@@ -106,6 +106,11 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        if getattr(cfg, "cp", 1) > 1 and self.model_cfg.moe_experts:
+            raise ValueError(f"--cp {cfg.cp} with MoE blocks (--moe-experts "
+                             f"{self.model_cfg.moe_experts}) is not supported yet: the "
+                             "router's statistics and the experts' groups do not span CP ranks")
+        check_experts(self.model_cfg, getattr(cfg, "ep", 1))
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:
             check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
@@ -130,9 +135,9 @@ class GPTRecipe:
 
     def build(self, cfg, group, dp_rank: int, device: torch.device, cp_group=None,
               **part) -> tuple[nn.Module, Callable[[int], None]]:
-        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, as
-        ``GPT`` takes them; ``cp_group``: its context-parallel group, None without CP) and
-        what sets each step's dropout streams."""
+        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, and the
+        MoE blocks' ``experts`` groups, as ``GPT`` takes them; ``cp_group``: its context-parallel
+        group, None without CP) and what sets each step's dropout streams."""
         cp_rank = None if cp_group is None else dist.get_rank(cp_group)
         # dropout masks differ by dp rank, and by CP rank (other tokens of the same rows)
         rng = TensorParallelRNG(cfg.seed, group, dp_rank, cp_rank)
@@ -168,6 +173,16 @@ class GPTRecipe:
         HFTokenizer(self.tokenizer_dir).save(tmp)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def check_experts(model_cfg: GPTConfig, ep: int) -> None:
+    """``--ep`` against the model's experts: one line naming the numbers."""
+    if ep > 1 and not model_cfg.moe_experts:
+        raise ValueError(f"--ep {ep} splits a Mixture of Experts' experts: add --moe-experts E "
+                         "(the GPT is dense without it)")
+    if ep > max(model_cfg.moe_experts, 1):
+        raise ValueError(f"--ep {ep} is more than the {model_cfg.moe_experts} experts: every "
+                         "EP rank needs at least one")
 
 
 def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:

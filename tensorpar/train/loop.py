@@ -58,6 +58,7 @@ from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
+from tensorpar.train.moe import MoETraining
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.pipeline import Schedule, build_parts, shard_stages
 from tensorpar.train.report import RunReport, start_line
@@ -98,7 +99,8 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
             skipped += not finite
             seconds = time.perf_counter() - t0
             val_loss = run.validate() if evaluates(cfg, step + 1) else None
-            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss, run.data_seconds)
+            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss, run.data_seconds,
+                        run.moe_metrics)
             signum = stop.agreed()  # the same on every rank: all stop after this step
             if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 run.save(step + 1)
@@ -166,13 +168,21 @@ class Run:
         self.validation = validation_data(cfg, tokenizer)
         self.pipeline, self.pp_group = None, None  # --pp: this rank's stages (pipeline.py)
         bf16 = torch.bfloat16 if cfg.dtype == "bf16" else None
+        # a Mixture of Experts: its groups (--ep), aux-loss weights, expert gradients (moe.py)
+        self.moe = MoETraining.setup(cfg, recipe, self.mesh, run_group)
+        self.moe_metrics: dict = {}
+        extra = {} if self.moe is None else {"experts": self.moe.groups}
         if cfg.pp > 1:
             self.pp_group = self.mesh["pp"].get_group()
             parts, self.at_step = build_parts(recipe, cfg, self.group, r, self.device,
-                                              self.mesh["pp"].get_local_rank(), **cp_kw)
+                                              self.mesh["pp"].get_local_rank(),
+                                              **extra, **cp_kw)
             self.net = parts.net
         else:
-            self.net, self.at_step = recipe.build(cfg, self.group, r, self.device, **cp_kw)
+            self.net, self.at_step = recipe.build(cfg, self.group, r, self.device, **extra,
+                                                  **cp_kw)
+        if self.moe is not None:
+            self.moe.attach(self.net, self.pp_group)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
@@ -191,7 +201,8 @@ class Run:
         self.counted = {"tp": self.group} | \
             ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
             ({} if self.pp_group is None else {"pp": self.pipeline.groups()}) | \
-            ({} if self.cp_group is None else {"cp": self.cp_group})
+            ({} if self.cp_group is None else {"cp": self.cp_group}) | \
+            ({} if self.moe is None else self.moe.counted())
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0
@@ -258,9 +269,11 @@ class Run:
                                             **({} if pos is None else {"position_ids": pos[rows]}))
                     loss.backward()
                 loss_sum = loss_sum + loss.detach().float() / self.replicas
+        if self.moe is not None:  # the experts' gradients over the expert-data ranks
+            self.moe.reduce_grads(self.net)
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
                                dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
-                               self.pp_group)
+                               self.pp_group, None if self.moe is None else self.moe.ep_group)
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
@@ -269,6 +282,8 @@ class Run:
             raise FloatingPointError(nonfinite_step(step + 1, loss_value, norm_value, self.net,
                                                     self.run_group, cfg, self.out))
         self.opt.zero_grad(set_to_none=True)
+        if self.moe is not None:  # the step's aux loss and loads; loss-free balancing
+            self.moe_metrics = self.moe.end_step(finite)
         return loss_value, norm_value, finite
 
     def _sum_over_dp(self, loss: torch.Tensor) -> float:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorpar.gpt.stages import GPTStage, rank_part
+from tensorpar.mesh.experts import ignore_experts_in_ddp, split_expert_params
 from tensorpar.mesh.mesh import replica_mesh
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
@@ -97,11 +98,12 @@ class PipelineParts:
 
 
 def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int,
-                **cp_kw):
+                **extra):
     """This rank's part of the GPT and its stages; with the recipe's per-step callback.
-    cp_kw: ``cp_group=`` under context parallelism."""
+    extra: more of what ``recipe.build`` takes (the MoE blocks' ``experts``; ``cp_group`` under
+    context parallelism)."""
     mine, ranges, part = rank_part(recipe.model_cfg.n_layer, cfg.pp, cfg.pp_virtual, pp_rank)
-    net, at_step = recipe.build(cfg, group, dp_rank, device, **cp_kw, **part)
+    net, at_step = recipe.build(cfg, group, dp_rank, device, **part, **extra)
     stages = [GPTStage(net, s, len(ranges), ranges[s]) for s in mine]
     return PipelineParts(net, stages), at_step
 
@@ -118,6 +120,8 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        for s in parts.stages:
+            ignore_experts_in_ddp(s)
         return [DistributedDataParallel(s, process_group=replicas.get_group(),
                                         broadcast_buffers=False) for s in parts.stages]
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -126,10 +130,13 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
     copies = {name for name, p in parts.net.named_parameters() if is_stage_copy(p)}
+    ignored = set(split_expert_params(parts.net)) or None  # reduced by the trainer (--ep)
     for block in parts.net.blocks:
-        fully_shard(block, mesh=replicas, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(block, mesh=replicas, mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for stage in parts.stages:
-        fully_shard(stage, mesh=replicas, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(stage, mesh=replicas, mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for name, p in parts.net.named_parameters():
         p.tp_shard = specs[name]
         if name in copies:

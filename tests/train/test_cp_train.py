@@ -33,10 +33,15 @@ def _train(out, model=None, **flags):
 def runs(ranks, tmp_path_factory):
     """``runs(tp=1, cp=1, dp=1, pp=1, model=None, **flags)``: rank 0's result, made once."""
     made = {}
+    # held-out text, scored after the last step (a pipeline has no validation yet)
+    val = tmp_path_factory.mktemp("val") / "held-out.txt"
+    val.write_text("Context parallelism splits the sequence itself over ranks. " * 8)
 
     def get(tp=1, cp=1, dp=1, pp=1, model=None, **flags):
         key = (tp, cp, dp, pp, tuple(sorted((model or {}).items())),
                tuple(sorted(flags.items())))
+        if pp == 1:
+            flags = flags | {"val_data": str(val), "eval_batches": 2}
         if key not in made:
             out = tmp_path_factory.mktemp(f"tp{tp}-cp{cp}-dp{dp}-pp{pp}")
             made[key] = ranks(tp * cp * dp * pp).run(
@@ -50,7 +55,9 @@ def runs(ranks, tmp_path_factory):
 def _same(rows, ref, what, tol=1e-5):
     assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     for a, b in zip(rows, ref, strict=True):
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key == "val_loss" and a.get(key) is None:  # a pipeline's run: none
+                continue
             err = abs(a[key] - b[key]) / abs(b[key])
             assert err <= tol, f"{what}: step {a['step']} {key} {a[key]} vs {b[key]} ({err:.1e})"
 
@@ -63,16 +70,20 @@ LAYOUTS = {  # id: (tp, cp, dp, pp, flags)
     "tp2-cp2-sp": (2, 2, 1, 1, {"sequence_parallel": True}),
     "cp2-pp2": (1, 2, 1, 2, {"micro_batch_size": 1}),  # 4 micro-batches, 1F1B
     "cp2-recompute": (1, 2, 1, 1, {"recompute": True}),
+    "tp2-cp2-ddp": (2, 2, 1, 1, {"dp_mode": "ddp"}),  # DDP over the (dp, cp) ranks
 }
-FAST = ("cp2",)  # (the layer's own tests, tests/core, are the fast tier's too)
+# trainer runs are the full suite's (about 2 s each once the pools run); the fast tier keeps
+# the layer's own tests (tests/core/test_context_parallel.py) and this file's refusals
+FAST = ()
 
 
 @pytest.mark.parametrize("layout", [
     pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in LAYOUTS])
 def test_cp_trains_as_one_rank(runs, layout):
-    """Losses and gradient norms of 5 steps equal one rank's at the full sequence (1e-5
-    relative): the loss is normalized by the step's tokens over dp x cp, the gradients are
-    averaged over the flattened (dp, cp) mesh and the norm counts each gradient once."""
+    """Losses and gradient norms of 5 steps, and the validation loss after the last, equal one
+    rank's at the full sequence (1e-5 relative): the loss is normalized by the step's tokens
+    over dp x cp, the gradients are averaged over the flattened (dp, cp) mesh and the norm
+    counts each gradient once."""
     tp, cp, dp, pp, flags = LAYOUTS[layout]
     _same(runs(tp, cp, dp, pp, **flags)["rows"], runs()["rows"], layout)
 
@@ -94,16 +105,19 @@ def _summary_text(result, **flags) -> str:
     pytest.param(k, marks=() if k in FAST else pytest.mark.slow)
     for k in ("cp2", "tp2-cp2", "cp2-dp2", "tp2-cp2-sp", "cp2-pp2", "cp2-recompute")])
 def test_summary_counts_cp_collectives(runs, layout):
-    """Rank 0's measured step: per block one K/V all-gather forward (one more recomputed) and
-    one reduce-scatter backward on the CP group, the TP collectives at the CP rank's tokens and
-    the dp x cp ones (FSDP2's, the loss's and the norm's reductions) all equal the summary's
-    analytic count."""
+    """Rank 0's measured step: per block and pass one K/V all-gather forward (one more
+    recomputed) and one reduce-scatter backward on the CP group, the TP collectives at the CP
+    rank's tokens and the dp x cp ones (FSDP2's, the loss's and the norm's reductions, a
+    pipeline's transfers) all equal the summary's analytic count."""
     tp, cp, dp, pp, flags = LAYOUTS[layout]
     result = runs(tp, cp, dp, pp, **flags)
-    blocks = MODEL["n_layer"] * (2 if flags.get("recompute") else 1)
-    assert result["comm"]["cp"]["counts"] == {"all_gather": blocks,
-                                              "reduce_scatter": MODEL["n_layer"]}, result["comm"]
-    text = _summary_text(result, tp=tp, cp=cp, dp=dp if dp > 1 else None, **flags)
+    # rank 0's blocks (a pipeline's first stage: half of them) times the step's passes
+    blocks = MODEL["n_layer"] // pp * FLAGS["batch_size"] // flags.get("micro_batch_size",
+                                                                     FLAGS["batch_size"])
+    gathers = blocks * (2 if flags.get("recompute") else 1)
+    assert result["comm"]["cp"]["counts"] == {"all_gather": gathers,
+                                              "reduce_scatter": blocks}, result["comm"]
+    text = _summary_text(result, tp=tp, cp=cp, pp=pp, dp=dp if dp > 1 else None, **flags)
     rows = [line for line in text.splitlines() if " per step " in line and " calls, " in line]
     assert any(line.lstrip("│ ").startswith("cp all_gather") for line in rows), text
     assert any(line.lstrip("│ ").startswith("dp ") for line in rows), text
