@@ -1,7 +1,8 @@
 """The planner under context parallelism: a CP rank's activations (its tokens' share, the whole
 sequence's K and V, its queries' mask against every key) against what the blocks save on real
 gloo ranks; the K/V collectives against the layer's own count; the layout search over cp; and
-``plan --cp``. Pure arithmetic but for the one measured run (two ranks, a tiny stack)."""
+``plan --cp``. Pure arithmetic but for the one measured run (two ranks, a tiny stack: slow
+tier)."""
 
 import argparse
 import json
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar import ParallelMLP, ParallelSelfAttention, RMSNorm
+from tensorpar import ParallelMLP, ParallelSelfAttention, RankPool, RMSNorm
 from tensorpar.cli import plan as plan_cli
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.parallel.context import cp_sizes, split_to_cp
@@ -76,17 +77,22 @@ def _all_saved() -> dict:
     packed."""
     tp_group = dist.new_subgroups(1)[0]
     cp_group = dist.new_group(list(range(dist.get_world_size())))
-    return {(ac, packed): _saved_bytes(tp_group, cp_group, ac, packed)
-            for ac in (False, True) for packed in (False, True)}
+    out = {(ac, packed): _saved_bytes(tp_group, cp_group, ac, packed)
+           for ac in (False, True) for packed in (False, True)}
+    return out
 
 
 @pytest.fixture(scope="module")
-def measured(ranks):
-    """Each rank's saved bytes in every case: one run on two ranks."""
-    per_rank = ranks(2).run(_all_saved)
+def measured():
+    """Each rank's saved bytes in every case: one run on two ranks of their own (the session's
+    pool of two serves tests that measure memory, which a run here left 6% higher: not found
+    why yet)."""
+    with RankPool(2, backend="gloo", threads=1, timeout_s=240) as pool:
+        per_rank = pool.run(_all_saved)
     return {case: [r[case] for r in per_rank] for case in per_rank[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_block_terms_equal_what_the_blocks_save_at_cp2(measured, autocast, packed):
