@@ -104,7 +104,8 @@ def _renames(model: nn.Module) -> list[tuple[str, str]]:
 def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
                     dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
                     attn_implementation: str | None = None,
-                    sequence_parallel: bool = False, weights: bool = True) -> nn.Module:
+                    sequence_parallel: bool = False, weights: bool = True,
+                    cp_group: ProcessGroup | None = None) -> nn.Module:
     """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
 
     The model is built with its parameters on the meta device; each rank then reads only its own
@@ -114,7 +115,7 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     module, raised on every rank before anything is read. The converted layers are those of
     ``parallelize`` (q/k/v and gate/up as one fused op each); ``sequence_parallel`` as there.
     weights=False: the directory needs only its config; the parameters are zeros, for a
-    checkpoint to fill (``load_checkpoint``).
+    checkpoint to fill (``load_checkpoint``). cp_group: context parallelism, as ``parallelize``.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -126,11 +127,12 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     plan = plan or plan_for(model)
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
-    check_plan_fits(model, plan, tp_size(group), sequence_parallel)
+    check_plan_fits(model, plan, tp_size(group), sequence_parallel,
+                    cp_group is not None and tp_size(cp_group) > 1)
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model)) if weights \
         else EmptySource(model)
     apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),
-               sequence_parallel=sequence_parallel)
+               sequence_parallel=sequence_parallel, cp_group=cp_group)
     source.close()
     if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
         from transformers import GenerationConfig

@@ -49,9 +49,8 @@ def stage_ranks(mesh, run_group: ProcessGroup | None) -> list[list[int]]:
     if mesh is None:
         return [dist.get_process_group_ranks(run_group or dist.group.WORLD)
                 if dist.is_initialized() else [0]]
-    grid = mesh.mesh
-    if grid.dim() == 2:
-        grid = grid.unsqueeze(0)
+    names = list(mesh.mesh_dim_names)
+    grid = mesh.mesh.movedim(names.index("pp"), 0) if "pp" in names else mesh.mesh.unsqueeze(0)
     return [stage.reshape(-1).tolist() for stage in grid]
 
 

@@ -40,7 +40,8 @@ class TrainConfig:
         "help": "context-parallel size: each sequence split over N ranks (2N chunks, rank i "
                 "holding chunks i and 2N-1-i, the causal load balance), keys and values "
                 "all-gathered in attention; tp x cp x dp x pp ranks in all, the gradients "
-                "summed over dp x cp (the GPT)", "default": "1, no context parallelism"})
+                "summed over dp x cp (the GPT, and --hf models of the Llama family)",
+        "default": "1, no context parallelism"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
     steps: int = dataclasses.field(default=400, metadata={
@@ -196,6 +197,9 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism with "
+                             "context parallelism is not built yet")
         if self.ep > 1 and self.dp is not None:  # under torchrun: when the mesh is built
             check_ep(self.ep, self.tp, self.dp)
         if self.tensorboard:  # importable, or one line before any rank starts

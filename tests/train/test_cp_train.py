@@ -156,6 +156,8 @@ def test_recompute_replays_the_cp_ranks_masks(runs):
      "leaves a rank 3"),
     (["--cp", "0"], "--cp 0 must be >= 1"),
     (["--cp", "2", "--compile"], "--cp with --compile is not supported yet"),
+    (["--cp", "2", "--moe-experts", "4"], "--cp 2 with MoE blocks (--moe-experts 4) is not "
+     "supported yet"),
 ])
 def test_bad_cp_is_one_line(tmp_path, argv, said):
     r = tensorpar_here("train", "--out", tmp_path / "run", "--steps", "1", *argv)
@@ -174,3 +176,15 @@ def test_cp_that_does_not_divide_the_world_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^--pp 4 x --cp 6 = 24 does not divide the world "
                                          r"size 12$"):
         init_parallel(tp=1, pp=4, cp=6)
+
+
+def test_cp_of_a_model_that_does_not_split_is_refused(tmp_path):
+    """A recipe without ``context_parallel`` (a Hugging Face model's, for now): one line."""
+    from tensorpar.train.resume import check_before_ranks
+
+    class Other:
+        kind = "hf"
+
+    with pytest.raises(ValueError, match=r"^--cp 2: context parallelism trains tensorpar's GPT; "
+                                         r"this model \(hf\) does not split"):
+        check_before_ranks(TrainConfig(cp=2, out=str(tmp_path / "run")), Other(), None)
