@@ -1,6 +1,6 @@
 """What one transformer block keeps for backward, tensor by tensor, per device (under context
-parallelism per CP rank: its tokens' share, the whole sequence's K and V, its queries' mask
-against every key: ``cp_terms``).
+parallelism per CP rank: its tokens' share, the whole sequence's K and V, and for packed rows
+or off CPU its queries' mask against every key: ``cp_terms``).
 
 The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of the
 step), and Korthikanti et al.'s formula it is shown against (``paper_activations``). ``block_terms``
@@ -71,8 +71,11 @@ def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
     (h0, h1), (k0, k1), shared = head_shards(shape.n_head, shape.n_kv_head, tp, rank)
     v0, v1 = shard_range(shape.vocab_size, tp, rank)
     f0, f1 = shard_range(shape.hidden_dim, tp, rank)
+    group = shape.n_head // shape.n_kv_head
+    reads = [h // group - k0 for h in range(h0, h1)]  # the local KV head each query head reads
     return {"heads": h1 - h0, "kv_heads": k1 - k0, "hidden": f1 - f0, "vocab": v1 - v0,
-            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared}
+            "kv_identity": h1 - h0 == k1 - k0, "kv_shared": shared,
+            "kv_grouped": len({reads.count(j) for j in range(k1 - k0)}) == 1}
 
 
 def pass_sizes(step: Step, rank: int = 0) -> PassSizes:
@@ -143,26 +146,38 @@ def block_terms(step: Step, rank: int = 0) -> dict:
     t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
     # packed rows: SDPA turns the block-diagonal (B, 1, T, T) bool mask into an additive one in
     # q's dtype, which it keeps, one per block (the same on every TP rank: it spans no heads);
-    # under CP a mask always, the rank's T_i queries against all T keys, one for every row
-    # unless packed ((1, 1, T_i, T): ``cp_attention_mask``)
-    masked = step.packed or step.cp > 1
+    # under CP packed rows, or off CPU, the rank's T_i queries against all T keys, one for every
+    # row unless packed ((1, 1, T_i, T): ``cp_attention_mask``); unpacked on CPU none
+    masked = step.packed or (step.cp > 1 and not cp_mask_free(step))
     t["attention mask"] = (B if step.packed else 1) * T * z.keys * act if masked else 0
     t["total"] = sum(t.values())
     return t
 
 
+def cp_mask_free(step: Step) -> bool:
+    """Whether a CP rank's attention runs without a mask: unpacked rows on CPU
+    (``transformer/cp_causal.py``); packed rows and other devices take the mask path."""
+    return step.cp > 1 and not step.packed and step.device == "cpu"
+
+
 def cp_terms(step: Step, z: PassSizes) -> dict:
     """Under context parallelism (``transformer/context_parallel.py``, measured with
     ``saved_tensors_hooks``, torch 2.13 CPU): the rank's queries (T_i tokens of each row) read
-    the keys and values of the whole sequence, all-gathered over the CP group: SDPA keeps K and
-    V at full length (one per query head where the GQA heads are repeated, as without CP); and
-    each layer takes its rows of the rotary tables, (T_i, hd/2) fp32 each for q's and k's
-    rotation (their bf16 casts under autocast, as without CP: four per block). The mask is
-    ``block_terms``' "attention mask"."""
+    the keys and values of the whole sequence, all-gathered over the CP group, kept at full
+    length: on the mask-free path (``cp_mask_free``) at the rank's KV heads, the kernel grouping
+    the query heads itself (one per query head only when the heads split unevenly: the
+    ``index_select``); on the mask path one per query head where the GQA heads are repeated, as
+    without CP; the mask-free path also keeps the (T,) int64 index that put the gathered rows
+    in sequence order. Each layer takes its rows of the rotary tables, (T_i, hd/2) fp32 each for q's
+    and k's rotation (their bf16 casts under autocast, as without CP: four per block). The mask
+    of the mask path is ``block_terms``' "attention mask"."""
     s, hd, act = z.local, step.shape.head_dim, z.act
-    kv_heads = s["kv_heads"] if s["kv_identity"] else s["heads"]
+    own = s["kv_grouped"] if cp_mask_free(step) else s["kv_identity"]
+    kv_heads = s["kv_heads"] if own else s["heads"]
     q = z.N * s["heads"] * hd * act
     out = {"sdpa q, k, v": q + 2 * z.B * z.keys * kv_heads * hd * act}
+    if cp_mask_free(step):  # the int64 index that put the gathered keys in sequence order
+        out["key order"] = 8 * z.keys
     rows = z.B if step.packed else 1
     out["rotary tables"] = 4 * rows * z.T * (hd // 2) * 2  # 2 fp32 tables, or 4 bf16 casts
     return out

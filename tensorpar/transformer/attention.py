@@ -35,6 +35,7 @@ from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear, c
 from tensorpar.parallel.mappings import sum_shared_shard_grads
 from tensorpar.parallel.sharding import ShardSpec, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
+from tensorpar.parallel.context import cp_chunk_ranges
 from tensorpar.transformer.context_parallel import (
     CPSequence,
     check_cp_input,
@@ -44,6 +45,7 @@ from tensorpar.transformer.context_parallel import (
     cp_size,
     example_ids,
 )
+from tensorpar.transformer.cp_causal import cp_causal_attention, cp_causal_supported
 from tensorpar.transformer.kv_cache import LayerKVCache
 from tensorpar.transformer.rotary import apply_rotary
 
@@ -239,14 +241,30 @@ class ParallelSelfAttention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)  # (B, kv_local, past + T, hd)
-        if cp:  # every CP rank's keys: (B, kv_local, seq_len, hd), in rank order
-            k, v = cp_keys_values(k, v, context.seq_len, self.cp_group)
-            attn_mask = cp_attention_mask(context, self.cp_group, self.causal, x.device)
+        chunks = None  # under CP, unpacked causal rows on CPU: no mask (``cp_causal.py``)
+        if cp and self.causal and context.position_ids is None and cp_causal_supported(q):
+            chunks = cp_chunk_ranges(context.seq_len, cp_size(self.cp_group),
+                                     tp_rank(self.cp_group))
+        if cp:  # every CP rank's keys: (B, kv_local, seq_len, hd), rank or sequence order
+            k, v = cp_keys_values(k, v, context.seq_len, self.cp_group, in_order=bool(chunks))
+            if chunks is None:  # packed rows, or not on CPU: the mask of global positions
+                attn_mask = cp_attention_mask(context, self.cp_group, self.causal, x.device)
         if self._kv_repeat is None:  # uneven: some local KV heads serve more query heads
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        elif self._kv_repeat > 1:  # (B, kv_local, S, hd) -> (B, h_local, S, hd)
+        elif self._kv_repeat > 1 and not chunks:  # (B, kv_local, S, hd) -> (B, h_local, S, hd)
             k = k.repeat_interleave(self._kv_repeat, dim=1)
             v = v.repeat_interleave(self._kv_repeat, dim=1)
+        if chunks:  # the kernel groups the query heads of each KV head (no repeat)
+            y = cp_causal_attention(q, k, v, chunks)  # (B, h_local, T_i, hd)
+        else:
+            y = self._sdpa(q, k, v, attn_mask, past, x.device)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local * hd)
+        return self.o_proj(y)
+
+    def _sdpa(self, q, k, v, attn_mask, past: int, device) -> torch.Tensor:
+        """SDPA of q (B, h, T, hd) against k, v (B, h, S, hd): the causal rule, a decoding
+        step's (the queries after ``past`` cached keys) or ``attn_mask``."""
+        T = q.shape[2]
         causal, mask = self.causal, None
         if attn_mask is not None:
             if attn_mask.shape[-2:] != (T, k.shape[2]):  # (under CP, built above: it fits)
@@ -257,11 +275,9 @@ class ParallelSelfAttention(nn.Module):
             # queries sit at positions past .. past+T-1, keys at 0 .. past+T-1
             causal = False
             if T > 1:
-                keys = torch.arange(past + T, device=x.device)
-                mask = keys[None, :] <= torch.arange(past, past + T, device=x.device)[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local * hd)
-        return self.o_proj(y)
+                keys = torch.arange(past + T, device=device)
+                mask = keys[None, :] <= torch.arange(past, past + T, device=device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads} (heads {self.heads[0]}:{self.heads[1]} here), "

@@ -118,11 +118,15 @@ def cp_attention_mask(context: CPSequence, group: ProcessGroup | None, causal: b
     return mask[:, None]
 
 
-def cp_keys_values(k: torch.Tensor, v: torch.Tensor, seq_len: int, group: ProcessGroup | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def cp_keys_values(k: torch.Tensor, v: torch.Tensor, seq_len: int, group: ProcessGroup | None,
+                   in_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every CP rank's keys and values (B, kv_local, T, hd), from this rank's (B, kv_local, T_i,
-    hd), moved as one all-gather (their gradients as one reduce-scatter)."""
+    hd), moved as one all-gather (their gradients as one reduce-scatter); in rank order
+    (``cp_key_index``), or with ``in_order`` put in sequence order (one copy, the rank-order one
+    then freed)."""
     kv = gather_kv_from_cp(torch.stack([k, v]), seq_len, group, dim=3)  # (2, B, kv, T, hd)
+    if in_order:
+        kv = kv.index_select(3, torch.argsort(cp_key_index(seq_len, cp_size(group), k.device)))
     return kv[0], kv[1]
 
 
