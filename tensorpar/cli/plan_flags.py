@@ -20,7 +20,8 @@ def add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="context parallelism: each sequence split over --cp ranks (2 "
                    "load-balanced chunks each; K and V all-gathered in attention), the world "
                    "tp x cp x dp x pp ranks; a rank keeps its tokens' activations, the whole "
-                   "sequence's K and V and its queries' mask against every key (default 1; "
+                   "sequence's K and V (and, packed or off CPU, its queries' mask against "
+                   "every key) (default 1; "
                    "--devices searches it when no layout fits at cp 1, or tries only this one)")
     p.add_argument("--ep", type=int, default=1, help="an MoE model's routed experts split over "
                    "--ep of the dp x tp ranks (default 1; --devices searches it)")

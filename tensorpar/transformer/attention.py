@@ -16,7 +16,8 @@ hold each head with one all-reduce, so every copy gets the dense gradient.
 
 Context parallelism (``cp_group``): the sequence itself split over the CP ranks, each holding
 its load-balanced chunks and all-gathering the keys and values it reads
-(``context_parallel.py``); the heads stay split over TP as above.
+(``context_parallel.py``; unpacked causal rows on CPU without a mask: ``cp_causal.py``); the
+heads stay split over TP as above.
 
 A batch of prompts of different lengths is left-padded: ``padded_causal_mask`` gives the boolean
 mask that keeps every query off the padding (generation only; training takes the fused causal path,

@@ -5,21 +5,24 @@ holds chunks i and 2N-1-i of 2N) and computes everything per token on them alone
 projections, rotary positions, the MLP. Attention is the one place a token reads the others::
 
     x_i (B, T_i, D) ──> q_i, k_i, v_i                       this rank's tokens, its TP heads
-        k, v = all-gather(k_i, v_i) over CP  (B, kv, T, hd)  one collective for both, rank order
-        softmax(q_i k^T / sqrt(hd) + mask_i) v               mask_i: the global positions of the
-                                                              rank's queries against all T keys
+        k, v = all-gather(k_i, v_i) over CP  (B, kv, T, hd)  one collective for both
+        unpacked rows on CPU: per chunk [a, b), keys [0, a) unmasked and [a, b) causal, merged
+            by log-sum-exp (``cp_causal.py``; k, v put in sequence order, no mask)
+        packed rows, or off CPU: softmax(q_i k^T / sqrt(hd) + mask_i) v, mask_i the global
+            positions of the rank's queries against all T keys (k, v in rank order)
         backward: dk, dv reduce-scattered back to the ranks that hold each key
 
-The mask is built from global positions, so attention is exact (the same softmax rows as on one
-device, no merging of partial softmaxes): key s is visible to query t when s <= t and, for packed
-examples, both lie in the same example (an example starts where ``position_ids`` is 0). Rotary
-tables cover the whole sequence as without CP; each rank takes its tokens' rows.
+Both paths are exact (the same softmax rows as on one device). The mask is built from global
+positions: key s is visible to query t when s <= t and, for packed examples, both lie in the
+same example (an example starts where ``position_ids`` is 0); it costs a (T_i, T) tensor a
+layer, which the mask-free path never builds. Rotary tables cover the whole sequence as without
+CP; each rank takes its tokens' rows.
 
 Why all-gather and not a ring: one collective per layer and direction, exact on gloo with no
 online-softmax merge to get right, and the simplest backward (a reduce-scatter). Its cost is
 memory: each rank holds the whole sequence's K and V for its KV heads during attention
-(2 x B x T x kv_local x hd values, a fraction kv_heads / heads of the activations when GQA) and
-the full (T_i, T) score block when the fused kernel does not run. A ring (pass K/V blocks to the
+(2 x B x T x kv_local x hd values, a fraction kv_heads / heads of the activations when GQA),
+and on the mask path the (T_i, T) mask. A ring (pass K/V blocks to the
 neighbour, merge the softmax online) holds only two blocks at a time and overlaps the transfer
 with the block's compute: it wins when T is long enough that the gathered K/V or the scores no
 longer fit, or on fast links where the overlap hides the transfer.
