@@ -222,10 +222,7 @@ def evaluates(cfg: TrainConfig, step: int) -> bool:
 def check_cp_flags(cfg: TrainConfig) -> None:
     """What ``--cp N`` needs of the other flags: 2N chunks of at least a token in a sequence,
     and under --sequence-parallel at least --tp tokens on every CP rank."""
-    if cfg.seq_len < 2 * cfg.cp:
-        raise ValueError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks (2 a "
-                         f"rank), but --seq-len {cfg.seq_len} is shorter: use --seq-len >= "
-                         f"{2 * cfg.cp} or --cp <= {cfg.seq_len // 2}")
+    check_cp_split(cfg.seq_len, cfg.cp, "--cp")
     fewest = min(cp_sizes(cfg.seq_len, cfg.cp))
     if cfg.sequence_parallel and fewest < cfg.tp:
         raise ValueError(f"--sequence-parallel splits each CP rank's tokens over --tp "
