@@ -23,6 +23,8 @@ average expects). The router statistics of a pass count every token of the stage
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,13 +35,17 @@ from tensorpar.transformer.expert_groups import ExpertGroups
 
 
 def stage_ranks(mesh, run_group: ProcessGroup | None) -> list[list[int]]:
-    """Each pipeline stage's ranks in (dp, tp) row-major order (one list without a pipeline)."""
+    """Each pipeline stage's ranks in (dp, tp) row-major order (one list without a pipeline),
+    the dims found by the mesh's names: one list per index of every other dim ("pp", "cp")."""
     if mesh is None:
         return [dist.get_process_group_ranks(run_group or dist.group.WORLD)
                 if dist.is_initialized() else [0]]
     names = list(mesh.mesh_dim_names)
-    grid = mesh.mesh.movedim(names.index("pp"), 0) if "pp" in names else mesh.mesh.unsqueeze(0)
-    return [stage.reshape(-1).tolist() for stage in grid]
+    inner = [n for n in ("dp", "tp") if n in names]
+    outer = [n for n in names if n not in inner]
+    grid = mesh.mesh.permute(*(names.index(n) for n in outer + inner))  # (..outer, dp, tp)
+    width = math.prod(mesh.mesh.shape[names.index(n)] for n in inner)
+    return grid.reshape(-1, width).tolist()
 
 
 def expert_groups(ep: int, tp: int, dp: int, mesh=None,
