@@ -184,11 +184,14 @@ class HFRecipe:
             # position_ids (--pack): restarting positions, from which transformers confines
             # attention to each example (no cache: the block-diagonal causal mask)
             extra = {} if position_ids is None else {"position_ids": position_ids}
-            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False, **extra).logits
+            out = forward(input_ids=ids_BT, use_cache=False, **extra)
             loss = vocab_parallel_cross_entropy(
-                logits_BTV_local, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
+                out.logits, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
                 reduction="mean" if loss_tokens is None else "sum")
-            return loss if loss_tokens is None else loss / loss_tokens
+            loss = loss if loss_tokens is None else loss / loss_tokens
+            if getattr(out, "aux_loss", None) is not None:  # an MoE's own balancing loss
+                loss = loss + self.config.get("router_aux_loss_coef", 0.0) * out.aux_loss
+            return loss
 
         return loss
 
