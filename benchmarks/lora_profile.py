@@ -129,7 +129,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    with tp.RankPool(2, threads=1) as pool:  # one thread a rank, as the bench's ranks
+    # one thread a rank, as the bench's ranks; no time limit: a crowded machine is slow
+    with tp.RankPool(2, threads=1, timeout_s=None) as pool:
         res = pool.run(_rank, args)[0]
     _report(res, args)
     if args.out:

@@ -46,6 +46,7 @@ _WHERE = {
     "data_parallel": "mesh.data_parallel", "init_parallel": "mesh.mesh",
     "ParallelSelfAttention": "transformer.attention", "ParallelMLP": "transformer.mlp",
     "MoEConfig": "transformer.moe", "ParallelMoE": "transformer.moe",
+    "ExpertGroups": "transformer.expert_groups",
     "combine_from_experts": "parallel.expert_dispatch",
     "CPSequence": "transformer.context_parallel", "split_to_cp": "parallel.context",
     "gather_from_cp": "parallel.context",

@@ -17,9 +17,14 @@ stacks them along ``split_dim`` and each piece after the first gives its ``offse
 
 Versions: 1 has no ``offset`` (one range per rank and tensor); 2 may have it; 3 is a pipelined
 run's (``pp_size`` stages, each of ``tp_size`` files: stage p's TP rank r wrote file
-p · tp_size + r, and the pieces name those files). A checkpoint is written with the lowest
-version that describes it, so older readers still read what they can, and refuse, rather than
-misread, the rest.
+p · tp_size + r, and the pieces name those files); 4 is a run with routed experts and data
+parallelism (``dp_size``): the experts held by other data ranks are written by those ranks, so
+every rank of a stage writes a file, data rank d's TP rank r file (p · dp_size + d) · tp_size + r
+(the others' tensors in data rank 0's files, as before). A routed expert's tensor (E, ...) has
+split dim 0: each range of experts is written once, by the first rank that holds it, never by
+the data ranks that hold copies of it. A checkpoint is written with the lowest version that
+describes it, so older readers still read what they can, and refuse, rather than misread, the
+rest.
 
 No pickle: the format is JSON plus safetensors. ``save.py`` writes it, ``load.py`` reads it at any
 TP size, ``export.py`` turns it into one dense file.
@@ -34,8 +39,9 @@ from pathlib import Path
 
 FORMAT = "tensorpar-checkpoint"
 DENSE_FORMAT = "tensorpar-dense"  # the metadata ``format`` of the one file ``export.py`` writes
-VERSION = 3  # the newest version written and read
-VERSIONS = (1, 2, 3)  # read; 1: no piece has an offset, 3: pipeline stages (module docstring)
+VERSION = 4  # the newest version written and read
+VERSIONS = (1, 2, 3, 4)  # read; 1: no piece has an offset, 3: pipeline stages, 4: experts'
+# files from every data rank (module docstring)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 

@@ -24,7 +24,7 @@ from tensorpar.checkpoint.format import (
     is_dense_export,
     sha256_of,
 )
-from tensorpar.parallel.sharding import ShardSpec, dense_shape
+from tensorpar.parallel.sharding import ShardSpec, dense_shape, param_shard
 from tensorpar.runtime.dtensors import is_dtensor, local_part
 
 
@@ -57,7 +57,7 @@ class CheckpointReader:
                                   f"{' or '.join(map(str, VERSIONS))} ({what})")
         shape = {"tp_size": int, "step": int, "config": dict, "files": list, "tensors": dict}
         bad = [k for k, t in shape.items() if not isinstance(m.get(k), t)]
-        if bad or len(m["files"]) != m["tp_size"] * m.get("pp_size", 1):
+        if bad or len(m["files"]) != m["tp_size"] * m.get("pp_size", 1) * m.get("dp_size", 1):
             raise CheckpointError(f"{found}/manifest.json is corrupted: "
                                   f"{'missing or invalid ' + ', '.join(bad) if bad else ''}"
                                   f"{'' if bad else 'files do not match tp_size'}")
@@ -141,11 +141,16 @@ def check_fits(reader: CheckpointReader, model: nn.Module, part: bool = False) -
         raise CheckpointError(f"{reader.dir} does not match the model: missing {missing[:4]}"
                               f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
                               f"{'...' if len(extra) > 4 else ''}")
-    for name, p in want.items():
-        saved = tuple(reader.tensors[name]["shape"])
-        if saved != dense_shape(p):
+    # the experts first: a checkpoint with another count of them differs in its routers too
+    for name, p in sorted(want.items(), key=lambda item: not hasattr(item[1], "ep_shard")):
+        saved, shape = tuple(reader.tensors[name]["shape"]), dense_shape(p)
+        if saved != shape and hasattr(p, "ep_shard"):
+            raise CheckpointError(f"{reader.dir}: {name} holds {saved[0]} experts of "
+                                  f"{saved[1:]} in the checkpoint, the model {shape[0]} of "
+                                  f"{shape[1:]}")
+        if saved != shape:
             raise CheckpointError(f"{reader.dir}: {name} has shape {saved} in the checkpoint, "
-                                  f"{dense_shape(p)} in the model")
+                                  f"{shape} in the model")
 
 
 def _place(tp_shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -167,7 +172,8 @@ def load_checkpoint(path: str | Path, model: nn.Module,
                     check_hashes: bool = True, part: bool = False) -> dict:
     """Load weights (and AdamW moments) into this rank's shards; return the manifest.
 
-    Reshards automatically: each parameter reads the dense slice its ``tp_shard`` names. No
+    Reshards automatically: each parameter reads the dense slice its ``tp_shard`` (a routed
+    expert's: ``ep_shard``, ``param_shard``) names, so experts saved at one EP size load at any. No
     communication, so a bad checkpoint raises the same error on every rank. A model wrapped by
     FSDP2 (``mesh/data_parallel.py``) loads too: each rank keeps its data-parallel piece of
     what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
@@ -180,7 +186,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     groups = optimizer.param_groups if optimizer is not None else []
     group_of = {id(q): g for g in groups for q in g["params"]}
     for name, p in checkpointed(model):
-        spec = p.tp_shard
+        spec = param_shard(p)
         local_part(p).copy_(local_part(_place(read_shard(reader, name, spec), p)))
         if optimizer is not None and f"optimizer.{ADAM_STATES[0]}.{name}" in reader.tensors:
             state = optimizer.state[p]

@@ -39,6 +39,7 @@ from tensorpar.checkpoint.format import (
     sha256_of,
 )
 from tensorpar.parallel.ownership import ShardOwnership, owned_local
+from tensorpar.parallel.sharding import is_expert_split
 from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -64,22 +65,60 @@ def _agree(status, group) -> list:
 
 class Grid:
     """The ranks that write one checkpoint: the TP ``group`` of each of the ``pp_group``'s
-    pipeline stages (None: one stage). Rank g = stage · tp + tp rank writes file g; ``agree``
-    exchanges a status over all of them, in that order."""
+    pipeline stages (None: one stage), and with routed experts held by other data ranks, each
+    of the ``dp_group``'s replicas too (None: the first replica writes alone). Rank
+    g = (stage · dp + dp rank) · tp + tp rank writes file g; ``agree`` exchanges a status over
+    all of them, in that order."""
 
-    def __init__(self, group: ProcessGroup | None, pp_group: ProcessGroup | None = None):
-        self.group, self.pp_group = group, pp_group
+    def __init__(self, group: ProcessGroup | None, pp_group: ProcessGroup | None = None,
+                 dp_group: ProcessGroup | None = None):
+        self.group, self.pp_group, self.dp_group = group, pp_group, dp_group
         self.tp = tp_size(group)  # (a group of None is the world's: no pipeline is one stage)
+        self.dp = 1 if dp_group is None else tp_size(dp_group)
+        self.dp_rank = 0 if dp_group is None else tp_rank(dp_group)
         self.stages = 1 if pp_group is None else tp_size(pp_group)
         self.stage = 0 if pp_group is None else tp_rank(pp_group)
-        self.rank = self.stage * self.tp + tp_rank(group)
-        self.size = self.stages * self.tp
+        self.first = self.stage * self.dp * self.tp  # the stage's first file
+        self.rank = self.first + self.dp_rank * self.tp + tp_rank(group)
+        self.size = self.stages * self.dp * self.tp
 
     def agree(self, status) -> list:
-        in_stage = _agree(status, self.group)
-        if self.stages == 1:
-            return in_stage
-        return [s for stage in _agree(in_stage, self.pp_group) for s in stage]
+        return self.agree_in_stage(status) if self.stages == 1 else \
+            [s for stage in _agree(self.agree_in_stage(status), self.pp_group) for s in stage]
+
+    def agree_in_stage(self, status) -> list:
+        in_tp = _agree(status, self.group)
+        return in_tp if self.dp == 1 else [s for row in _agree(in_tp, self.dp_group) for s in row]
+
+
+def _expert_writers(model, grid: Grid) -> dict[str, list[tuple[int, int, int]]]:
+    """Who writes each routed expert's weights: ``{name: [(file, start, stop), ...]}``, the
+    experts [start, stop) of ``name`` written by the stage's first rank (in file order) that
+    holds them, so that no expert is written twice by its expert-data replicas. One exchange of
+    every rank's expert ranges over the stage (the names are the stage's own)."""
+    mine = {name: (p.ep_shard.start, p.ep_shard.stop) for name, p in saved(model)
+            if is_expert_split(p)}
+    writers: dict[str, list[tuple[int, int, int]]] = {}
+    for i, theirs in enumerate(grid.agree_in_stage(mine)):
+        for name, (a, b) in theirs.items():
+            held = writers.setdefault(name, [])
+            if any((a, b) == (x, y) for _, x, y in held):
+                continue  # an expert-data replica of experts a lower rank writes
+            if any(a < y and x < b for _, x, y in held):
+                raise ValueError(f"the ranks split the experts of {name} differently: "
+                                 f"{[(x, y) for _, x, y in held]} and ({a}, {b})")
+            held.append((grid.first + i, a, b))
+    return {name: sorted(held, key=lambda w: w[1]) for name, held in writers.items()}
+
+
+def _has_experts(model, pp_group: ProcessGroup | None) -> bool:
+    """Whether the model (any pipeline stage of it) has routed experts split across ranks: then
+    every data rank writes (the experts it holds), on every stage alike. (Experts held whole by
+    every rank are written as any replicated tensor.)"""
+    mine = any(is_expert_split(p) for _, p in saved(model))
+    if pp_group is None or tp_size(pp_group) == 1:
+        return mine
+    return any(_agree(mine, pp_group))
 
 
 def _first_failure(statuses: list):
@@ -168,6 +207,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
     (each parameter under its name in the whole model): stage p's TP rank r writes file
     p · tp + r, and one manifest lists every stage's tensors, so that the checkpoint loads at
     any TP and pipeline size."""
+    dp = dp_group is not None and tp_size(dp_group) > 1  # None: no data parallelism
+    experts = _has_experts(model, pp_group)
+    grid = Grid(group, pp_group, dp_group if dp and experts else None)
+    writers = _expert_writers(model, grid) if experts else {}
     tensors = {}
     rank = tp_rank(group)
     for name, p in saved(model):  # every dp rank: FSDP2's gathers are collectives
@@ -176,16 +219,21 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
                                               for s in ADAM_STATES if s in state]:
             if is_dtensor(t):
                 t = _whole(t)
-            mine = owned_local(ownership, name, t, rank)
+            if name in writers:  # routed experts: this rank's, if it is their writer
+                spec = p.ep_shard
+                mine = t if (grid.rank, spec.start, spec.stop) in writers[name] else None
+            else:  # the first data replica's
+                mine = owned_local(ownership, name, t, rank) if grid.dp_rank == 0 else None
             if mine is not None:
                 tensors[key] = mine.detach().to("cpu", copy=True).contiguous()
-    grid = Grid(group, pp_group)
-    if dp_group is None or tp_size(dp_group) == 1:  # None: no data parallelism
-        return _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors)
+    if not dp or grid.dp > 1:
+        return _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors,
+                      writers)
     status = None
     if tp_rank(dp_group) == 0:
         try:
-            _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors)
+            _write(run_dir, step, model, ownership, optimizer, grid, meta, keep, tensors,
+                   writers)
         except Exception as e:  # noqa: BLE001 (the replicas raise it too, below)
             status = e
     outcome = [status]
@@ -195,8 +243,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
     return Path(run_dir) / f"step-{step:08d}"
 
 
-def _write(run_dir, step, model, ownership, optimizer, grid: Grid, meta, keep, tensors) -> Path:
-    """The writing ranks' part of ``save_checkpoint``: ``tensors`` is what this rank owns."""
+def _write(run_dir, step, model, ownership, optimizer, grid: Grid, meta, keep, tensors,
+           writers) -> Path:
+    """The writing ranks' part of ``save_checkpoint``: ``tensors`` is what this rank owns,
+    ``writers`` who writes each routed expert (``_expert_writers``)."""
     rank, n = grid.rank, grid.size
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step:08d}", run_dir / f".step-{step:08d}.tmp"
@@ -231,7 +281,7 @@ def _write(run_dir, step, model, ownership, optimizer, grid: Grid, meta, keep, t
     _first_failure(failed)
     # 3. every stage's tensors (its pieces in the grid's files); rank 0 adds the manifest and
     # renames the directory into place
-    entries = _entries(model, ownership, optimizer, grid.tp, grid.stage * grid.tp)
+    entries = _entries(model, ownership, optimizer, grid.tp, grid.first, writers)
     if grid.stages > 1:
         entries = {k: v for stage in _agree(entries, grid.pp_group) for k, v in stage.items()}
     status = None
@@ -277,14 +327,19 @@ def _pieces(ownership: ShardOwnership, name: str, n: int, first_file: int = 0) -
     return pieces
 
 
-def _entries(model, ownership, optimizer, n: int, first_file: int) -> dict:
-    """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too)."""
+def _entries(model, ownership, optimizer, n: int, first_file: int, writers) -> dict:
+    """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too): a routed
+    expert's pieces are its writers' (split dim 0), any other's its owners' in the stage's first
+    data replica."""
     tensors = {}
     for name, p in saved(model):
-        pieces = _pieces(ownership, name, n, first_file)
+        if name in writers:
+            split, pieces = 0, [{"rank": f, "start": a, "stop": b} for f, a, b in writers[name]]
+        else:
+            split, pieces = ownership.shards[name][0].dim, _pieces(ownership, name, n, first_file)
         entry = {"shape": list(ownership.shapes[name]),
                  "dtype": str(p.dtype).removeprefix("torch."),
-                 "split_dim": ownership.shards[name][0].dim, "pieces": pieces}
+                 "split_dim": split, "pieces": pieces}
         tensors[name] = entry
         if optimizer is not None and optimizer.state.get(p):
             for s in ADAM_STATES:
@@ -301,7 +356,8 @@ def _manifest(step, grid: Grid, tensors, optimizer, infos, meta) -> dict:
                                 for g in optimizer.param_groups]}
     # version 1 when no piece needs an offset: older readers then read it as before
     packed = any("offset" in piece for t in tensors.values() for piece in t["pieces"])
-    version = 3 if grid.stages > 1 else 2 if packed else 1
+    version = 4 if grid.dp > 1 else 3 if grid.stages > 1 else 2 if packed else 1
     stages = {"pp_size": grid.stages} if grid.stages > 1 else {}
+    stages |= {"dp_size": grid.dp} if grid.dp > 1 else {}
     return {"format": FORMAT, "version": version, "tp_size": grid.tp, **stages, "step": step,
             **meta, "optimizer": opt, "files": files, "tensors": tensors}

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-out", metavar="DIR", help="instead: a new or empty folder to write as "
                    "a Hugging Face model that transformers' AutoModelForCausalLM and "
                    "AutoTokenizer load (the GPT as a LlamaForCausalLM, with its byte tokenizer; "
-                   "a run of train --hf as its source model); "
+                   "with MoE blocks a MixtralForCausalLM, with shared experts a "
+                   "Qwen2MoeForCausalLM; a run of train --hf as its source model); "
                    "written next to it and renamed into place (required: this or --out)")
     p.add_argument("--peft-out", metavar="DIR", help="instead, for a LoRA run (train --hf PATH "
                    "--lora-rank R): a new or empty folder to write its adapters as PEFT's "

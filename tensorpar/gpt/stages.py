@@ -17,8 +17,9 @@ and a resume at another pipeline size see the same tensors. Each stage is a ``GP
 module over the part's embedding, blocks, norm and head (the same module objects), whose forward
 is what ``PipelineStage`` runs for one micro-batch: token ids in on the first stage, the residual
 stream (B, T, D) between stages (under sequence parallelism this TP rank's (B, T_r, D) shard),
-this rank's logits (B, T, V_local) out of the last. The cut itself and what a pipeline may be
-are ``parallel/stages.py``'s.
+this rank's logits (B, T, V_local) out of the last. Under context parallelism the first stage
+takes the whole rows and keeps its CP chunks; the stream and the logits hold those tokens. The
+cut itself and what a pipeline may be are ``parallel/stages.py``'s.
 
 A tied head (the default GPT's) is the embedding table: the last stage's part holds a copy of
 it (``parallel.stages.mark_stage_copy``), drawn from the same name, so equal at the start; the
@@ -95,9 +96,11 @@ class GPTStage(nn.Module):
         holds this rank's shard of it). position_ids: packed examples' positions (B, T)."""
         gpt, micro = self.gpt, self._micro_batch()
         if self.first:
-            x = gpt.embed(x)
+            x = gpt.embed(gpt.cp_local(x))  # under CP: the whole rows in, this rank's chunks
         B = x.shape[0]
+        t = gpt.cp_tokens(seq_len)  # the tokens this CP rank holds
         rope, mask = gpt.positions(B, seq_len, x.device, position_ids=position_ids)
-        x = gpt.run_blocks(x, rope, mask, seq_len, blocks=self.blocks,
-                           first_key=micro * gpt.cfg.n_layer)
-        return gpt.logits(x, seq_len) if self.last else x
+        x = gpt.run_blocks(x, rope, mask, t, blocks=self.blocks,
+                           first_key=micro * gpt.cfg.n_layer,
+                           context=gpt.cp_context(seq_len, position_ids))
+        return gpt.logits(x, t) if self.last else x

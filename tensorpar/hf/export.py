@@ -37,6 +37,13 @@ so ``generate`` runs to ``max_new_tokens``, as ``tensorpar generate`` does. A GP
 ``--tokenizer DIR`` is exported with the run's copy of that tokenizer instead, its end-of-text
 and start ids in the config.
 
+A GPT with MoE blocks (``--moe-experts``) is a ``MixtralForCausalLM``, with shared experts a
+``Qwen2MoeForCausalLM`` (``moe_kind``); attention, norms, embedding and head as above, and::
+
+    blocks.i.mlp.router              model.layers.i.mlp.gate
+    blocks.i.mlp.experts.*           model.layers.i.mlp.experts.{gate_up_proj,down_proj}
+    blocks.i.mlp.shared.{gate,up,down}   model.layers.i.mlp.shared_expert.{gate,up,down}_proj
+
 The manifest says what model a checkpoint holds (``model_kind``) and ``EXPORTERS`` picks the
 writer: ``"gpt"`` above; ``"hf"``, a run fine-tuned from a Hugging Face model (``train --hf``),
 is written back as that model (``export_finetuned.py``). Nothing half-written: the target is
@@ -74,6 +81,12 @@ LLAMA_FIELDS = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "dim
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                **{f"attn.{p}_proj": f"self_attn.{p}_proj" for p in "qkvo"},
                **{f"mlp.{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")}}
+# the GPT's Mixture-of-Experts fields (gpt/moe_blocks.py); moe_experts 0 is a dense GPT
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_router", "moe_balance",
+              "moe_aux_coef", "moe_z_coef", "moe_bias_rate")
+# the transformers class of each kind of GPT: dense, routed experts, and shared experts too
+CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+           "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def parse_shard_size(text: str) -> int:
@@ -109,10 +122,11 @@ def _llama_config(reader: CheckpointReader, note: Note) -> dict:
     Llama (or the byte tokenizer) cannot express."""
     m, where = reader.manifest, f"checkpoint {reader.dir}"
     cfg = dict(m["config"])
-    unknown = sorted(cfg.keys() - LLAMA_FIELDS.keys())
+    unknown = sorted(cfg.keys() - LLAMA_FIELDS.keys() - set(MOE_FIELDS))
     if unknown:
         raise ValueError(f"{where}: model field {unknown[0]}={cfg[unknown[0]]!r} has no Llama "
-                         f"equivalent (export --hf-out knows {', '.join(LLAMA_FIELDS)})")
+                         f"equivalent (export --hf-out knows {', '.join(LLAMA_FIELDS)} and "
+                         f"{', '.join(MOE_FIELDS)})")
     cfg.setdefault("dropout", 0.0)
     if missing := [f for f in LLAMA_FIELDS if f not in cfg]:
         raise ValueError(f"{where}: the manifest's model config has no {missing[0]}")
@@ -147,6 +161,54 @@ def _llama_config(reader: CheckpointReader, note: Note) -> dict:
                      "max_position_embeddings": max_len, "attention_bias": False,
                      "mlp_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
                      "eos_token_id": None, "pad_token_id": None}
+
+
+def moe_kind(cfg: dict, where: str) -> tuple[str, dict]:
+    """The transformers model a GPT of config ``cfg`` is written as (a key of ``CLASSES``), and
+    its config keywords beyond Llama's; ValueError (one line) for MoE blocks no class holds.
+
+    Routed experts alone are Mixtral's layout: the softmax's top k renormalised, SwiGLU experts
+    in the fused (E, 2H, D) and (E, D, H) tensors. Shared experts are Qwen2-MoE's: its shared
+    expert is one SwiGLU, scaled by sigmoid(x · g) for a gate g of its own; the export writes g
+    as zeros and the shared down projection doubled, so the scale is exactly 1/2 of 2."""
+    experts = cfg.get("moe_experts", 0)
+    if not experts:
+        return "llama", {}
+    router = cfg.get("moe_router", "softmax")
+    if router != "softmax":
+        raise ValueError(f"{where}: --moe-router {router} has no transformers class export "
+                         "--hf-out writes (Mixtral and Qwen2-MoE route by the softmax's top k); "
+                         "--out writes the dense weights")
+    common = {"num_experts_per_tok": cfg["moe_top_k"], "output_router_logits": False,
+              "router_aux_loss_coef": cfg.get("moe_aux_coef", 0.0)}
+    shared = cfg.get("moe_shared_experts", 0)
+    if not shared:
+        return "mixtral", common | {"num_local_experts": experts, "router_jitter_noise": 0.0,
+                                    "sliding_window": None}
+    return "qwen2_moe", common | {
+        "num_experts": experts, "moe_intermediate_size": cfg["hidden_dim"],
+        "shared_expert_intermediate_size": shared * cfg["hidden_dim"], "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": False,
+        "use_sliding_window": False}
+
+
+def moe_names(c: dict, kind: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each MoE block parameter -> (its name in the ``kind`` model, its dense shape)."""
+    D, E = c["hidden_size"], c.get("num_local_experts", c.get("num_experts"))
+    H = c.get("moe_intermediate_size", c["intermediate_size"])
+    names = {}
+    for i in range(c["num_hidden_layers"]):
+        ours, theirs = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
+        names |= {f"{ours}.router.weight": (f"{theirs}.gate.weight", (E, D)),
+                  f"{ours}.experts.gate_up_proj": (f"{theirs}.experts.gate_up_proj",
+                                                   (E, 2 * H, D)),
+                  f"{ours}.experts.down_proj": (f"{theirs}.experts.down_proj", (E, D, H))}
+        if kind == "qwen2_moe":
+            S = c["shared_expert_intermediate_size"]
+            for p, shape in (("gate", (S, D)), ("up", (S, D)), ("down", (D, S))):
+                names[f"{ours}.shared.{p}.weight"] = (f"{theirs}.shared_expert.{p}_proj.weight",
+                                                      shape)
+    return names
 
 
 def llama_names(c: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -206,13 +268,36 @@ def _write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _gpt_names(kwargs: dict, kind: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each GPT parameter -> (its name in the ``kind`` model, its dense shape)."""
+    names = llama_names(kwargs)
+    if kind != "llama":  # the MLP's three linears are the MoE block's
+        names = {k: v for k, v in names.items()
+                 if not k.endswith(("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"))}
+        names |= moe_names(kwargs, kind)
+    return names
+
+
+def _moe_state(state: dict, kwargs: dict) -> None:
+    """Qwen2-MoE's shared-expert gates (``moe_kind``): zeros, and each shared down doubled."""
+    for key in [k for k in state if k.endswith("shared_expert.down_proj.weight")]:
+        state[key] = state[key] * 2
+        gate = key.replace("shared_expert.down_proj", "shared_expert_gate")
+        state[gate] = torch.zeros(1, kwargs["hidden_size"], dtype=state[key].dtype)
+
+
 def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> Writer:
-    """Check that the GPT of ``reader`` is a Llama; return what writes its folder."""
+    """Check that the GPT of ``reader`` is a Llama (with MoE blocks: a Mixtral or a Qwen2-MoE,
+    ``moe_kind``); return what writes its folder."""
     import transformers
 
     kwargs = _llama_config(reader, note)
-    names = llama_names(kwargs)
-    check_tensors(reader, names, "a Llama")
+    kind, moe = moe_kind(reader.manifest["config"], f"checkpoint {reader.dir}")
+    if kind != "llama":  # Llama's MLP and attention biases have no place there
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("mlp_bias", "attention_bias")}
+        kwargs |= moe
+    names = _gpt_names(kwargs, kind)
+    check_tensors(reader, names, f"a {CLASSES[kind].removesuffix('ForCausalLM')}")
     source = run_tokenizer_folder(reader)
     tokenizer = None if source is None else \
         transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
@@ -220,10 +305,12 @@ def _gpt_to_llama(reader: CheckpointReader, max_shard_size: int, note: Note) -> 
         kwargs |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
 
     def write(folder: Path) -> None:
-        config = transformers.LlamaConfig(**kwargs)
+        model_class = getattr(transformers, CLASSES[kind])
+        config = model_class.config_class(**kwargs)
         with torch.device("meta"):  # no weights drawn: each is assigned below
-            model = transformers.LlamaForCausalLM(config)
+            model = model_class(config)
         state = {hf: reader.read(name).contiguous() for name, (hf, _) in names.items()}
+        _moe_state(state, kwargs)
         if config.tie_word_embeddings:  # one tensor; save_pretrained writes it once
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)

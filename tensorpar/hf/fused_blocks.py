@@ -40,10 +40,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.fused import fused_column
+from tensorpar.parallel.fused import ColumnLoRA, fused_column
 from tensorpar.parallel.linear import ColumnParallelLinear
 from tensorpar.parallel.lora import (
-    column_factors,
+    column_lora,
     column_update,
     dropped_column_products,
     drops,
@@ -127,16 +127,13 @@ class Region:
                      length: int | None) -> list[torch.Tensor]:
         adapted = [c for c in columns if has_lora(c)]
         ws, bs, b_lora = self._weights(columns, adapted)
-        # the adapters' A as more weights of the op; one that drops has an input of its own:
-        # then A leaves the fused op
-        fuse_a, partial = adapted and not any(drops(c) for c in adapted), 0
-        if fuse_a:
-            a_lora, partial = column_factors(adapted, x, self.group, length is not None)
-            ws, bs = ws + a_lora, bs + [None] * len(adapted)
-        outs = column_op(x, ws, bs, self.group, length, partial)
-        zs = outs[len(columns):] if fuse_a or not adapted else \
-            dropped_column_products(x, adapted, self.group, length)
-        ys = list(outs[:len(columns)])
+        if not any(drops(c) for c in adapted):  # the adapters are part of the fused op
+            lora = column_lora(adapted, [columns.index(c) for c in adapted], b_lora, x,
+                               self.group, length is not None) if adapted else None
+            return list(column_op(x, ws, bs, self.group, length, lora))
+        # an adapter that drops has an input of its own: A leaves the fused op
+        ys = list(column_op(x, ws, bs, self.group, length))
+        zs = dropped_column_products(x, adapted, self.group, length)
         for j, c in enumerate(adapted):
             i = columns.index(c)
             ys[i] = column_update(ys[i], zs[j], c, b_lora[j])
@@ -156,15 +153,15 @@ class Region:
 
 
 def column_op(x: torch.Tensor, weights, biases, group: ProcessGroup | None,
-              seq_len: int | None = None, partial: int = 0) -> tuple[torch.Tensor, ...]:
+              seq_len: int | None = None,
+              lora: ColumnLoRA | None = None) -> tuple[torch.Tensor, ...]:
     """``fused_column`` on an input of any shape (..., D) (it takes (B, T, D)); ``seq_len``:
-    under sequence parallelism T, x being this rank's (B, T_r, D) shard; ``partial``: as
+    under sequence parallelism T, x being this rank's (B, T_r, D) shard; ``lora``: as
     ``fused_column``'s."""
     if x.dim() == 3:
         return fused_column(x, weights, biases, sequence_parallel=seq_len is not None,
-                            group=group, seq_len=seq_len, partial=partial)
-    ys = fused_column(x.reshape(1, -1, x.shape[-1]), weights, biases, group=group,
-                      partial=partial)
+                            group=group, seq_len=seq_len, lora=lora)
+    ys = fused_column(x.reshape(1, -1, x.shape[-1]), weights, biases, group=group, lora=lora)
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
@@ -182,10 +179,9 @@ class FusedColumnLinear(ColumnParallelLinear):
             (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
             y = column_update(y, dropped_column_products(x, [self], self.group, seq_len)[0], self)
         elif has_lora(self):
-            (a,), partial = column_factors([self], x, self.group, seq_len is not None)
-            y, z = column_op(x, [self.weight, a], [self.bias, None], self.group, seq_len,
-                             partial)
-            y = column_update(y, z, self)
+            lora = column_lora([self], [0], [self.lora_B.weight], x, self.group,
+                               seq_len is not None)
+            (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len, lora)
         else:
             (y,) = column_op(x, [self.weight], [self.bias], self.group, seq_len)
         if self.gather_output:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.hf.context import check_context_parallel, install_context_parallel
 from tensorpar.hf.dropout import install_region_streams
 from tensorpar.hf.fused_blocks import FusedColumnLinear
 from tensorpar.hf.labels_loss import vocab_parallel_labels_loss
@@ -80,10 +81,13 @@ def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
 
 
 def check_plan_fits(model: nn.Module, plan: dict[str, str], n: int,
-                    sequence_parallel: bool = False, ep: int | None = None) -> None:
-    """Raise ValueError, the same on every rank, for a plan (or sequence parallelism) that cannot
-    split ``model`` over ``n`` ranks (MoE experts over ``ep``, default ``n``): before any
-    collective, before a byte is read."""
+                    sequence_parallel: bool = False, context_parallel: bool = False, *,
+                    ep: int | None = None) -> None:
+    """Raise ValueError, the same on every rank, for a plan (or sequence or context parallelism)
+    that cannot split ``model`` over ``n`` ranks (MoE experts over ``ep``, default ``n``):
+    before any collective, before a byte is read."""
+    if context_parallel:
+        check_context_parallel(model, sequence_parallel, has_dropout(model))
     matches = check_plan(model, plan)
     for pattern, names in matches.items():
         for name in names:
@@ -98,12 +102,14 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
                source=None, dtype: torch.dtype | None = None,
                tied: dict[str, str] | None = None,
                sequence_parallel: bool = False,
+               cp_group: ProcessGroup | None = None,
                ep_group: ProcessGroup | None = None) -> nn.Module:
     """Swap the modules ``plan`` names for their tensor-parallel versions (see module doc).
 
     source: where dense weights are read (default: the model itself). tied: column module name ->
     embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
     sequence_parallel: sequence shards between the blocks (checked by ``check_plan_fits``).
+    cp_group: the context-parallel group (``context.py``; None or one rank: no CP).
     ep_group: the ranks the MoE blocks' routed experts are cut across (None: ``group``).
     """
     matches = check_plan(model, plan)
@@ -160,6 +166,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
     if isinstance(head, FusedColumnLinear) and head.gather_output and conv.n > 1 and \
             hasattr(model, "loss_function"):  # labels= losses on the split logits
         vocab_parallel_labels_loss(model, head, group)
+    if cp_group is not None and tp_size(cp_group) > 1:
+        install_context_parallel(model, cp_group)
     return model
 
 
@@ -225,6 +233,7 @@ def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> N
 
 def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
                 group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                cp_group: ProcessGroup | None = None,
                 ep_group: ProcessGroup | None = None) -> nn.Module:
     """Convert a dense model in place to tensor parallelism over ``group`` and return it.
 
@@ -232,12 +241,17 @@ def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
     checked. ``plan`` defaults to the built-in plan of the model's family (module docstring).
     sequence_parallel: the residual stream between the blocks holds this rank's sequence shard
     (Llama family; for training and scoring, not ``generate()``: ``sequence.py``).
+    cp_group: context parallelism over this group (Llama family, ``context.py``): every CP rank
+    calls the model on the same whole rows and gets its load-balanced chunks' logits; pass the
+    TP group as ``group`` (None would be the whole world).
     ep_group: the ranks the routed experts of MoE blocks are cut across (default ``group``;
     another folding: a TP group's ranks all in it, or each in another EP group).
     """
     plan = plan or plan_for(model)
+    cp = cp_group is not None and tp_size(cp_group) > 1
     ep = tp_size(group if ep_group is None else ep_group)
-    check_plan_fits(model, plan, tp_size(group), sequence_parallel, ep)  # before any collective
+    check_plan_fits(model, plan, tp_size(group), sequence_parallel, cp,
+                    ep=ep)  # before any collective
     check_same_weights(model, group)
     return apply_plan(model, plan, group, tied=tied_heads(model),
-                      sequence_parallel=sequence_parallel, ep_group=ep_group)
+                      sequence_parallel=sequence_parallel, cp_group=cp_group, ep_group=ep_group)

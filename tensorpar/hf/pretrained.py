@@ -106,6 +106,7 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
                     dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
                     attn_implementation: str | None = None,
                     sequence_parallel: bool = False, weights: bool = True,
+                    cp_group: ProcessGroup | None = None,
                     ep_group: ProcessGroup | None = None) -> nn.Module:
     """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
 
@@ -116,8 +117,8 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     module, raised on every rank before anything is read. The converted layers are those of
     ``parallelize`` (q/k/v and gate/up as one fused op each); ``sequence_parallel`` as there.
     weights=False: the directory needs only its config; the parameters are zeros, for a
-    checkpoint to fill (``load_checkpoint``). ep_group: as ``parallelize``'s (MoE models: each
-    rank reads only its experts).
+    checkpoint to fill (``load_checkpoint``). cp_group: context parallelism, as ``parallelize``.
+    ep_group: as ``parallelize``'s (MoE models: each rank reads only its experts).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -130,11 +131,12 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
     check_plan_fits(model, plan, tp_size(group), sequence_parallel,
-                    tp_size(group if ep_group is None else ep_group))
+                    cp_group is not None and tp_size(cp_group) > 1,
+                    ep=tp_size(group if ep_group is None else ep_group))
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model)) if weights \
         else EmptySource(model)
     apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),
-               sequence_parallel=sequence_parallel, ep_group=ep_group)
+               sequence_parallel=sequence_parallel, cp_group=cp_group, ep_group=ep_group)
     source.close()
     if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
         from transformers import GenerationConfig

@@ -44,6 +44,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel  # loaded by ``import torch`` already
 
+from tensorpar.mesh.experts import ignore_experts_in_ddp, split_expert_params
+from tensorpar.mesh.mesh import replica_mesh
 from tensorpar.runtime.dtensors import is_dtensor
 from tensorpar.runtime.groups import collectives_checked
 
@@ -72,7 +74,9 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
                   units: Iterable[nn.Module] | None = None,
                   param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Make ``model`` (built on ``mesh["tp"]``) data-parallel over ``mesh["dp"]``.
+    """Make ``model`` (built on ``mesh["tp"]``) data-parallel over ``mesh["dp"]`` (under context
+    parallelism the flattened ("dp", "cp") mesh, ``mesh.replica_mesh``: gradients summed over
+    the CP ranks' tokens too).
 
     mode: "fsdp" (FSDP2: ``fully_shard`` each of ``units``, then the root; default) or "ddp"
         (``DistributedDataParallel``). units: the modules FSDP2 shards separately; default
@@ -85,16 +89,18 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     must not be used by an optimizer made before: make it after.
     """
     check_dp_mode(mode)
-    if mesh["dp"].size() == 1:
+    replicas = replica_mesh(mesh)
+    if replicas.size() == 1:
         return model
     if mode == "ddp":
         # tensorpar's buffers (rotary tables, head indices) are the same on every rank: no
         # broadcast of them before each forward (torch 2.13 renamed the switch)
         params = inspect.signature(DistributedDataParallel).parameters
         quiet = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-        group = mesh["dp"].get_group()
+        group = replicas.get_group()
         if collectives_checked(group):
             group = _unchecked_dp_group(mesh)
+        ignore_experts_in_ddp(model)
         return DistributedDataParallel(model, process_group=group, **{quiet: False})
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -103,9 +109,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp",
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
+    # split experts (--ep) are left to the trainer, which sums them over the expert-data ranks
+    ignored = set(split_expert_params(model)) or None
     for unit in shard_units(model) if units is None else units:
-        fully_shard(unit, mesh=mesh["dp"], mp_policy=policy)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(unit, mesh=replicas, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=replicas, mp_policy=policy, ignored_params=ignored)
     for name, p in model.named_parameters():
         if name in specs:
             p.tp_shard = specs[name]
@@ -119,13 +127,18 @@ def _unchecked_dp_group(mesh: DeviceMesh) -> ProcessGroup:
     checks its collectives (``ranks/checking.py``). It needs no check: its collectives are its
     gradient buckets, whose shapes come from the parameters, and it compares the parameters'
     shapes across ranks itself when it is built. Every rank creates every dp group (column j of
-    the (dp, tp) mesh holds TP rank j of each replica), as ``new_group`` requires.
+    the (dp, tp) mesh holds TP rank j of each replica; under CP the (dp, cp) ranks of TP rank
+    j), as ``new_group`` requires.
     """
+    names = list(mesh.mesh_dim_names)
+    replicas = [names.index(d) for d in ("dp", "cp") if d in names]
+    others = [i for i in range(len(names)) if i not in replicas]
+    columns = mesh.mesh.permute(*others, *replicas).reshape(-1, replica_mesh(mesh).size())
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.OFF)  # groups created now are not wrapped
     try:
         mine = None
-        for ranks in mesh.mesh.t().tolist():  # one dp group per TP rank
+        for ranks in columns.tolist():  # one dp group per TP rank
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 mine = group
@@ -137,7 +150,7 @@ def _unchecked_dp_group(mesh: DeviceMesh) -> ProcessGroup:
 def dp_groups(model: nn.Module, mesh: DeviceMesh) -> list[ProcessGroup]:
     """The groups ``model`` (what :func:`data_parallel` returned) runs its dp collectives on:
     the mesh's dp group, and under the check mode DDP's own copy of it, to count both as dp."""
-    groups = [mesh["dp"].get_group()]
+    groups = [replica_mesh(mesh).get_group()]
     if isinstance(model, DistributedDataParallel) and model.process_group not in groups:
         groups.append(model.process_group)
     return groups

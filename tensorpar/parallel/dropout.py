@@ -72,11 +72,16 @@ class TensorParallelRNG:
 
     seed: the base seed, the same on every rank. group: the TP group (its rank picks the
     sharded stream). dp_rank: this rank's data-parallel replica (0 without data parallelism).
+    cp_rank: this rank's place in a context-parallel group (None without CP): one more
+    coordinate of both streams, since the CP ranks hold different tokens of a sequence (no two
+    share a mask); without CP the streams are what they were.
     A trainer calls ``set_step(step)`` before each step's forward.
     """
 
-    def __init__(self, seed: int, group: ProcessGroup | None = None, dp_rank: int = 0):
+    def __init__(self, seed: int, group: ProcessGroup | None = None, dp_rank: int = 0,
+                 cp_rank: int | None = None):
         self.group, self.dp_rank = group, dp_rank
+        self.cp = () if cp_rank is None else (cp_rank,)
         # per stream, as int64 scalars updated in place (graph inputs under compile): its seed,
         # and how many keys it has handed out since set_step
         self._seed_tensors = {r: torch.zeros((), dtype=torch.int64) for r in REGIONS}
@@ -92,9 +97,10 @@ class TensorParallelRNG:
         """Restart both streams for optimizer step ``step``."""
         self.step = step
         self.seeds = {
-            "replicated": derive_seed(self.seed, "dropout-replicated", step, self.dp_rank),
+            "replicated": derive_seed(self.seed, "dropout-replicated", step, self.dp_rank,
+                                      *self.cp),
             "sharded": derive_seed(self.seed, "dropout-sharded", step, self.dp_rank,
-                                   tp_rank(self.group)),
+                                   tp_rank(self.group), *self.cp),
         }
         for region in REGIONS:
             self._seed_tensors[region].fill_(self.seeds[region])

@@ -27,10 +27,10 @@ The matmuls themselves stay separate: concatenating the weights into one GEMM wa
 on CPU (the copies of the weights, and the split and concatenation of the gradients, cost more
 than the larger GEMM saves: see benchmarks/README.md).
 
-LoRA's replicated factor A can be one more weight of the op (``partial``): each rank's gradient
-of its product is then a part of the whole, and travels in the input gradient's all-reduce,
-beside sum_i dy_i W_i, so that A's gradient comes out whole (``_grads_with_partials``,
-``parallel/lora.py``).
+LoRA's adapters are part of the op (``ColumnLoRA``): forward adds s · (x A^T) B^T to their
+outputs in place; backward makes z = x A^T's gradient dz = s · dy B and the local dB. Without SP
+each rank's dz is a part of the whole and travels in the input gradient's all-reduce, beside
+sum_i dy_i W_i, so that A's gradient comes out whole (``_grads_with_partials``, ``lora.py``).
 
 Under ``torch.compile`` a traced backward would wait for each functional collective at once, so
 the backward is one custom op (``tensorpar::column_backward``) that runs the eager code above.
@@ -44,6 +44,8 @@ that ``reduce_from_tp`` makes of a tensor it did not create; its backward is loc
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,13 +76,17 @@ def _split_params(has_bias, weights_and_biases):
 
 
 class _FusedColumn(torch.autograd.Function):
-    """forward: f (or the SP all-gather), then the matmuls; backward: (SP: the all-gather of the
-    input shard again, overlapped with the input-gradient matmul, then) the all-reduce (or
-    reduce-scatter) of the input gradient, overlapped with the weight-gradient matmuls."""
+    """forward: f (or the SP all-gather), then the matmuls (and the adapters' updates, added in
+    place); backward: (SP: the all-gather of the input shard again, overlapped with the
+    input-gradient matmul, then) the all-reduce (or reduce-scatter) of the input gradient,
+    overlapped with the weight-gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes, keep_gathered, has_bias, partial, *weights_and_biases):
-        weights, biases = _split_params(has_bias, weights_and_biases)
+    def forward(ctx, x, group, sizes, keep_gathered, has_bias, adapt, *tensors):
+        # tensors: the weights, the adapters' A and B (adapt: their (targets, scales, partial)),
+        # then the biases that exist
+        k, m = len(has_bias), len(adapt[0]) if adapt else 0
+        weights, biases = _split_params(has_bias, tensors[:k] + tensors[k + 2 * m:])
         n = tp_size(group)
         sp = sizes is not None  # the sequence shard sizes, under SP with n > 1
         x_full = all_gather(x, SEQ_DIM, sizes, group) if sp else x  # (B, T_r, D) -> (B, T, D)
@@ -88,39 +94,116 @@ class _FusedColumn(torch.autograd.Function):
         cast = autocast_cast(x.device.type)  # compute (and save) what autocast's linear would
         x_full = cast(x_full)
         weights, biases = [cast(w) for w in weights], [cast(b) for b in biases]
+        factors = [cast(t) for t in tensors[k:k + 2 * m]]  # A_1..A_m, B_1..B_m
+        ys = tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
+        z = _add_updates(x_full, ys, factors[:m], factors[m:], *adapt[:2]) if m else None
         ctx.regather = sp and not keep_gathered
         # the shard, cast like x_full: gathering the cast shard gives the cast x_full exactly
-        ctx.save_for_backward(cast(x) if ctx.regather else x_full, *weights)
+        ctx.save_for_backward(cast(x) if ctx.regather else x_full, z, *weights, *factors)
         ctx.group, ctx.sizes, ctx.n, ctx.has_bias = group, sizes, n, has_bias
-        ctx.partial = partial
-        return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases, strict=True))
+        ctx.adapt = adapt
+        return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        x_saved, *weights = ctx.saved_tensors
+        x_saved, z, *weights = ctx.saved_tensors
+        k = len(ctx.has_bias)
+        lora = _Adapters(weights[k:], ctx.adapt, z) if ctx.adapt else None
+        weights = weights[:k]
         # what autograd wants (the same on every rank): no dW for a frozen weight, no dx (nor
-        # its collective) for an input that needs none, as the plain path's autograd skips them
-        need_dx, need = ctx.needs_input_grad[0], ctx.needs_input_grad[6:6 + len(weights)]
+        # its collective) for an input that needs none, as the plain path's autograd skips them;
+        # need covers the weights, then the adapters' A and B
+        need_dx, need = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
+        need = need[:len(need) - sum(ctx.has_bias)]
         if ctx.n > 1 and is_compiling():  # the eager overlap, kept inside one opaque op
-            got = iter(column_backward(list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape,
-                                       ctx.sizes or [], ctx.regather, group_name(ctx.group),
-                                       need_dx, list(need), ctx.partial))
+            targets, scales, partial = ctx.adapt or ((), (), False)
+            got = iter(column_backward(
+                list(dys), x_saved, weights, ctx.x_dtype, ctx.x_shape, ctx.sizes or [],
+                ctx.regather, group_name(ctx.group), need_dx, list(need),
+                list(lora.a) if lora else [], list(lora.b) if lora else [], z, list(targets),
+                list(scales), partial))
             dx, dws = next(got) if need_dx else None, [next(got) if k else None for k in need]
         else:
             dx, dws = _column_grads(dys, x_saved, weights, ctx.x_dtype, ctx.sizes, ctx.regather,
-                                    ctx.group, need_dx, need, ctx.partial)
+                                    ctx.group, need_dx, need, lora)
         return (dx, None, None, None, None, None, *dws, *_bias_grads(dys, ctx.has_bias))
 
 
+class _Adapters:
+    """A fused column op's adapters in backward: ``ColumnLoRA``'s, with A and B as the matmuls
+    used them and z (N, R) = the products x A_j^T side by side."""
+
+    def __init__(self, factors, adapt, z):
+        m = len(adapt[0])
+        self.a, self.b, self.z = list(factors[:m]), list(factors[m:2 * m]), z
+        self.targets, self.scales, self.partial = adapt
+        self.cols = _column_slices([a.shape[0] for a in self.a])
+
+    def a_cat(self) -> torch.Tensor:
+        """All the A_j stacked (R, D): one matmul for all of them."""
+        return torch.cat(self.a) if len(self.a) > 1 else self.a[0]
+
+    def fill_dz(self, dz: torch.Tensor, dys) -> None:
+        """dz (N, R) := s_j dy_t B_j in each adapter's columns: the gradient of z."""
+        for b, t, s, cols in zip(self.b, self.targets, self.scales, self.cols, strict=True):
+            dy = dys[t].reshape(-1, dys[t].shape[-1])
+            if dz.dtype == dy.dtype:  # beta=0: dz's old values (uninitialised) are ignored
+                dz[:, cols].addmm_(dy, b, beta=0, alpha=s)
+            else:  # the matmuls' dtype (bf16 autocast) into the fp32 buffer
+                dz[:, cols].copy_(torch.mm(dy, b).mul_(s))
+
+    def b_grads(self, dys, need) -> list[torch.Tensor | None]:
+        """dB_j = s_j dy_t^T z_j (out_t, r_j), local, where need[j]."""
+        return [b.new_empty(b.shape).addmm_(dys[t].reshape(-1, b.shape[0]).t(), self.z[:, cols],
+                                            beta=0, alpha=s) if want else None
+                for b, t, s, cols, want in zip(self.b, self.targets, self.scales, self.cols,
+                                               need, strict=True)]
+
+    def a_grads(self, da: torch.Tensor | None, need) -> list[torch.Tensor | None]:
+        """The A_j's rows of dA (R, D), where need[j]."""
+        das = [da[cols] for cols in self.cols] if da is not None else [None] * len(self.a)
+        return [d if want else None for d, want in zip(das, need, strict=True)]
+
+
+def _column_slices(widths) -> list[slice]:
+    return [slice(sum(widths[:j]), sum(widths[:j + 1])) for j in range(len(widths))]
+
+
+def _add_updates(x_full, ys, a, b, targets, scales) -> torch.Tensor:
+    """y_t += s_j (x A_j^T) B_j^T in place for each adapter j (the ys are the op's own); returns
+    z (N, R), the products x A_j^T side by side (one matmul for all of them)."""
+    x_2d = x_full.reshape(-1, x_full.shape[-1])
+    z = x_2d.mm((torch.cat(a) if len(a) > 1 else a[0]).t())
+    for b_j, t, s, cols in zip(b, targets, scales, _column_slices([t.shape[0] for t in a]),
+                               strict=True):
+        ys[t].view(-1, ys[t].shape[-1]).addmm_(z[:, cols], b_j.t(), alpha=s)
+    return z
+
+
 def _column_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need,
-                  partial=0):
-    """(dx, [dW_i]) of ``_FusedColumn``, collectives overlapped (see above). sizes: the SP shard
-    sizes (None without SP); regather: x_saved is this rank's shard, to gather again; need_dx,
-    need[i]: whether dx and dW_i are wanted (None in their place when not); partial: the last
-    weights are replicated factors whose output gradients are partial sums (``fused_column``)."""
+                  lora: _Adapters | None = None):
+    """(dx, [dW_i, dA_j, dB_j]) of ``_FusedColumn``, collectives overlapped (see above). sizes:
+    the SP shard sizes (None without SP); regather: x_saved is this rank's shard, to gather
+    again; need_dx, need: whether dx and each weight's (then each A's and B's) gradient are
+    wanted (None in their place when not); lora: the adapters, if any."""
+    if lora is None:
+        return _base_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need)
+    k, m = len(weights), len(lora.a)
+    if lora.partial and tp_size(group) > 1:
+        return _grads_with_partials(dys, x_saved, weights, x_dtype, group, need, lora)
+    # z's gradient, each rank's part: one more product of the op (A's gradients are summed by
+    # the caller, its input gradient's part by the op's collective)
+    dz = dys[0].new_empty((*dys[0].shape[:-1], lora.z.shape[1]))
+    lora.fill_dz(dz.view(-1, dz.shape[-1]), dys)
+    dx, dws = _base_grads([*dys, dz], x_saved, [*weights, lora.a_cat()], x_dtype, sizes,
+                          regather, group, need_dx, [*need[:k], any(need[k:k + m])])
+    da = dws.pop()
+    return dx, dws + lora.a_grads(da, need[k:k + m]) + lora.b_grads(dys, need[k + m:])
+
+
+def _base_grads(dys, x_saved, weights, x_dtype, sizes, regather, group, need_dx, need):
+    """(dx, [dW_i]) of the op's matmuls y_i = x W_i^T (``_column_grads`` without adapters)."""
     n, regather = tp_size(group), regather and any(need)  # no dW wanted: nothing to gather
-    if partial and n > 1:
-        return _grads_with_partials(dys, x_saved, weights, x_dtype, group, need, partial)
     if not need_dx:
         x_full = all_gather(x_saved, SEQ_DIM, sizes, group) if regather else x_saved
         return None, _weight_grads(dys, x_full, need)
@@ -188,26 +271,34 @@ _CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", Non
 @torch.library.custom_op("tensorpar::column_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def column_backward(dys: list[torch.Tensor], x_saved: torch.Tensor, weights: list[torch.Tensor],
                     x_dtype: torch.dtype, x_shape: list[int], sizes: list[int], regather: bool,
-                    group: str, need_dx: bool, need: list[bool],
-                    partial: int) -> list[torch.Tensor]:
-    """[dx, dW_i, ...]: ``_column_grads`` for compiled graphs (sizes: [] without SP), over the
-    group named ``group``; dx if ``need_dx``, dW_i where ``need[i]``; bias gradients are the
-    caller's. The inputs are cast already (forward did), so autocast is off inside: the dtypes
-    are the fake's. Outputs that share a buffer (``partial``) are copied apart: a custom op's
-    outputs may not alias."""
+                    group: str, need_dx: bool, need: list[bool], lora_a: list[torch.Tensor],
+                    lora_b: list[torch.Tensor], lora_z: torch.Tensor | None, targets: list[int],
+                    scales: list[float], partial: bool) -> list[torch.Tensor]:
+    """[dx, dW_i, ..., dA_j, ..., dB_j, ...]: ``_column_grads`` for compiled graphs (sizes: []
+    without SP), over the group named ``group``; dx if ``need_dx``, each gradient where its
+    ``need`` (the weights', then the adapters' A and B); bias gradients are the caller's. The
+    adapters (none when ``lora_a`` is empty): ``_Adapters``. The inputs are cast already
+    (forward did), so autocast is off inside: the dtypes are the fake's. With adapters, outputs
+    that share a buffer are copied apart: a custom op's outputs may not alias."""
+    lora = _Adapters([*lora_a, *lora_b], (tuple(targets), tuple(scales), partial), lora_z) \
+        if lora_a else None
     with torch.autocast(x_saved.device.type, enabled=False):
         dx, dws = _column_grads(dys, x_saved, weights, x_dtype, sizes or None, regather,
-                                _resolve_process_group(group), need_dx, need, partial)
+                                _resolve_process_group(group), need_dx, need, lora)
         out = [t for t in (dx, *dws) if t is not None]
-        return [t.clone() for t in out] if partial else out
+        return [t.clone() for t in out] if lora else out
 
 
 @column_backward.register_fake
-def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group, need_dx, need, partial):
-    """dx of the input's shape and dtype; each dW (out_i, D) in the matmuls' dtype."""
+def _(dys, x_saved, weights, x_dtype, x_shape, sizes, regather, group, need_dx, need, lora_a,
+      lora_b, lora_z, targets, scales, partial):
+    """dx of the input's shape and dtype; each dW (out_i, D), dA (r_j, D) and dB (out_t, r_j)
+    in the matmuls' dtype."""
     dx = [x_saved.new_empty(x_shape, dtype=x_dtype)] if need_dx else []
-    return [*dx, *(dy.new_empty((dy.shape[-1], x_saved.shape[-1]))
-                   for dy, k in zip(dys, need, strict=True) if k)]
+    shapes = [(dy.shape[-1], x_saved.shape[-1]) for dy in dys]
+    shapes += [tuple(a.shape) for a in lora_a] + [tuple(b.shape) for b in lora_b]
+    return [*dx, *(x_saved.new_empty(s, dtype=dys[0].dtype)
+                   for s, k in zip(shapes, need, strict=True) if k)]
 
 
 def autocast_cast(device: str):
@@ -241,32 +332,30 @@ def _input_grad(dys, weights, dtype, out: torch.Tensor | None = None) -> torch.T
     return dx
 
 
-def _grads_with_partials(dys, x_full, weights, x_dtype, group, need, partial):
-    """(dx, [dW_i]) without SP when the last ``partial`` weights are replicated factors (LoRA's
-    A) whose output gradients dz_j are each rank's part: the dz_j travel in the input
-    gradient's all-reduce, beside the base's sum_i dy_i W_i (one flat buffer, one collective),
-    so that afterwards dx = sum_i dy_i W_i + sum_j dz_j A_j and dA_j = dz_j^T x are whole on
-    every rank: no all-reduce of A's gradients. The base's dW_i compute while it travels."""
-    k = len(weights) - partial
-    (N, D), widths = x_full.reshape(-1, x_full.shape[-1]).shape, [w.shape[0] for w in weights[k:]]
-    flat = dys[0].new_empty(N * (D + sum(widths)), dtype=x_dtype)
-    dx, dz = flat[:N * D].view(N, D), flat[N * D:].view(N, sum(widths))
-    _input_grad(dys[:k], weights[:k], x_dtype, out=dx)
-    torch.cat([dy.reshape(N, -1) for dy in dys[k:]], dim=-1, out=dz)
+def _grads_with_partials(dys, x_full, weights, x_dtype, group, need, lora: _Adapters):
+    """(dx, [dW_i, dA_j, dB_j]) without SP when the adapters' products' gradients dz are each
+    rank's part (``ColumnLoRA.partial``): dz travels in the input gradient's all-reduce, beside
+    the base's sum_i dy_i W_i (one flat buffer, one collective), so that afterwards
+    dx = sum_i dy_i W_i + dz A and dA = dz^T x are whole on every rank: no all-reduce of A's
+    gradients. The base's dW_i and the local dB_j compute while it travels."""
+    k, m = len(weights), len(lora.a)
+    (N, D), R = x_full.reshape(-1, x_full.shape[-1]).shape, lora.z.shape[1]
+    flat = dys[0].new_empty(N * (D + R), dtype=x_dtype)
+    _input_grad(dys, weights, x_dtype, out=flat[:N * D].view(N, D))
+    lora.fill_dz(flat[N * D:].view(N, R), dys)
     wait = start_all_reduce(flat, group)
-    dws = _weight_grads(dys[:k], x_full, need[:k])  # while the collective is in flight
+    dws = _weight_grads(dys, x_full, need[:k])  # while the collective is in flight
+    dbs = lora.b_grads(dys, need[k + m:])
     flat = wait()  # in place in eager; a new tensor when compiled
-    dx, dz = flat[:N * D].view(N, D), flat[N * D:].view(N, sum(widths))
-    a = torch.cat(weights[k:]) if partial > 1 else weights[k]  # (R, D)
+    dx, dz = flat[:N * D].view(N, D), flat[N * D:].view(N, R)
+    a = lora.a_cat()  # (R, D)
     if a.dtype == x_dtype:
         dx.addmm_(dz, a)
     else:  # the matmuls' dtype (bf16 autocast), summed into the fp32 gradient
         dx.add_(torch.mm(dz.to(a.dtype), a))
     x_2d = x_full.reshape(N, D)
-    da = dz.to(x_2d.dtype).t().mm(x_2d) if any(need[k:]) else None  # (R, D), whole
-    das = da.split(widths) if da is not None else [None] * partial
-    dws += [d if want else None for d, want in zip(das, need[k:], strict=True)]
-    return dx.view(*dys[0].shape[:-1], D), dws
+    da = dz.to(x_2d.dtype).t().mm(x_2d) if any(need[k:k + m]) else None  # (R, D), whole
+    return dx.view(*dys[0].shape[:-1], D), dws + lora.a_grads(da, need[k:k + m]) + dbs
 
 
 def _weight_grads(dys, x_full, need):
@@ -291,11 +380,29 @@ def _flat_params(weights, biases, n_weights: int):
     return has_bias, list(weights) + [b for b in biases if b is not None]
 
 
+@dataclass(frozen=True)
+class ColumnLoRA:
+    """LoRA adapters folded into a fused column op (``parallel/lora.py``): output ``targets[j]``
+    gains ``scales[j] · (x A_j^T) B_j^T``, computed and differentiated inside the op.
+
+    a: the A_j (r_j, D), replicated; b: the B_j (out_t, r_j), this rank's rows of the output
+    they update. partial: each rank's gradient of the products x A_j^T is its part of the
+    whole; it rides the input gradient's all-reduce and A's gradients come out whole (only
+    without SP, on an input that needs a gradient: ``lora.column_lora`` decides). Otherwise
+    each rank's A gradient is its part: sum it yourself (``mappings.sum_grads_in_backward``)."""
+
+    a: tuple[torch.Tensor, ...]
+    b: tuple[torch.Tensor, ...]
+    targets: tuple[int, ...]
+    scales: tuple[float, ...]
+    partial: bool = False
+
+
 def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
                  biases: list[torch.Tensor | None] | None = None, *,
                  sequence_parallel: bool = False, group: ProcessGroup | None = None,
                  keep_gathered_input: bool = False, seq_len: int | None = None,
-                 partial: int = 0) -> tuple[torch.Tensor, ...]:
+                 lora: ColumnLoRA | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(enter_tp_region(x), w_i, b_i) for i)`` as one autograd op whose backward
     overlaps its collectives with the matmuls.
 
@@ -305,16 +412,11 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     for weights without one (or None: no biases). Returns one (B, T, out_i) tensor per weight.
     keep_gathered_input: under SP, keep the gathered (B, T, D) input for backward instead of the
     shard (no all-gather in backward; n times the memory for it).
-    partial: the last ``partial`` weights are replicated on every rank, and each rank's gradient
-    of their outputs is its part of the whole (LoRA's A: ``parallel/lora.py``); those output
-    gradients join the input gradient's all-reduce and their weight gradients come out whole.
-    Only without SP, on an input that needs a gradient (``lora.column_factors`` decides);
-    elsewhere pass 0 and sum their gradients yourself (``mappings.sum_grads_in_backward``).
+    lora: LoRA adapters on some of the outputs (``ColumnLoRA``), their updates and gradients
+    computed inside the op.
     """
-    if partial and sequence_parallel:
-        raise ValueError("fused_column: partial weights are not taken under SP")
-    if partial and not x.requires_grad:  # their sums ride the input gradient's all-reduce
-        raise ValueError("fused_column: partial weights need an input that requires grad")
+    if lora is not None:
+        _check_lora(lora, x, weights, sequence_parallel)
     if x.dim() != 3:
         raise ValueError(f"fused_column: expected activations (B, T, D), got {tuple(x.shape)}")
     try:
@@ -324,7 +426,24 @@ def fused_column(x: torch.Tensor, weights: list[torch.Tensor],
     sizes = None
     if sequence_parallel and tp_size(group) > 1:
         sizes = sequence_sizes(x, group, seq_len, "fused_column")
-    return _FusedColumn.apply(x, group, sizes, keep_gathered_input, has_bias, partial, *tensors)
+    adapt, factors = None, []
+    if lora is not None:
+        adapt = (tuple(lora.targets), tuple(float(s) for s in lora.scales), lora.partial)
+        factors = [*lora.a, *lora.b]
+    tensors = tensors[:len(weights)] + factors + tensors[len(weights):]
+    return _FusedColumn.apply(x, group, sizes, keep_gathered_input, has_bias, adapt, *tensors)
+
+
+def _check_lora(lora: ColumnLoRA, x: torch.Tensor, weights, sequence_parallel: bool) -> None:
+    m, targets = len(lora.targets), sorted(set(lora.targets))
+    if not m or {len(lora.a), len(lora.b), len(lora.scales), len(targets)} != {m} \
+            or not 0 <= targets[0] <= targets[-1] < len(weights):
+        raise ValueError(f"fused_column: LoRA targets {list(lora.targets)} (distinct outputs of "
+                         f"{len(weights)} weights), {len(lora.a)} A, {len(lora.b)} B and "
+                         f"{len(lora.scales)} scales: expected one A, B and scale a target")
+    if lora.partial and (sequence_parallel or not x.requires_grad):
+        raise ValueError("fused_column: partial LoRA sums ride the input gradient's all-reduce:"
+                         " not under SP, nor on an input that requires no grad")
 
 
 def regathering_column(x_full: torch.Tensor, x_shard: torch.Tensor, weights: list[torch.Tensor],

@@ -7,9 +7,11 @@ Column-parallel base (W split by output features)::
     A replicated (r, in)        z = A x          x: the layer's input inside the TP region
     B split like W's rows       y_i = W_i x + s · B_i z
 
-    A's product z is one more output of the block's fused column op. Each rank's gradient of it,
+    The adapters are part of the block's fused column op (``fused.ColumnLoRA``): it computes
+    z for all of them in one matmul, adds s · B_i z to its outputs in place, and in backward
+    makes B_i's gradient s · dy_i z^T (local) and z's. Each rank's gradient of z,
     dz_i = s B_i^T dy_i, is its part of the whole dz. Without SP dz_i travels in the base's
-    input-gradient all-reduce (``fused_column``'s ``partial``): after it every rank holds
+    input-gradient all-reduce (``ColumnLoRA.partial``): after it every rank holds
     Σ_i W_i^T dy_i and dz, so dx = Σ_i W_i^T dy_i + A^T dz is the dense input gradient and
     dA = dz x^T is whole: no collective of A's own. Under SP (each rank's dA is over its tokens),
     and where the input needs no gradient (the first block's, the embedding frozen), A's product's
@@ -69,7 +71,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.collectives import start_all_reduce
 from tensorpar.parallel.dropout import dropout_mask
-from tensorpar.parallel.fused import autocast_cast
+from tensorpar.parallel.fused import ColumnLoRA, autocast_cast
 from tensorpar.parallel.mappings import enter_tp_region, sum_grads_in_backward
 from tensorpar.parallel.sharding import REPLICATED, ShardSpec, local_parameter, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -190,25 +192,29 @@ def has_lora(layer: nn.Module) -> bool:
 
 def column_update(y: torch.Tensor, z: torch.Tensor, layer: nn.Module,
                   b: torch.Tensor | None = None) -> torch.Tensor:
-    """A column layer's output ``y`` plus its update ``s · B_i z`` (z = A x from the fused op;
-    b: B as the caller has it, its gradients summed where ranks share its rows)."""
+    """A column layer's output ``y`` plus its update ``s · B_i z`` (z = A dropout(x), when the
+    adapter drops; b: B as the caller has it, its gradients summed where ranks share its rows)."""
     b = layer.lora_B.weight if b is None else b
     # one addmm: y + s · z B^T, with no pass over y for the scale
     return torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t(),
                        alpha=layer.lora_scale).view(y.shape)
 
 
-def column_factors(layers: list[nn.Module], x: torch.Tensor, group: ProcessGroup | None,
-                   sequence_parallel: bool) -> tuple[list[torch.Tensor], int]:
-    """The A factors of the column ``layers`` as more weights of their fused column op on ``x``,
-    and how many of them it takes as ``partial`` (``fused.fused_column``): all of them without
-    SP on an input that needs a gradient (their products' gradients ride the input gradient's
-    all-reduce), else none, their gradients then summed by one all-reduce of their own."""
+def column_lora(layers: list[nn.Module], targets: list[int], bs: list[torch.Tensor],
+                x: torch.Tensor, group: ProcessGroup | None,
+                sequence_parallel: bool) -> ColumnLoRA:
+    """The adapters of the column ``layers`` (outputs ``targets`` of their fused column op on
+    ``x``; bs: their B as the caller has them) folded into that op (``fused.ColumnLoRA``). A's
+    products' gradients are partial sums that ride the input gradient's all-reduce without SP
+    on an input that needs a gradient; elsewhere A's gradients are summed by one all-reduce of
+    their own."""
     factors = [c.lora_A.weight for c in layers]
-    if not sequence_parallel and tp_size(group) > 1 and x.requires_grad \
-            and torch.is_grad_enabled():
-        return factors, len(factors)
-    return sum_grads_in_backward(factors, group), 0
+    partial = not sequence_parallel and tp_size(group) > 1 and x.requires_grad \
+        and torch.is_grad_enabled()
+    if not partial:
+        factors = sum_grads_in_backward(factors, group)
+    return ColumnLoRA(tuple(factors), tuple(bs), tuple(targets),
+                      tuple(c.lora_scale for c in layers), partial)
 
 
 class _LoRARow(torch.autograd.Function):
@@ -229,7 +235,7 @@ class _LoRARow(torch.autograd.Function):
         torch.mm(x_a.reshape(N, -1), a.t(), out=flat[N * out:].view(N, r))
         flat = start_all_reduce(flat, group)()  # in place (eager)
         z = flat[N * out:].view(N, r).clone()  # (a view would keep the product for backward)
-        y = torch.addmm(flat[:N * out].view(N, out), z, b.t(), alpha=scale)
+        y = flat[:N * out].view(N, out).addmm_(z, b.t(), alpha=scale)  # in place: no copy
         ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, x_a, weight, a, b, z)
         ctx.own_input = ctx.needs_input_grad[1]  # x_a is a tensor of its own
         return y.view(*x.shape[:-1], out)
@@ -239,8 +245,8 @@ class _LoRARow(torch.autograd.Function):
         x, x_a, weight, a, b, z = ctx.saved_tensors
         need_dx, need_dxa, need_dw, need_da, need_db = ctx.needs_input_grad[:5]
         dy_2d = dy.reshape(-1, dy.shape[-1])
-        dz = dy_2d.mm(b) * ctx.scale  # (N, r), whole: s B^T dy
-        db = dy_2d.t().mm(z) * ctx.scale if need_db else None
+        dz = dy_2d.mm(b).mul_(ctx.scale)  # (N, r), whole: s B^T dy
+        db = dy_2d.t().mm(z).mul_(ctx.scale) if need_db else None
         da = dz.t().mm(x_a.reshape(dz.shape[0], -1)) if need_da else None
         dx = dxa = None
         if need_dx:

@@ -1,10 +1,12 @@
 """Where every parameter of a sharded model lives across the TP group, and what that is used for.
 
-``ShardOwnership.gather(model, group)`` collects each rank's ``param.tp_shard`` once (one
+``ShardOwnership.gather(model, group)`` collects each rank's ``param_shard`` once (one
 ``all_gather_object`` at setup). From it, every rank knows which dense slice it *owns*: its own
 slice minus what a lower rank already holds. Ownership makes each dense element count once, even
 where ranks hold copies (replicated norms, KV heads shared when there are fewer KV heads than
-ranks). It is what the global gradient norm sums and what a checkpoint stores.
+ranks). It is what the global gradient norm sums and what a checkpoint stores. Routed experts
+(``ep_shard``) are split like a TP dim: TP ranks that hold different experts each own theirs,
+TP ranks that hold the same ones own them once.
 
 A fused dimension (``ShardSpec.parts`` = P equal blocks of size B, GPT-2's q|k|v) is split block
 by block: a rank holds [start, stop) of every block, so it owns [s, e) (computed within a block,
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.sharding import REPLICATED, ShardSpec, dense_shape
+from tensorpar.parallel.sharding import ShardSpec, dense_shape, is_expert_split, param_shard
 from tensorpar.parallel.stages import is_stage_copy
 from tensorpar.runtime.dtensors import is_dtensor, local_part
 from tensorpar.runtime.groups import tp_rank, tp_size
@@ -37,7 +39,7 @@ class ShardOwnership:
 
     @classmethod
     def gather(cls, model: nn.Module, group: ProcessGroup | None = None) -> ShardOwnership:
-        mine = {name: getattr(p, "tp_shard", REPLICATED) for name, p in model.named_parameters()}
+        mine = {name: param_shard(p) for name, p in model.named_parameters()}
         shapes = {name: dense_shape(p) for name, p in model.named_parameters()}
         every = [mine]
         if tp_size(group) > 1:
@@ -109,7 +111,8 @@ def owned_local(ownership: ShardOwnership, name: str, t: torch.Tensor,
 def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float,
                     group: ProcessGroup | None = None,
                     dp_group: ProcessGroup | None = None,
-                    pp_group: ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: ProcessGroup | None = None,
+                    ep_group: ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so the global L2 norm (of the dense model) is at most ``max_norm``.
 
     Each rank sums the squares of the gradient elements it owns; one all-reduce of that scalar
@@ -124,6 +127,9 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
     pp_group: with pipeline stages, each rank holds its stages' parameters alone, so the sum is
     all-reduced over the pipeline too; a stage's copy of another stage's parameter (a tied
     table on the last stage, ``stages.mark_stage_copy``) is counted once, by the other.
+    ep_group: the ranks a MoE layer's experts are split across (``sharding.is_expert_split``
+    tensors: each rank holds others, the same as its expert-data peers): their squares are
+    summed over ``ep_group`` alone, each expert counted once, and added to the rest's.
     """
     rank = tp_rank(group)
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -131,8 +137,16 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
     device = grads[0][1].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     dp_sharded = False
+    experts = torch.zeros((), dtype=torch.float32, device=device)
+    split = {name for name, p in model.named_parameters() if is_expert_split(p)}
+    if split and ep_group is None:  # before any collective
+        raise ValueError(f"clip_grad_norm_: {sorted(split)[0]} holds part of its layer's "
+                         "experts; pass the EP group (ep_group=) to count each once")
     for name, g in grads:
         if name in copies:  # another stage's parameter too: counted there, scaled here
+            continue
+        if name in split:
+            experts += g.float().pow(2).sum()
             continue
         if is_dtensor(g):
             dp_sharded = True
@@ -146,6 +160,10 @@ def clip_grad_norm_(model: nn.Module, ownership: ShardOwnership, max_norm: float
         dist.all_reduce(sq, group=group)
     if dp_sharded and dp_group is not None and tp_size(dp_group) > 1:
         dist.all_reduce(sq, group=dp_group)
+    if split:
+        if tp_size(ep_group) > 1:
+            dist.all_reduce(experts, group=ep_group)
+        sq = sq + experts
     if pp_group is not None and tp_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()

@@ -5,8 +5,10 @@ most one, larger shards first. A dimension of 10 over 4 ranks is split 3, 3, 2, 
 not divide by the TP size still work.
 
 Each sharded parameter carries a :class:`ShardSpec` (``param.tp_shard``) naming the dense dimension
-it was cut from and which slice it holds; replicated parameters carry ``dim=None``. Checkpoints and
-gradient-norm code read it instead of guessing from names.
+it was cut from and which slice it holds; replicated parameters carry ``dim=None``. Routed experts
+carry theirs as ``param.ep_shard`` instead (dim 0: the experts, cut across the expert-parallel
+ranks). Checkpoints and gradient-norm code read them (``param_shard``) instead of guessing from
+names.
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ class ShardSpec:
 REPLICATED = ShardSpec(dim=None)
 
 
+def is_expert_split(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds part of its MoE layer's experts (an ``ep_shard`` short of all of
+    them): data parallelism leaves such a tensor out, the gradient norm counts it over the EP
+    group."""
+    spec = getattr(p, "ep_shard", None)
+    return spec is not None and spec.stop - spec.start != spec.full_size
+
+
 def slice_dense(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """A contiguous copy of ``t[start:stop]`` along ``dim`` (never a view of the dense tensor)."""
     return t.detach().narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
@@ -95,9 +105,23 @@ def replicated_parameter(dense: torch.Tensor) -> torch.nn.Parameter:
     return p
 
 
+def param_shard(p: torch.Tensor) -> ShardSpec:
+    """The split of parameter ``p``: its experts' (``ep_shard``: dim 0, the routed experts cut
+    across the EP ranks) if it has one, else its TP split (``tp_shard``), else replicated (a
+    ``tp_shard`` beside an ``ep_shard`` is the same split, or none). The expert dim is a shard
+    dim like TP's: checkpoints store and load it as one."""
+    tp, ep = getattr(p, "tp_shard", REPLICATED), getattr(p, "ep_shard", None)
+    if ep is None:
+        return tp
+    if tp.dim is not None and tp != ep:  # no layer makes one: a bug, not a user's input
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} is split both by TP (dim "
+                         f"{tp.dim}) and across experts (dim {ep.dim})")
+    return ep
+
+
 def dense_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """The shape of the dense tensor that parameter ``p`` (tagged with ``tp_shard``) is cut from."""
-    spec = getattr(p, "tp_shard", REPLICATED)
+    """The shape of the dense tensor that parameter ``p`` is cut from (``param_shard``)."""
+    spec = param_shard(p)
     shape = list(p.shape)
     if spec.dim is not None:
         shape[spec.dim] = spec.full_size

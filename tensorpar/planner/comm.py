@@ -37,6 +37,10 @@ tokens, width D, TP size t > 1::
                 still re-gathers its shard in its backward. These are eager counts (what the
                 trainer's summary measures): compiled, the partitioner picks what it recomputes
 
+Context parallelism (``cp_comm``): the K/V all-gather forward and the reduce-scatter of their
+gradients backward, per layer and pass; under CP the TP collectives above carry the rank's
+tokens (``Step.rank_seq``), the whole sequence's never.
+
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
 master weights): the row layers' outputs (forward g) and the re-gathered input shards travel in
@@ -51,6 +55,7 @@ gradient norm stay fp32.
 
 from __future__ import annotations
 
+from tensorpar.parallel.context import cp_sizes
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.runtime.counting import KINDS, ring_share
 from tensorpar.transformer.attention import head_shards
@@ -354,3 +359,33 @@ def mlp_split_comparison(batch: int, seq: int, dim: int, hidden: int, tp: int,
                     "bytes": sum(b for *_, b in ops) if t > 1 else 0,
                     "ring_bytes": sum(ring(k, b) for _, k, b in ops)})
     return sorted(out, key=lambda r: (r["ring_bytes"], r["calls"]))
+
+
+def cp_comm(shape: ModelShape, batch: int, seq: int, tp: int, cp: int, dtype: str = "fp32",
+            recompute: str = "none", passes: int = 1, layers: int | None = None,
+            tp_rank: int = 0) -> dict:
+    """The collectives of one training step on a rank's context-parallel group (the GPT under
+    ``train --cp``), as ``CollectiveCounter`` counts them: per block and pass, one all-gather of
+    the rank's K and V (stacked, each rank's chunks padded to the longest rank's count, the
+    ``tensor_split`` of ``seq`` into 2·cp chunks) forward, and one reduce-scatter of their
+    gradients backward; recomputed, the block's forward gathers them again. Payload: the
+    gathered (2, B, kv_local, cp·longest, head_dim) tensor, in the activations' dtype (bf16
+    under autocast). The loss's reductions run over dp x cp (``data_parallel.dp_comm`` with dp
+    x cp ranks), not on this group. layers: the blocks the rank holds (default all; a pipeline
+    rank's share)."""
+    rows: list[dict] = []
+    if cp > 1:
+        (k0, k1) = head_shards(shape.n_head, shape.n_kv_head, tp, tp_rank)[1]
+        head_dim = shape.head_dim or shape.dim // shape.n_head
+        size = 2 if dtype != "fp32" else 4
+        payload = 2 * batch * (k1 - k0) * cp * max(cp_sizes(seq, cp)) * head_dim * size
+        blocks = (shape.n_layer if layers is None else layers) * passes
+        gathers = blocks * (2 if recompute == "full" else 1)
+        for phase, kind, calls in (("forward", "all_gather", blocks),
+                                   ("backward", "reduce_scatter", blocks),
+                                   ("recompute", "all_gather", gathers - blocks)):
+            if calls:
+                rows.append({"source": "attention K/V", "phase": phase, "kind": kind,
+                             "calls": calls, "bytes": calls * payload,
+                             "ring_bytes": calls * round(payload * ring_share(kind, cp))})
+    return totals(rows)

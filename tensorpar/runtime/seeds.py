@@ -9,8 +9,10 @@ The purposes tensorpar draws from (``README.md``, "Randomness", has the table)::
 
     init              (parameter name)                 the GPT's weights
     data-order        (epoch)                          the permutation of the training windows
-    dropout-replicated (step, dp rank)                 masks of activations every TP rank holds
-    dropout-sharded   (step, dp rank, tp rank)         masks of activations split over TP ranks
+    dropout-replicated (step, dp rank[, cp rank])      masks of activations every TP rank holds
+    dropout-sharded   (step, dp rank, tp rank[, cp rank]) masks of activations split over TP ranks
+                                                       (the cp rank only under context parallelism:
+                                                       its ranks hold different tokens)
     dropout-site      (key number, site), under one    one dropout mask: the stream's key c,
                       of the two streams' seeds         site k (parallel/dropout.py)
     hf-tp-region      (dp rank, tp rank)               HF dropout between f and g (heads, hidden);

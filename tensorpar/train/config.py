@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 
 from tensorpar.mesh.data_parallel import check_dp_mode
+from tensorpar.mesh.experts import check_ep
+from tensorpar.parallel.context import cp_sizes
 from tensorpar.train.compute import check_compile_backend
 
 
@@ -22,6 +24,11 @@ class TrainConfig:
     dp_mode: str = dataclasses.field(default="fsdp", metadata={
         "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
+    ep: int = dataclasses.field(default=1, metadata={
+        "help": "with --moe-experts: expert-parallel size, the routed experts split over N of "
+                "the dp x tp ranks of a stage (consecutive; 1 or a multiple of --tp), each "
+                "expert held once in that group and replicated over the other dp x tp / N "
+                "ranks", "default": "1, every rank holds every expert"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
@@ -29,6 +36,12 @@ class TrainConfig:
     pp_virtual: int = dataclasses.field(default=1, metadata={
         "help": "with --pp: stages per pipeline rank, interleaved (torch's "
                 "ScheduleInterleaved1F1B): a smaller bubble, more point-to-point traffic"})
+    cp: int = dataclasses.field(default=1, metadata={
+        "help": "context-parallel size: each sequence split over N ranks (2N chunks, rank i "
+                "holding chunks i and 2N-1-i, the causal load balance), keys and values "
+                "all-gathered in attention; tp x cp x dp x pp ranks in all, the gradients "
+                "summed over dp x cp (the GPT, and --hf models of the Llama family)",
+        "default": "1, no context parallelism"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
     steps: int = dataclasses.field(default=400, metadata={
@@ -142,9 +155,9 @@ class TrainConfig:
         "help": "with --wandb: the W&B run's name", "default": "--out's folder name"})
 
     def check(self) -> None:
-        for flag in ("tp", "dp", "pp", "pp_virtual", "steps", "batch_size", "micro_batch_size",
-                     "seq_len", "save_every", "lr_decay_steps", "eval_every", "eval_batches",
-                     "lora_rank"):
+        for flag in ("tp", "dp", "ep", "pp", "pp_virtual", "cp", "steps", "batch_size",
+                     "micro_batch_size", "seq_len", "save_every", "lr_decay_steps", "eval_every",
+                     "eval_batches", "lora_rank"):
             if getattr(self, flag) is not None and getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(self, flag)} must be >= 1")
         for flag in ("warmup_steps", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -166,7 +179,9 @@ class TrainConfig:
             raise ValueError("--base-dtype bf16 computes in bf16: add --dtype bf16")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype}: expected fp32 or bf16")
-        if self.sequence_parallel and self.seq_len < self.tp:
+        if self.cp > 1:
+            check_cp_flags(self)
+        elif self.sequence_parallel and self.seq_len < self.tp:
             raise ValueError(f"--seq-len {self.seq_len} is shorter than --tp {self.tp}: "
                              "--sequence-parallel needs at least one token per rank")
         if self.compile:
@@ -182,6 +197,11 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism with "
+                             "context parallelism is not built yet")
+        if self.ep > 1 and self.dp is not None:  # under torchrun: when the mesh is built
+            check_ep(self.ep, self.tp, self.dp)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
@@ -196,6 +216,23 @@ def evaluates(cfg: TrainConfig, step: int) -> bool:
     """Whether the run computes the validation loss after ``step`` (counted from 1)."""
     every = cfg.eval_every or cfg.save_every
     return cfg.val_data is not None and (step % every == 0 or step == cfg.steps)
+
+
+def check_cp_flags(cfg: TrainConfig) -> None:
+    """What ``--cp N`` needs of the other flags: 2N chunks of at least a token in a sequence,
+    and under --sequence-parallel at least --tp tokens on every CP rank."""
+    if cfg.seq_len < 2 * cfg.cp:
+        raise ValueError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks (2 a "
+                         f"rank), but --seq-len {cfg.seq_len} is shorter: use --seq-len >= "
+                         f"{2 * cfg.cp} or --cp <= {cfg.seq_len // 2}")
+    fewest = min(cp_sizes(cfg.seq_len, cfg.cp))
+    if cfg.sequence_parallel and fewest < cfg.tp:
+        raise ValueError(f"--sequence-parallel splits each CP rank's tokens over --tp "
+                         f"{cfg.tp}, but --seq-len {cfg.seq_len} over --cp {cfg.cp} leaves a "
+                         f"rank {fewest}")
+    if cfg.compile:
+        raise ValueError("--cp with --compile is not supported yet (the CP attention's mask "
+                         "and gathers are not traced yet)")
 
 
 def check_pipeline_flags(cfg: TrainConfig) -> None:

@@ -14,7 +14,8 @@ holds plain values only::
     tokenizer()                           .encode(text) -> ids, .vocab_size, .name
     build(cfg, group, dp_rank, device)    -> (model, at_step): this rank's model, built on its TP
                                           group, and what to call before step s's forward (the
-                                          dropout streams of step s)
+                                          dropout streams of step s); under --cp also given
+                                          cp_group= (a recipe with context_parallel = True)
     loss_fn(model, cfg, group)            -> loss(ids_BT, targets_BT, loss_tokens=None): the
                                           cross-entropy over the targets that are not ignored
                                           (-100), the same on every rank of the TP group (the
@@ -39,6 +40,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
@@ -70,6 +72,7 @@ class GPTRecipe:
     model_cfg: GPTConfig
     tokenizer_dir: str | None = None
     kind = "gpt"
+    context_parallel = True  # build takes cp_group= (--cp)
 
     @classmethod
     def from_flags(cls, model_args: dict, tokenizer: str | None = None, data: str | None = None,
@@ -103,6 +106,11 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
+        if getattr(cfg, "cp", 1) > 1 and self.model_cfg.moe_experts:
+            raise ValueError(f"--cp {cfg.cp} with MoE blocks (--moe-experts "
+                             f"{self.model_cfg.moe_experts}) is not supported yet: the "
+                             "router's statistics and the experts' groups do not span CP ranks")
+        check_experts(self.model_cfg, getattr(cfg, "ep", 1))
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:
             check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
@@ -125,17 +133,25 @@ class GPTRecipe:
             return ByteTokenizer()
         return HFTokenizer(self.tokenizer_dir, self.model_cfg.vocab_size)
 
-    def build(self, cfg, group, dp_rank: int, device: torch.device,
+    def build(self, cfg, group, dp_rank: int, device: torch.device, cp_group=None,
               **part) -> tuple[nn.Module, Callable[[int], None]]:
-        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, as
-        ``GPT`` takes them) and what sets each step's dropout streams."""
-        rng = TensorParallelRNG(cfg.seed, group, dp_rank)  # dropout masks differ by dp rank
+        """The model on this rank (``part``: a pipeline rank's blocks, embed and head, and the
+        MoE blocks' ``experts`` groups, as ``GPT`` takes them; ``cp_group``: its context-parallel
+        group, None without CP) and what sets each step's dropout streams."""
+        cp_rank = None if cp_group is None else dist.get_rank(cp_group)
+        # dropout masks differ by dp rank, and by CP rank (other tokens of the same rows)
+        rng = TensorParallelRNG(cfg.seed, group, dp_rank, cp_rank)
         net = GPT(self.model_cfg, group, cfg.sequence_parallel, seed=cfg.seed, rng=rng,
-                  device=device, fused=cfg.fused, recompute=cfg.recompute, **part)
+                  device=device, fused=cfg.fused, recompute=cfg.recompute, cp_group=cp_group,
+                  **part)
         return net, rng.set_step
 
     def loss_fn(self, model: nn.Module, cfg, group) -> Callable:
         return loss_function(model, cfg.compile, cfg.compile_backend)  # GPT(ids, targets)
+
+    def expert_group(self, group):
+        """None: the GPT's experts have their own groups (``train/moe.py``)."""
+        return None
 
     def manifest(self) -> dict:
         tokenizer = {"tokenizer": ByteTokenizer.name} if self.tokenizer_dir is None else \
@@ -161,6 +177,16 @@ class GPTRecipe:
         HFTokenizer(self.tokenizer_dir).save(tmp)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def check_experts(model_cfg: GPTConfig, ep: int) -> None:
+    """``--ep`` against the model's experts: one line naming the numbers."""
+    if ep > 1 and not model_cfg.moe_experts:
+        raise ValueError(f"--ep {ep} splits a Mixture of Experts' experts: add --moe-experts E "
+                         "(the GPT is dense without it)")
+    if ep > max(model_cfg.moe_experts, 1):
+        raise ValueError(f"--ep {ep} is more than the {model_cfg.moe_experts} experts: every "
+                         "EP rank needs at least one")
 
 
 def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:

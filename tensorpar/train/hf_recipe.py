@@ -24,9 +24,14 @@ from the model's per-rank stream (``hf/dropout.py``), restarted each step from (
 
 Refused before any rank starts, in one line each: a PATH without config.json, tokenizer or
 safetensors weights; a model no plan covers (the error lists its linear layers); a split the
-model cannot take (heads over --tp, --sequence-parallel outside the Llama family); the GPT's
-model flags; --no-fused, and --compile with --recompute for a model with dropout (not supported
-here yet); on --resume, a --hf whose config.json is not the run's.
+model cannot take (heads over --tp, --sequence-parallel outside the Llama family; --cp outside
+it, or with --sequence-parallel, dropout or --lora-dropout); the GPT's model flags; --no-fused,
+and --compile with --recompute for a model with dropout (not supported here yet); on --resume, a
+--hf whose config.json is not the run's.
+
+``--cp N`` (the Llama family, ``hf/context.py``): every CP rank is given the same whole rows, the
+model keeps its load-balanced chunks of them, and the loss reads the targets of those chunks
+(the trainer averages the gradients over dp x cp and divides the loss by the step's tokens).
 
 ``--compile`` compiles the converted model as the GPT's (``train/compute.py``): one graph, no
 break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
@@ -56,6 +61,7 @@ from torch import nn
 
 from tensorpar.checkpoint.format import model_kind
 from tensorpar.data.tokenizer import TOKENIZER_FILES, HFTokenizer
+from tensorpar.hf.context import model_cp_group
 from tensorpar.hf.dropout import seed_dropout
 from tensorpar.hf.lora import (
     add_lora,
@@ -67,6 +73,7 @@ from tensorpar.hf.lora import (
 )
 from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
+from tensorpar.parallel.context import split_to_cp
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
@@ -107,6 +114,7 @@ class HFRecipe:
     dropout: bool = False
     meta: nn.Module | None = field(default=None, repr=False, compare=False)
     kind = "hf"
+    context_parallel = True  # build takes cp_group= (--cp: the Llama family, hf/context.py)
 
     def __getstate__(self) -> dict:
         return self.__dict__ | {"meta": None}  # the ranks get plain values only
@@ -126,6 +134,9 @@ class HFRecipe:
                              "masks and positions made inside it, so torch.distributed."
                              "pipelining cannot cut it into stages without a model-specific "
                              "stage forward, which tensorpar does not have yet")
+        if cfg.ep > 1:
+            raise ValueError(f"--ep {cfg.ep} with --hf {self.origin}: expert parallelism is "
+                             "built for tensorpar's GPT (--moe-experts) only so far")
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
@@ -134,22 +145,41 @@ class HFRecipe:
                              f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
                              "layer replays its TP regions' masks through checkpoint contexts, "
                              "which torch.compile does not trace")
-        split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "")
+        if "moe" in self.plan.values() and ((cfg.dp or 1) > 1 or (cfg.ep or 1) > 1 or
+                                            cfg.cp > 1):
+            raise ValueError(f"--hf {self.origin} (Mixture of Experts): its experts are cut "
+                             "across the --tp ranks; --dp, --ep and --cp with a Hugging Face "
+                             "MoE model are not supported yet")
+        if cfg.cp > 1 and cfg.lora_dropout > 0:
+            raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --cp {cfg.cp} is not "
+                             "supported yet (the adapters' masks are drawn per TP rank, not per "
+                             "CP rank's tokens)")
+        split = f"--tp {cfg.tp}" + (" --sequence-parallel" if cfg.sequence_parallel else "") + \
+            (f" --cp {cfg.cp}" if cfg.cp > 1 else "")
         try:
-            check_plan_fits(self.meta_model(), self.plan, cfg.tp, cfg.sequence_parallel)
+            check_plan_fits(self.meta_model(), self.plan, cfg.tp, cfg.sequence_parallel,
+                            cfg.cp > 1)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
+
+    def expert_group(self, group):
+        """The ranks a converted MoE model's experts are cut across (its TP group; ``check``
+        refuses other foldings), or None for a dense model: the gradient norm's EP group."""
+        return group if "moe" in self.plan.values() else None
 
     def tokenizer(self) -> HFTokenizer:
         return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
 
-    def build(self, cfg: TrainConfig, group, dp_rank: int,
-              device: torch.device) -> tuple[nn.Module, Callable[[int], None]]:
+    def build(self, cfg: TrainConfig, group, dp_rank: int, device: torch.device,
+              cp_group=None) -> tuple[nn.Module, Callable[[int], None]]:
+        """cp_group: under --cp, the model takes the whole rows and keeps this rank's chunks
+        (``hf/context.py``); the loss then reads the targets of those chunks."""
         from tensorpar.hf.pretrained import from_pretrained
 
         _transformers()
         model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
-                                sequence_parallel=cfg.sequence_parallel).to(device).train()
+                                sequence_parallel=cfg.sequence_parallel,
+                                cp_group=cp_group).to(device).train()
         if cfg.lora_rank is not None:  # adapters on the projections, the model frozen
             init = None if cfg.lora_init is None else read_peft(cfg.lora_init)[1]
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, lora_targets(cfg), cfg.seed, init,
@@ -177,6 +207,7 @@ class HFRecipe:
         # (or compiled; with dropout, inductor draws eager's masks: the run's measured step runs
         # eagerly, and a resumed run measures another step)
         forward = loss_function(model, cfg.compile, cfg.compile_backend, self.dropout)
+        cp_group = model_cp_group(model)
 
         def loss(ids_BT: torch.Tensor, targets_BT: torch.Tensor,
                  loss_tokens: torch.Tensor | None = None,
@@ -185,6 +216,8 @@ class HFRecipe:
             # attention to each example (no cache: the block-diagonal causal mask)
             extra = {} if position_ids is None else {"position_ids": position_ids}
             out = forward(input_ids=ids_BT, use_cache=False, **extra)
+            if cp_group is not None:  # the logits are this CP rank's chunks: so the targets
+                targets_BT = split_to_cp(targets_BT, cp_group)
             loss = vocab_parallel_cross_entropy(
                 out.logits, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
                 reduction="mean" if loss_tokens is None else "sum")

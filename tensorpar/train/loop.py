@@ -47,7 +47,7 @@ from tensorpar.data.packing import (
 from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
-from tensorpar.mesh.mesh import dp_group, dp_rank, init_parallel
+from tensorpar.mesh.mesh import cp_group, cp_rank, dp_group, dp_rank, init_parallel
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
@@ -58,6 +58,7 @@ from tensorpar.train.config import TrainConfig, evaluates, learning_rate, passes
 from tensorpar.train.gpt_recipe import GPTRecipe
 from tensorpar.train.history import RNG_SCHEME
 from tensorpar.train.measure import StepMeasure, resident_peak
+from tensorpar.train.moe import MoETraining
 from tensorpar.train.optim import implementation, make_optimizer
 from tensorpar.train.pipeline import Schedule, build_parts, shard_stages
 from tensorpar.train.report import RunReport, start_line
@@ -98,7 +99,8 @@ def train_model_rank(cfg: TrainConfig, recipe, resume_from: str | None, group=No
             skipped += not finite
             seconds = time.perf_counter() - t0
             val_loss = run.validate() if evaluates(cfg, step + 1) else None
-            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss, run.data_seconds)
+            report.step(step + 1, loss, norm, finite, lr, seconds, val_loss, run.data_seconds,
+                        run.moe_metrics)
             signum = stop.agreed()  # the same on every rank: all stop after this step
             if signum or (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 run.save(step + 1)
@@ -130,9 +132,13 @@ class Run:
                  scope: ExitStack):
         self.cfg, self.recipe, self.run_group = cfg, recipe, run_group
         dp = cfg.dp or 1
-        self.mesh = init_parallel(tp=cfg.tp, dp=dp, pp=cfg.pp) if dp > 1 or cfg.pp > 1 \
-            else None
+        self.mesh = init_parallel(tp=cfg.tp, dp=dp, pp=cfg.pp, cp=cfg.cp) \
+            if dp > 1 or cfg.pp > 1 or cfg.cp > 1 else None
         self.group = run_group if self.mesh is None else self.mesh["tp"].get_group()
+        # --cp: the CP ranks take the same rows and each keeps its chunks (the model splits
+        # them); their gradients are averaged with the dp ranks' (mesh.replica_mesh)
+        self.cp_group = cp_group(self.mesh)
+        cp_kw = {} if self.cp_group is None else {"cp_group": self.cp_group}
         self.device = device_for(self.group)
         self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
@@ -156,18 +162,27 @@ class Run:
         self.passes = [slice(first + i * per_rank // n, first + (i + 1) * per_rank // n)
                        for i in range(n)]
         self.dp = dp
+        self.replicas = dp * cfg.cp  # the ranks a step's gradient is averaged over
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
         # the step calls; saves, clipping and the shard ownership use ``net``
         self.validation = validation_data(cfg, tokenizer)
         self.pipeline, self.pp_group = None, None  # --pp: this rank's stages (pipeline.py)
         bf16 = torch.bfloat16 if cfg.dtype == "bf16" else None
+        # a Mixture of Experts: its groups (--ep), aux-loss weights, expert gradients (moe.py)
+        self.moe = MoETraining.setup(cfg, recipe, self.mesh, run_group)
+        self.moe_metrics: dict = {}
+        extra = {} if self.moe is None else {"experts": self.moe.groups}
         if cfg.pp > 1:
             self.pp_group = self.mesh["pp"].get_group()
             parts, self.at_step = build_parts(recipe, cfg, self.group, r, self.device,
-                                              self.mesh["pp"].get_local_rank())
+                                              self.mesh["pp"].get_local_rank(),
+                                              **extra, **cp_kw)
             self.net = parts.net
         else:
-            self.net, self.at_step = recipe.build(cfg, self.group, r, self.device)
+            self.net, self.at_step = recipe.build(cfg, self.group, r, self.device, **extra,
+                                                  **cp_kw)
+        if self.moe is not None:
+            self.moe.attach(self.net, self.pp_group)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
@@ -184,8 +199,10 @@ class Run:
         self.forward = recipe.loss_fn(self.model, cfg, self.group)
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
-            ({} if dp == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
-            ({} if self.pp_group is None else {"pp": self.pipeline.groups()})
+            ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
+            ({} if self.pp_group is None else {"pp": self.pipeline.groups()}) | \
+            ({} if self.cp_group is None else {"cp": self.cp_group}) | \
+            ({} if self.moe is None else self.moe.counted())
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0
@@ -225,12 +242,13 @@ class Run:
         at = {} if pos is None else {"position_ids": pos}
         if self.pipeline is not None:  # the passes are the pipeline's micro-batches
             rows = slice(self.passes[0].start, self.passes[-1].stop)
-            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.dp, device=self.device)
+            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.replicas,
+                                  device=self.device)
             with self.autocast:
                 loss_sum = self.pipeline.step(
                     x[rows].to(self.device), y[rows].to(self.device), tokens,
-                    None if pos is None else pos[rows]) / self.dp
-        elif len(self.passes) == 1 and self.dp == 1:  # one pass: the loss's own mean
+                    None if pos is None else pos[rows]) / self.replicas
+        elif len(self.passes) == 1 and self.replicas == 1:  # one pass: the loss's own mean
             with self.autocast:
                 loss = self.forward(x.to(self.device), y.to(self.device), **at)
             loss.backward()
@@ -238,8 +256,10 @@ class Run:
         else:
             # each pass's summed loss over the dp rank's share of the step's tokens: dp averages
             # the gradients over its ranks, so the step's gradient is that of the mean over all
-            # of its tokens, as one pass over the whole batch makes it
-            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.dp, device=self.device)
+            # of its tokens, as one pass over the whole batch makes it (under CP each rank sums
+            # its chunks' losses and the average runs over dp x cp: the share is count / that)
+            tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.replicas,
+                                  device=self.device)
             loss_sum = 0.0
             for i, rows in enumerate(self.passes):
                 with gradient_sync(self.model, i == len(self.passes) - 1):
@@ -248,10 +268,13 @@ class Run:
                                             loss_tokens=tokens,
                                             **({} if pos is None else {"position_ids": pos[rows]}))
                     loss.backward()
-                loss_sum = loss_sum + loss.detach().float() / self.dp
+                loss_sum = loss_sum + loss.detach().float() / self.replicas
+        if self.moe is not None:  # the experts' gradients over the expert-data ranks
+            self.moe.reduce_grads(self.net)
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
                                dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
-                               self.pp_group)
+                               self.pp_group, self.moe.ep_group if self.moe is not None
+                               else self.recipe.expert_group(self.group))
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
@@ -260,11 +283,13 @@ class Run:
             raise FloatingPointError(nonfinite_step(step + 1, loss_value, norm_value, self.net,
                                                     self.run_group, cfg, self.out))
         self.opt.zero_grad(set_to_none=True)
+        if self.moe is not None:  # the step's aux loss and loads; loss-free balancing
+            self.moe_metrics = self.moe.end_step(finite)
         return loss_value, norm_value, finite
 
     def _sum_over_dp(self, loss: torch.Tensor) -> float:
-        """The step's loss: the sum of the dp ranks' parts (each its mean, or its tokens' share,
-        divided by dp), one all-reduce over dp."""
+        """The step's loss: the sum of the dp (x cp) ranks' parts (each its mean, or its tokens'
+        share, divided by their count), one all-reduce over dp (x cp)."""
         if self.mesh is None:
             return loss.item()
         total = loss.clone()
@@ -275,8 +300,9 @@ class Run:
     def validate(self) -> float:
         """The validation loss with the weights as they are: the mean cross-entropy over every
         predicted token of the validation windows, in eval mode (no dropout; the training's
-        random streams untouched). Each dp rank sums its part of each batch; one all-reduce of
-        (sum, count) over dp makes the mean, the same at every TP and DP size."""
+        random streams untouched). Each dp rank sums its part of each batch (each CP rank its
+        chunks of it, the count on CP rank 0 alone); one all-reduce of (sum, count) over dp (x
+        cp) makes the mean, the same at every TP, CP and DP size."""
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         one = torch.ones((), device=self.device)
@@ -285,7 +311,8 @@ class Run:
                 x, y = x.to(self.device), y.to(self.device)
                 with self.autocast:
                     total[0] += self.forward(x, y, loss_tokens=one).double()  # the sum
-                total[1] += (y != IGNORE_INDEX).sum()
+                if cp_rank(self.mesh) == 0:
+                    total[1] += (y != IGNORE_INDEX).sum()
         finally:
             self.model.train()
         if self.mesh is not None:
@@ -327,7 +354,7 @@ class Run:
             "peak_memory": measure.peak_memory, "device": self.device.type,
             "data_bytes": self.batches.tokens.nbytes if on_cpu else 0,
             "resident_peak": resident_peak(), "tp_rank": tp_rank(self.group),
-            "dp_rank": dp_rank(self.mesh),
+            "dp_rank": dp_rank(self.mesh), "cp_rank": cp_rank(self.mesh),
             "pp_rank": 0 if self.pp_group is None else tp_rank(self.pp_group)}
         sizes = [mine]
         if tp_size(self.run_group) > 1:

@@ -26,9 +26,11 @@ class StepMeasure:
     """``with measure.around(step): ...`` measures the block when ``step`` is the one chosen.
 
     groups: the groups whose collectives are counted, by name ("tp", "dp" under data
-    parallelism, "pp" with pipeline stages). After the measured step, ``comm`` holds the "tp"
-    group's counts, bytes and ring bytes (``comm["dp"]`` the dp group's, ``comm["pp"]`` the
-    pipeline's sends and receives), ``peak_memory`` the peak in bytes."""
+    parallelism, "pp" with pipeline stages, "ep" and "stats" with MoE blocks, "cp" under
+    context parallelism). After the measured step, ``comm`` holds the "tp" group's counts, bytes
+    and ring bytes (``comm["dp"]`` the dp group's, ``comm["pp"]`` the pipeline's sends and
+    receives, ``comm["ep"]`` and ``comm["stats"]`` the MoE blocks', ``comm["cp"]`` the K/V
+    gathers), ``peak_memory`` the peak in bytes."""
 
     def __init__(self, start: int, steps: int, groups: dict, device: torch.device,
                  ddp: bool = False):
@@ -48,7 +50,7 @@ class StepMeasure:
             yield
         tp = counter.by_group.get("tp", {})
         self.comm = {k: dict(tp.get(k, {})) for k in KINDS}
-        for label in ("dp", "pp"):
+        for label in ("dp", "pp", "ep", "stats", "cp"):
             if label in self.groups:
                 self.comm[label] = {k: dict(v)
                                     for k, v in counter.by_group.get(label, {}).items()}

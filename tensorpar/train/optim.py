@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
+from tensorpar.parallel.sharding import is_expert_split
+
 _FUSED_DEVICES = ("cpu", "cuda")
 
 
@@ -73,10 +75,14 @@ def implementation(opt: torch.optim.Optimizer) -> str:
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
     """The trainer's AdamW (``cfg``: lr, weight_decay) over the trainable parameters; no weight
-    decay on the vectors: norms (the GPT's only ones) and biases."""
+    decay on the vectors: norms (the GPT's only ones) and biases. Experts split over EP ranks
+    (plain tensors beside FSDP2's DTensors, which one fused kernel call cannot mix) are a group
+    of their own."""
     trained = [p for p in model.parameters() if p.requires_grad]  # not a LoRA run's base
-    decay = [p for p in trained if p.ndim >= 2]
+    experts = [p for p in trained if is_expert_split(p)]
+    decay = [p for p in trained if p.ndim >= 2 and not is_expert_split(p)]
     no_decay = [p for p in trained if p.ndim < 2]
     return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}],
+                  {"params": no_decay, "weight_decay": 0.0}]
+                 + ([{"params": experts, "weight_decay": cfg.weight_decay}] if experts else []),
                  lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorpar.gpt.stages import GPTStage, rank_part
+from tensorpar.mesh.experts import ignore_experts_in_ddp, split_expert_params
+from tensorpar.mesh.mesh import replica_mesh
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import shard_sizes
 from tensorpar.parallel.stages import is_stage_copy, mark_stage_copy
@@ -95,10 +97,13 @@ class PipelineParts:
     stages: list[GPTStage]
 
 
-def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int):
-    """This rank's part of the GPT and its stages; with the recipe's per-step callback."""
+def build_parts(recipe, cfg, group, dp_rank: int, device: torch.device, pp_rank: int,
+                **extra):
+    """This rank's part of the GPT and its stages; with the recipe's per-step callback.
+    extra: more of what ``recipe.build`` takes (the MoE blocks' ``experts``; ``cp_group`` under
+    context parallelism)."""
     mine, ranges, part = rank_part(recipe.model_cfg.n_layer, cfg.pp, cfg.pp_virtual, pp_rank)
-    net, at_step = recipe.build(cfg, group, dp_rank, device, **part)
+    net, at_step = recipe.build(cfg, group, dp_rank, device, **part, **extra)
     stages = [GPTStage(net, s, len(ranges), ranges[s]) for s in mine]
     return PipelineParts(net, stages), at_step
 
@@ -107,13 +112,17 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
                  param_dtype: torch.dtype | None) -> list[nn.Module]:
     """The stage modules the schedule calls, data-parallel over ``mesh["dp"]``: FSDP2 (each
     block, then each stage's own parameters, kept gathered between forwards) or DDP (each stage
-    wrapped). Without data parallelism, the stages themselves."""
-    if mesh["dp"].size() == 1:
+    wrapped). Without data parallelism, the stages themselves. Under CP the data-parallel mesh
+    is the flattened ("dp", "cp") one (``mesh.replica_mesh``)."""
+    replicas = replica_mesh(mesh)
+    if replicas.size() == 1:
         return list(parts.stages)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return [DistributedDataParallel(s, process_group=mesh["dp"].get_group(),
+        for s in parts.stages:
+            ignore_experts_in_ddp(s)
+        return [DistributedDataParallel(s, process_group=replicas.get_group(),
                                         broadcast_buffers=False) for s in parts.stages]
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -121,10 +130,13 @@ def shard_stages(parts: PipelineParts, mesh, mode: str,
         if param_dtype is not None else MixedPrecisionPolicy()
     specs = {name: p.tp_shard for name, p in parts.net.named_parameters()}
     copies = {name for name, p in parts.net.named_parameters() if is_stage_copy(p)}
+    ignored = set(split_expert_params(parts.net)) or None  # reduced by the trainer (--ep)
     for block in parts.net.blocks:
-        fully_shard(block, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+        fully_shard(block, mesh=replicas, mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for stage in parts.stages:
-        fully_shard(stage, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+        fully_shard(stage, mesh=replicas, mp_policy=policy, reshard_after_forward=False,
+                    ignored_params=ignored)
     for name, p in parts.net.named_parameters():
         p.tp_shard = specs[name]
         if name in copies:
@@ -154,11 +166,12 @@ class Schedule:
         self.last = any(s.last for s in parts.stages)
         rows = cfg.batch_size // (cfg.dp or 1) // micro_batches
         T, tp = cfg.seq_len, tp_size(self.tp_group)
-        t_r = shard_sizes(T, tp)[dist.get_rank(self.tp_group)] if cfg.sequence_parallel else T
+        t = parts.net.cp_tokens(T)  # this CP rank's tokens (T without CP)
+        t_r = shard_sizes(t, tp)[dist.get_rank(self.tp_group)] if cfg.sequence_parallel else t
         dim = parts.net.cfg.dim
         # the shapes of one micro-batch, so that the schedule needs no forward to find them
         hidden = torch.empty(rows, t_r, dim, device=device, requires_grad=True)
-        logits = torch.empty(rows, T, shard_sizes(vocab, tp)[dist.get_rank(self.tp_group)],
+        logits = torch.empty(rows, t, shard_sizes(vocab, tp)[dist.get_rank(self.tp_group)],
                              device=device, dtype=dtype)
         ids = torch.zeros(rows, T, dtype=torch.long, device=device)
         pipeline = [PipelineStage(module, s.index, s.count, device,
@@ -166,11 +179,11 @@ class Schedule:
                                   output_args=(logits if s.last else hidden,),
                                   group=self.transfers)
                     for module, s in zip(modules, parts.stages, strict=True)]
-        group = self.tp_group
+        group, local = self.tp_group, parts.net.cp_local  # under CP: this rank's chunks
         self.tokens = None  # the step's target count on this dp rank, set by ``step``
 
         def loss_fn(logits_local, targets):  # the micro-batch's summed losses / the step's count
-            return vocab_parallel_cross_entropy(logits_local, targets, group=group,
+            return vocab_parallel_cross_entropy(logits_local, local(targets), group=group,
                                                 vocab_size=vocab, reuse_logits=True,
                                                 reduction="sum") / self.tokens
 

@@ -18,10 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tensorpar.gpt.stages import describe_split
+from tensorpar.parallel.context import cp_sizes
+from tensorpar.parallel.stages import stage_blocks
+from tensorpar.planner.comm import cp_comm
 from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
+from tensorpar.train.moe_report import moe_rows
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 
@@ -165,9 +169,10 @@ def log_interval(start: int, total: int) -> int:
 def start_line(cfg, model: str, source: str, start: int) -> str:
     """The run's first line: the model, the data, the layout, the steps, where the outputs go
     and how often a line comes."""
-    dp, pp = cfg.dp or 1, getattr(cfg, "pp", 1)
-    ranks = cfg.tp * dp * pp
-    layout = f"--tp {cfg.tp} x --dp {dp}" + (f" x --pp {pp}" if pp > 1 else "")
+    dp, pp, cp = cfg.dp or 1, getattr(cfg, "pp", 1), getattr(cfg, "cp", 1)
+    ranks = cfg.tp * dp * pp * cp
+    layout = f"--tp {cfg.tp} x --dp {dp}" + (f" x --pp {pp}" if pp > 1 else "") + \
+        (f" x --cp {cp}" if cp > 1 else "")
     every = log_interval(start, cfg.steps)
     lines = "a line every step" if every == 1 else \
         f"a line at step {start + 1}, every {every} steps and the last"
@@ -264,9 +269,11 @@ class RunReport:
         return sum(1 for r in self.metrics.rows if r.get("skipped")) if self.lead else 0
 
     def step(self, step: int, loss: float, norm: float, finite: bool, lr: float,
-             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0) -> None:
+             seconds: float, val_loss: float | None = None, data_seconds: float = 0.0,
+             extra: dict | None = None) -> None:
         """The row of ``step``; ``val_loss``: the validation loss after it, when computed;
-        data_seconds: how long the step waited for its batch."""
+        data_seconds: how long the step waited for its batch; extra: more of the row (a MoE
+        model's ``aux_loss`` and ``expert_load``, ``train/moe.py``)."""
         if not self.lead:
             return
         tokens = self.cfg.batch_size * self.cfg.seq_len
@@ -275,6 +282,7 @@ class RunReport:
                "step_time_s": seconds, "data_s": data_seconds}
         if val_loss is not None:
             row["val_loss"] = val_loss
+        row.update(extra or {})
         if not finite:  # JSON has no NaN: the values are named instead
             row["skipped"] = f"non-finite: loss {loss}, gradient norm {norm}"
         self.metrics.write(row)
@@ -328,18 +336,20 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
         + (", TF32" if cfg.tf32 else "")
     # the step as the planner sees it (each pass's activations; a step makes each pass's
     # collectives), and its numbers for the ranks measured, asked once
-    step = Step.from_train_config(cfg, shape, optimizer, dropout,
+    cp = getattr(cfg, "cp", 1)
+    step = Step.from_train_config(without_cp(cfg), shape, optimizer, dropout,
                                   sizes[0].get("device", "cpu") if sizes else "cpu",
                                   converted or None) \
         if shape is not None else None
     plan = None if step is None else plan_run(step, [
-        RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0), s.get("pp_rank", 0))
-        for r, s in enumerate(sizes)])
+        RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0) * cp + s.get("cp_rank", 0),
+                  s.get("pp_rank", 0)) for r, s in enumerate(sizes)])
     dp, pp, virtual = cfg.dp or 1, cfg.pp, cfg.pp_virtual
     micro = cfg.micro_batch_size or cfg.batch_size // dp
     n = cfg.batch_size // dp // micro
     split = f" x DP={dp} ({cfg.dp_mode})" if dp > 1 else ""
     split += f" x PP={pp}" if pp > 1 else ""
+    split += f" x CP={cp}" if cp > 1 else ""
     split += f", {n} {'micro-batches' if pp > 1 else 'passes'} of {micro}" if n > 1 else ""
     table = Table(title=f"tensorpar train: TP={tp}{' + SP' if sp else ''}{split}{how}",
                   show_header=False)
@@ -393,9 +403,29 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             line += f"; resident peak {human_bytes(s['resident_peak'])}"
         where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
         where += f" (pp {s['pp_rank']})" if pp > 1 else ""
+        where += f" (cp {s['cp_rank']})" if cp > 1 else ""
         table.add_row(f"rank {r}{where}", line)
     _comm_rows(table, comm, plan, tp, sp, bool(rows))
+    if step is not None:
+        moe_rows(table, rows, comm, step)
+    if "cp" in comm:  # rank 0's K/V gathers, against the count for its layers
+        layers = None if pp == 1 or shape is None else \
+            sum(len(b) for b in stage_blocks(shape.n_layer, pp * virtual)[::pp])
+        _collective_rows(table, "cp ", comm["cp"], None if step is None else cp_comm(
+            shape, micro, cfg.seq_len, tp, cp, cfg.dtype, step.recompute, n, layers))
     return table
+
+
+def without_cp(cfg):
+    """The run as a planner without context parallelism sees CP rank 0's part of it (what the
+    summary plans its TP and dp collectives from): each of the dp x cp ranks runs the step's
+    rows of a dp rank, at that rank's token count, and the gradients are averaged over all of
+    them. ``cfg`` itself without --cp. (The gathered K/V are not in its memory plan.)"""
+    if cfg.cp == 1:
+        return cfg
+    return dataclasses.replace(cfg, cp=1, seq_len=cp_sizes(cfg.seq_len, cfg.cp)[0],
+                               batch_size=cfg.batch_size * cfg.cp,
+                               dp=(cfg.dp or 1) * cfg.cp)
 
 
 def _comm_rows(table: Table, comm: dict, plan: RunPlan | None, tp: int, sp: bool,

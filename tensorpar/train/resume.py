@@ -103,6 +103,9 @@ def resumed_checkpoint(out: str, resume: bool | None) -> Path | None:
 def check_before_ranks(cfg: TrainConfig, recipe, resume_from: str | None) -> None:
     """Everything that can be refused before a rank starts, refused here, in one line."""
     cfg.check()
+    if cfg.cp > 1 and not getattr(recipe, "context_parallel", False):
+        raise ValueError(f"--cp {cfg.cp}: context parallelism trains tensorpar's GPT; this "
+                         f"model ({recipe.kind}) does not split its sequences yet")
     recipe.check(cfg)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out} is a file, not a directory")
@@ -147,12 +150,13 @@ def _dp_size(cfg: TrainConfig, explicit: int | None) -> int:
     if explicit is not None or not under_torchrun():
         return 1 if cfg.dp is None else cfg.dp  # --dp 0 stays 0, for check() to refuse
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    grid = cfg.tp * cfg.pp  # the ranks of one data-parallel replica
-    sizes = f"--tp {cfg.tp}" + (f" x --pp {cfg.pp}" if cfg.pp != 1 else "")
+    grid = cfg.tp * cfg.pp * cfg.cp  # the ranks of one data-parallel replica
+    sizes = f"--tp {cfg.tp}" + (f" x --pp {cfg.pp}" if cfg.pp != 1 else "") + \
+        (f" x --cp {cfg.cp}" if cfg.cp != 1 else "")
     if grid < 1 or world % grid:
         raise ValueError(f"torchrun started {world} processes, which {sizes} does not divide: "
                          f"start a multiple of {grid} in all (--nnodes x --nproc-per-node), or "
-                         f"pass a {'--tp' if cfg.pp == 1 else 'size'} that divides {world}")
+                         f"pass a {'--tp' if grid == cfg.tp else 'size'} that divides {world}")
     return world // grid
 
 

@@ -61,12 +61,13 @@ def run_train(cfg: TrainConfig, recipe, resume_from: str | None) -> int:
     """Spawn ``cfg.tp`` x ``cfg.dp`` local ranks, or, under torchrun, be one of its ranks, to
     train the model of ``recipe`` (``GPTRecipe(model_cfg)`` for the GPT). Returns the exit
     status: 0, or 128 + the signal that stopped the run (SIGTERM: 143, Ctrl-C: 130)."""
-    ranks = cfg.tp * (cfg.dp or 1) * cfg.pp
+    ranks = cfg.tp * (cfg.dp or 1) * cfg.pp * cfg.cp
     world = int(os.environ.get("WORLD_SIZE", ranks))
     if under_torchrun() and world != ranks:
         raise ValueError(f"torchrun started {world} processes but --tp {cfg.tp} x --dp "
-                         f"{cfg.dp or 1} x --pp {cfg.pp} is {ranks}: start {ranks} in all "
-                         "(torchrun --nnodes x --nproc-per-node), or change --tp / --dp / --pp")
+                         f"{cfg.dp or 1} x --pp {cfg.pp} x --cp {cfg.cp} is {ranks}: start "
+                         f"{ranks} in all (torchrun --nnodes x --nproc-per-node), or change "
+                         "--tp / --dp / --pp / --cp")
     if cfg.resume and resume_from is None:
         say(f"no checkpoint in {cfg.out}; starting from step 0")
     elif resume_from is not None:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from tensorpar.gpt.model import GPTConfig
-from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
+from tensorpar.planner.shapes import Experts, ModelShape, shape_from_hf_config
 
 
 def gpt_shape(cfg: GPTConfig, name: str = "tensorpar-gpt") -> ModelShape:
@@ -22,9 +22,12 @@ def gpt_shape(cfg: GPTConfig, name: str = "tensorpar-gpt") -> ModelShape:
     last saved tensor is the MLP branch's mask, drawn after the MLP's exit: a recomputed block
     runs that exit again (eagerly: under torch.compile the partitioner picks what it
     recomputes)."""
+    moe = None if not cfg.moe_experts else Experts(
+        cfg.moe_experts, cfg.moe_top_k, cfg.hidden_dim, cfg.moe_shared_experts * cfg.hidden_dim,
+        cfg.moe_shared_experts, router=cfg.moe_router, selection_bias=cfg.moe_router == "sigmoid")
     return ModelShape(name, cfg.vocab_size, cfg.n_layer, cfg.dim, cfg.n_head, cfg.n_kv_head,
                      cfg.hidden_dim, tie_embeddings=cfg.tie_embeddings,
-                     recompute_block_exit=cfg.dropout > 0)
+                     recompute_block_exit=cfg.dropout > 0, moe=moe)
 
 
 def shape_from_dict(d: dict, name: str) -> ModelShape:

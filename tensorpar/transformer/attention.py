@@ -109,6 +109,9 @@ class ParallelSelfAttention(nn.Module):
         backward, overlapped with the input-gradient matmul (one more all-gather, 1/n the memory).
     cp_group: the context-parallel group (None: no CP; not the world): the input is this rank's
         ``split_to_cp`` chunks of the sequence and ``forward`` takes ``context=CPSequence(...)``.
+        With sequence parallelism too, the input is this TP rank's ``tensor_split`` shard of
+        those chunks and ``seq_len`` their count (the TP all-gather restores the CP rank's
+        chunks, the output's reduce-scatter splits them again).
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None,
@@ -117,9 +120,6 @@ class ParallelSelfAttention(nn.Module):
                  *, device=None, dtype=None, fused: bool = False,
                  keep_gathered_input: bool = False, cp_group: ProcessGroup | None = None):
         super().__init__()
-        if sequence_parallel and cp_size(cp_group) > 1:
-            raise ValueError(f"ParallelSelfAttention: sequence parallelism with context "
-                             f"parallelism (cp={cp_size(cp_group)}) is not built yet")
         self.cp_group = cp_group
         kv_heads = num_kv_heads or num_heads
         n, rank = tp_size(group), tp_rank(group)
@@ -218,7 +218,10 @@ class ParallelSelfAttention(nn.Module):
             if cache is not None or attn_mask is not None:
                 raise ValueError("ParallelSelfAttention: context parallelism takes no KV cache "
                                  "and no attn_mask (packed examples: context.position_ids)")
-            check_cp_input(x, context, rope, self.cp_group)
+            # under SP x is this TP rank's shard of the CP rank's seq_len tokens (the split
+            # over TP of the CP chunks: norms and dropout per token, attention as without SP)
+            check_cp_input(x, context, rope, self.cp_group,
+                           tokens=seq_len if self.sequence_parallel else None)
             rope = cp_rope(rope, context.seq_len, self.cp_group) if rope is not None else None
         wk, wv, bk, bv = self._kv_params()
         column = fused_column if self.fused else column_linears  # f, then the Q, K, V matmuls

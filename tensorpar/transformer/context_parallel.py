@@ -70,9 +70,10 @@ def cp_size(group: ProcessGroup | None) -> int:
 
 
 def check_cp_input(x: torch.Tensor, context: CPSequence | None, rope, group: ProcessGroup | None,
-                   what: str = "context-parallel attention") -> None:
+                   what: str = "context-parallel attention", tokens: int | None = None) -> None:
     """Refuse, before any collective, what this rank can tell is wrong: the split itself, its
-    token count, the position ids' and rotary tables' lengths."""
+    token count (``tokens``, default ``x``'s; under sequence parallelism the CP rank's count,
+    of which ``x`` is this TP rank's shard), the position ids' and rotary tables' lengths."""
     n = cp_size(group)
     if context is None:
         raise ValueError(f"{what}: a CP group of {n} ranks needs context=CPSequence(seq_len, "
@@ -80,8 +81,9 @@ def check_cp_input(x: torch.Tensor, context: CPSequence | None, rope, group: Pro
     T = context.seq_len
     check_cp_split(T, n, what)
     mine = cp_sizes(T, n)[tp_rank(group)]
-    if x.shape[1] != mine:
-        raise ValueError(f"{what}: CP rank {tp_rank(group)} holds {x.shape[1]} tokens, but "
+    held = x.shape[1] if tokens is None else tokens
+    if held != mine:
+        raise ValueError(f"{what}: CP rank {tp_rank(group)} holds {held} tokens, but "
                          f"seq_len={T} over {n} CP ranks gives it {mine} (split_to_cp)")
     pos = context.position_ids
     if pos is not None and tuple(pos.shape) != (x.shape[0], T):

@@ -98,10 +98,10 @@ def train_rank(cfg, recipe, resume_from):
 
 
 def train(ranks, path, out, tp, dp=None, whole=False, **flags):
-    """A run on the pool of tp x dp ranks; its metrics rows (whole: rank 0's result and the
-    run's recipe)."""
+    """A run on the pool of tp x dp (x cp, a flag) ranks; its metrics rows (whole: rank 0's
+    result and the run's recipe)."""
     cfg, recipe, resume_from = resolve(path, out=str(out), tp=tp, dp=dp, **flags)
-    result = ranks(tp * (dp or 1)).run(train_rank, cfg, recipe, resume_from)[0]
+    result = ranks(tp * (dp or 1) * cfg.cp).run(train_rank, cfg, recipe, resume_from)[0]
     return (result, recipe) if whole else result["rows"]
 
 
