@@ -1,5 +1,5 @@
-"""Draw the figures of docs/learn.md and docs/moe.md: `python docs/figures/draw.py [DIR]` writes docs/figures/*.png
-(or into DIR; tests/test_docs.py draws them again and compares).
+"""Draw the figures of docs/learn.md and docs/moe.md: `python docs/figures/draw.py [DIR]` writes
+docs/figures/*.png (or into DIR; tests/test_docs.py draws them again and compares).
 
 Deterministic: no dates, no random numbers, no software version in the files. Every figure is
 7 inches wide (700 px at 100 dpi, saved at 200 dpi) and drawn in inches: the axes span the figure.

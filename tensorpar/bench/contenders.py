@@ -16,7 +16,7 @@ Each contender is a ``setup(work, state, group) -> step`` run on every rank of i
     hf-llama-sp        tp     1        the TP pool         the same with sequence parallelism
     hf-qwen3moe        tp     1        the TP pool         transformers' Qwen3-MoE via parallelize
     hf-qwen3moe-transformers  tp  1    the TP pool         the same model, transformers' TP + EP
-    hf-qwen3moe-1      1      1        a one-rank pool     the same model, one rank (their reference)
+    hf-qwen3moe-1      1      1        a one-rank pool     the same model (their loss reference)
     dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
     dtensor-sp         tp     1        the TP pool         the same with SequenceParallel norms
     megatron           tp     1        a pool of its own   megatron-core (megatron_core.py)
