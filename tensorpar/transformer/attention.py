@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.parallel.context import cp_chunk_ranges
 from tensorpar.parallel.fused import fused_column
 from tensorpar.parallel.linear import ColumnParallelLinear, RowParallelLinear, column_linears
 from tensorpar.parallel.mappings import sum_shared_shard_grads
 from tensorpar.parallel.sharding import ShardSpec, shard_range
 from tensorpar.runtime.groups import tp_rank, tp_size
-from tensorpar.parallel.context import cp_chunk_ranges
 from tensorpar.transformer.context_parallel import (
     CPSequence,
     check_cp_input,

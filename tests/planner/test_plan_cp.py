@@ -1,8 +1,8 @@
 """The planner under context parallelism: a CP rank's activations (its tokens' share, the whole
 sequence's K and V, and for packed rows its queries' mask against every key) against what the
-blocks save on real gloo ranks; the K/V collectives against the layer's own count; the layout search over cp; and
-``plan --cp``. Pure arithmetic but for the one measured run (two ranks, a tiny stack: slow
-tier)."""
+blocks save on real gloo ranks; the K/V collectives against the layer's own count; the layout
+search over cp; and ``plan --cp``. Pure arithmetic but for the one measured run (two ranks, a
+tiny stack: slow tier)."""
 
 import argparse
 import json
