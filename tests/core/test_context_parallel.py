@@ -137,6 +137,14 @@ def test_tp2_cp2(ranks, heads, kv_heads, packed):
     _run(ranks, 2, 2, heads, kv_heads, packed=packed)
 
 
+@pytest.mark.slow
+def test_tp3_cp2_uneven_heads(ranks):
+    """(tp 3, cp 2), 8 query heads over 2 KV heads: the heads split 3, 3, 2, so TP rank 1's
+    KV heads serve 1 and 2 of its query heads; the mask-free path then reads K and V per query
+    head (index_select), and stays exact."""
+    _run(ranks, 3, 2, 8, 2)
+
+
 def test_load_balance_order():
     """Rank i of N holds chunks i and 2N-1-i of 2N, cut as tensor_split cuts; the causal
     triangle's (query, key) pairs split evenly (exactly when 2N divides T)."""
