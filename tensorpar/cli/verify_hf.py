@@ -81,6 +81,8 @@ def verify_hf_rank(path: str, seed: int, batch: int, seq_len: int, group=None) -
     rows.append(("loss", max_rel_error(out.loss, ref.loss), None))
     rows += [(f"{key} (weights)", None, err) for key, err in grads.items()]
     greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    if getattr(model.config, "output_router_logits", False):  # an MoE asking for its aux loss:
+        greedy["output_router_logits"] = False  # not while generating (transformers' own fails)
     model.eval()
     same = torch.equal(model.generate(ids[:, :8], **greedy), dense.generate(ids[:, :8], **greedy))
     local = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -24,6 +24,7 @@ import types
 import torch
 from torch import nn
 
+from tensorpar.parallel.mappings import copy_to_tp, reduce_from_tp
 from tensorpar.parallel.norm import rms_norm
 
 # classes whose forward is exactly the formula above (checked in tests/hf/test_hf_norms.py)
@@ -46,3 +47,27 @@ def fuse_rms_norms(model: nn.Module) -> list[str]:
             m.forward = types.MethodType(_forward, m)
             names.append(name)
     return names
+
+
+class HeadsRMSNorm(nn.Module):
+    """An RMSNorm over all heads together (OLMoE's and OLMo-2's q/k norms, width heads x
+    head_dim) run on this rank's heads: the weight is split with the heads, and each token's
+    sum of squares is all-reduced over the TP group (in backward too: every rank's normalised
+    heads read it), so the mean is over the full width::
+
+        weight_shard * (x_shard * rsqrt(sum_ranks(sum(x_shard ** 2)) / width + eps))
+
+    in float32, rounded to x's dtype before the weight product, as transformers' RMSNorm. The
+    shards of two ranks must not overlap (KV heads shared by ranks would count twice).
+    """
+
+    def __init__(self, weight: nn.Parameter, width: int, eps: float, group):
+        super().__init__()
+        self.weight, self.width, self.variance_epsilon, self.group = weight, width, eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = reduce_from_tp(h.pow(2).sum(-1, keepdim=True), self.group)  # (..., 1)
+        squares = copy_to_tp(squares, self.group)  # its gradient summed over the ranks
+        h = h * torch.rsqrt(squares / self.width + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)

@@ -23,6 +23,9 @@ plan: a dict from module-name patterns to styles, so a model's whole split fits 
   as a uniform repeat, the KV heads are repeated per query head locally.
 - ``mlp``: an MLP whose linear children map D -> H (column, e.g. gate and up, fused as above)
   and H -> D (row); the activation runs on shards.
+- ``moe``: a Mixture-of-Experts block (``moe.py``): its router whole, its routed experts cut
+  across the EP group (``ep_group=``, default the TP group), its shared expert(s) as ``mlp``;
+  a dense layer in an MoE model's place as ``mlp``.
 - ``replicated``: left whole on every rank (the default for everything the plan does not name).
 
 Weights come from a *source*: the dense model itself (``parallelize``) or the safetensors files of
@@ -55,7 +58,7 @@ from tensorpar.parallel.collectives import all_reduce
 from tensorpar.parallel.sharding import REPLICATED
 from tensorpar.runtime.groups import device_for, tp_rank, tp_size
 
-STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "replicated")
+STYLES = ("vocab", "column", "column_gather", "row", "attention", "mlp", "moe", "replicated")
 
 
 def _pattern(p: str) -> re.Pattern:
@@ -78,15 +81,17 @@ def check_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
 
 
 def check_plan_fits(model: nn.Module, plan: dict[str, str], n: int,
-                    sequence_parallel: bool = False, context_parallel: bool = False) -> None:
+                    sequence_parallel: bool = False, context_parallel: bool = False, *,
+                    ep: int | None = None) -> None:
     """Raise ValueError, the same on every rank, for a plan (or sequence or context parallelism)
-    that cannot split ``model`` over ``n`` ranks: before any collective, before a byte is read."""
+    that cannot split ``model`` over ``n`` ranks (MoE experts over ``ep``, default ``n``):
+    before any collective, before a byte is read."""
     if context_parallel:
         check_context_parallel(model, sequence_parallel, has_dropout(model))
     matches = check_plan(model, plan)
     for pattern, names in matches.items():
         for name in names:
-            check_split(model, name, plan[pattern], n)
+            check_split(model, name, plan[pattern], n, n if ep is None else ep)
     if sequence_parallel:
         styles = {name: plan[p] for p, names in matches.items() for name in names}
         check_sequence_parallel(model, styles, has_dropout(model))
@@ -97,18 +102,20 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
                source=None, dtype: torch.dtype | None = None,
                tied: dict[str, str] | None = None,
                sequence_parallel: bool = False,
-               cp_group: ProcessGroup | None = None) -> nn.Module:
+               cp_group: ProcessGroup | None = None,
+               ep_group: ProcessGroup | None = None) -> nn.Module:
     """Swap the modules ``plan`` names for their tensor-parallel versions (see module doc).
 
     source: where dense weights are read (default: the model itself). tied: column module name ->
     embedding module name whose weight it shares (a tied LM head keeps sharing the vocab shard).
     sequence_parallel: sequence shards between the blocks (checked by ``check_plan_fits``).
     cp_group: the context-parallel group (``context.py``; None or one rank: no CP).
+    ep_group: the ranks the MoE blocks' routed experts are cut across (None: ``group``).
     """
     matches = check_plan(model, plan)
     source = source or ModuleSource(model)
     seq = SequenceLength() if sequence_parallel else None
-    conv = Converter(source, group, dtype, seq)  # dtype None: each layer keeps its own
+    conv = Converter(source, group, dtype, seq, ep_group)  # dtype None: each keeps its own
     tied, embeddings, regions = tied or {}, {}, []
     # embeddings first, so that a tied head finds its shard
     for pattern, style in sorted(plan.items(), key=lambda kv: kv[1] != "vocab"):
@@ -133,6 +140,9 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: ProcessGroup | Non
             elif style == "mlp":
                 new = conv.mlp(name, m)
                 regions.append(name)
+            elif style == "moe":
+                regions += conv.moe(name, m)
+                new = m
             else:
                 continue
             setattr(parent, child, new)
@@ -223,7 +233,8 @@ def check_same_weights(model: nn.Module, group: ProcessGroup | None = None) -> N
 
 def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
                 group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                cp_group: ProcessGroup | None = None) -> nn.Module:
+                cp_group: ProcessGroup | None = None,
+                ep_group: ProcessGroup | None = None) -> nn.Module:
     """Convert a dense model in place to tensor parallelism over ``group`` and return it.
 
     Every rank must hold the same dense model (same seed or the same checkpoint); this is
@@ -233,10 +244,14 @@ def parallelize(model: nn.Module, plan: dict[str, str] | None = None,
     cp_group: context parallelism over this group (Llama family, ``context.py``): every CP rank
     calls the model on the same whole rows and gets its load-balanced chunks' logits; pass the
     TP group as ``group`` (None would be the whole world).
+    ep_group: the ranks the routed experts of MoE blocks are cut across (default ``group``;
+    another folding: a TP group's ranks all in it, or each in another EP group).
     """
     plan = plan or plan_for(model)
     cp = cp_group is not None and tp_size(cp_group) > 1
-    check_plan_fits(model, plan, tp_size(group), sequence_parallel, cp)  # before any collective
+    ep = tp_size(group if ep_group is None else ep_group)
+    check_plan_fits(model, plan, tp_size(group), sequence_parallel, cp,
+                    ep=ep)  # before any collective
     check_same_weights(model, group)
     return apply_plan(model, plan, group, tied=tied_heads(model),
-                      sequence_parallel=sequence_parallel, cp_group=cp_group)
+                      sequence_parallel=sequence_parallel, cp_group=cp_group, ep_group=ep_group)

@@ -8,6 +8,10 @@ The built-in plans (how each family is split, whole)::
     transformer.h.*.mlp    mlp                  model.layers.*.mlp        mlp
     lm_head                column_gather        lm_head                   column_gather
 
+    Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, GPT-OSS: the Llama plan with
+    model.layers.*.mlp        moe   (hf/moe.py: experts cut across the EP ranks, shared
+                                     experts as mlp, the router whole)
+
 Position embeddings (GPT-2's ``wpe``), norms and Qwen3's per-head q/k norms stay replicated.
 Another model that declares ``base_model_tp_plan`` in its config gets a plan translated from it.
 ``lm_head`` gathers its vocab-split logits, so the model's own loss and ``generate()`` run
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tensorpar.hf.moe import check_moe_block
 from tensorpar.transformer.attention import head_shards
 
 OUT_PROJ = ("o_proj", "out_proj", "dense")  # names of the attention output projection
@@ -37,8 +42,15 @@ LLAMA_PLAN = {
     "model.layers.*.mlp": "mlp",
     "lm_head": "column_gather",
 }
+MOE_PLAN = LLAMA_PLAN | {"model.layers.*.mlp": "moe"}
 PLANS = {"gpt2": GPT2_PLAN, "llama": LLAMA_PLAN, "mistral": LLAMA_PLAN, "qwen2": LLAMA_PLAN,
-         "qwen3": LLAMA_PLAN}
+         "qwen3": LLAMA_PLAN, "qwen3_moe": MOE_PLAN, "mixtral": MOE_PLAN, "olmoe": MOE_PLAN,
+         "qwen2_moe": MOE_PLAN, "gpt_oss": MOE_PLAN}
+# families whose layers no style splits yet: model_type -> what is missing
+REFUSED = {"deepseek_v3": "its multi-head latent attention (q_a_proj, q_b_proj, "
+                          "kv_a_proj_with_mqa, kv_b_proj: low-rank projections with norms "
+                          "between them) has no tensorpar style yet; its MoE blocks would take "
+                          "style 'moe'"}
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # parents translated to style "mlp"
 _HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
@@ -82,6 +94,9 @@ def plan_for(model: nn.Module) -> dict[str, str]:
     ``base_model_tp_plan``; otherwise a ValueError listing its linear layers."""
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
+    if model_type in REFUSED:
+        raise ValueError(f"no tensor-parallel plan for {type(model).__name__}: "
+                         f"{REFUSED[model_type]}")
     if model_type in PLANS:
         return dict(PLANS[model_type])
     hf_plan = getattr(cfg, "base_model_tp_plan", None)
@@ -125,7 +140,7 @@ def attention_heads(m: nn.Module, cfg) -> tuple[int, int]:
     return H, getattr(cfg, "num_key_value_heads", None) or H
 
 
-def check_split(model: nn.Module, name: str, style: str, n: int) -> None:
+def check_split(model: nn.Module, name: str, style: str, n: int, ep: int | None = None) -> None:
     """Raise ValueError, naming ``name``, if ``style`` cannot split that module over ``n`` ranks
     (the converter calls it for each module; ``from_pretrained`` for the whole plan up front).
 
@@ -134,9 +149,12 @@ def check_split(model: nn.Module, name: str, style: str, n: int) -> None:
     attention module (a plan splitting q|k|v layer by layer, as GPT-NeoX's fused per-head
     ``query_key_value``): ``tensor_split`` of its features keeps every head whole and the q/kv
     ratio unchanged only when n divides both head counts; else the module's own forward would
-    reshape cut heads.
+    reshape cut heads. ``moe``: every one of the ``ep`` ranks (default n) needs an expert.
     """
     m = model.get_submodule(name)
+    if style == "moe":
+        check_moe_block(name, m, n if ep is None else ep)
+        return
     if style == "attention":
         H, K = attention_heads(m, getattr(m, "config", None))
         try:

@@ -88,7 +88,8 @@ class EmptySource:
 
 def _renames(model: nn.Module) -> list[tuple[str, str]]:
     """The plain key renamings transformers applies when loading this model's checkpoints
-    (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``). Other conversions (packed experts) are not
+    (e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``, Mixtral's ``block_sparse_moe`` -> ``mlp``).
+    Experts saved one by one are stacked by ``moe.read_experts``; other conversions are not
     supported: their tensors are then reported missing."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -105,7 +106,8 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
                     dtype: torch.dtype = torch.float32, plan: dict[str, str] | None = None,
                     attn_implementation: str | None = None,
                     sequence_parallel: bool = False, weights: bool = True,
-                    cp_group: ProcessGroup | None = None) -> nn.Module:
+                    cp_group: ProcessGroup | None = None,
+                    ep_group: ProcessGroup | None = None) -> nn.Module:
     """Load a local Hugging Face causal-LM directory (config + safetensors) tensor-parallel.
 
     The model is built with its parameters on the meta device; each rank then reads only its own
@@ -116,6 +118,7 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     ``parallelize`` (q/k/v and gate/up as one fused op each); ``sequence_parallel`` as there.
     weights=False: the directory needs only its config; the parameters are zeros, for a
     checkpoint to fill (``load_checkpoint``). cp_group: context parallelism, as ``parallelize``.
+    ep_group: as ``parallelize``'s (MoE models: each rank reads only its experts).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -128,11 +131,12 @@ def from_pretrained(path: str | Path, group: ProcessGroup | None = None,
     # every split checked before a byte is read (and before any collective: there is none here),
     # the same verdict on every rank
     check_plan_fits(model, plan, tp_size(group), sequence_parallel,
-                    cp_group is not None and tp_size(cp_group) > 1)
+                    cp_group is not None and tp_size(cp_group) > 1,
+                    ep=tp_size(group if ep_group is None else ep_group))
     source = SafetensorsSource(path, model.base_model_prefix, _renames(model)) if weights \
         else EmptySource(model)
     apply_plan(model, plan, group, source=source, dtype=dtype, tied=tied_heads(model),
-               sequence_parallel=sequence_parallel, cp_group=cp_group)
+               sequence_parallel=sequence_parallel, cp_group=cp_group, ep_group=ep_group)
     source.close()
     if (Path(path) / "generation_config.json").is_file():  # eos lists, sampling defaults, ...
         from transformers import GenerationConfig

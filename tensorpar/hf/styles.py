@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.hf.fused_blocks import FusedColumnLinear, InRegionColumn, Region
+from tensorpar.hf.moe import SHARED, convert_experts
+from tensorpar.hf.norms import HeadsRMSNorm
 from tensorpar.hf.plans import OUT_PROJ, attention_heads, check_split, is_conv1d
 from tensorpar.hf.sequence import SequenceLength
 from tensorpar.parallel.embedding import VocabParallelEmbedding
@@ -72,11 +74,13 @@ class _Reader:
 
 
 class Converter:
-    """seq: under sequence parallelism, the model's ``SequenceLength`` (None: off)."""
+    """seq: under sequence parallelism, the model's ``SequenceLength`` (None: off).
+    ep_group: the ranks MoE blocks cut their routed experts across (None: the TP group)."""
 
     def __init__(self, source, group: ProcessGroup | None, dtype,
-                 seq: SequenceLength | None = None):
+                 seq: SequenceLength | None = None, ep_group: ProcessGroup | None = None):
         self.source, self.group, self.dtype, self.seq = source, group, dtype, seq
+        self.ep_group = group if ep_group is None else ep_group
         self.n, self.rank = tp_size(group), tp_rank(group)
         self.model = getattr(source, "model", None)  # None: from_pretrained checked up front
         self.grad_sum: list[str] = []  # replicated parameters whose gradients are partial
@@ -170,6 +174,7 @@ class Converter:
         q/k/v projections (Llama and most families) and GPT-2's packed q|k|v Conv1D."""
         if self.model is not None:
             check_split(self.model, name, "attention", self.n)
+        heads = attention_heads(m, getattr(m, "config", None))[0]  # before they become local
         if hasattr(m, "c_attn"):
             columns, converted, hd = self._packed_qkv(name, m)
         elif all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and \
@@ -180,7 +185,7 @@ class Converter:
                              f"{OUT_PROJ}, or c_attn/c_proj; "
                              f"{type(m).__name__} has "
                              f"{[c for c, _ in m.named_children()]}")
-        self._other_parameters(name, m, converted, hd)
+        self._other_parameters(name, m, converted, hd, heads)
         Region(m, columns, self.group, self.seq)
         return m
 
@@ -226,22 +231,65 @@ class Converter:
                            h_local // k_local if uniform else 1)
         return [m.q_proj, m.k_proj, m.v_proj], {"q_proj", "k_proj", "v_proj", out}, hd
 
-    def _other_parameters(self, name, m, converted: set[str], hd: int) -> None:
+    def _other_parameters(self, name, m, converted: set[str], hd: int, heads: int) -> None:
         """Other parameters of the attention (Qwen3's per-head q/k norms) stay whole but see
         only this rank's heads: their gradients are partial sums, completed over the group in
-        backward. Ones that mix heads, or the module's own, are refused."""
+        backward. Ones that mix heads, or the module's own, are refused, but for per-head
+        attention sinks (GPT-OSS), split with the query heads."""
         own = [p for p, _ in m.named_parameters(recurse=False)]
-        if own:  # e.g. per-head attention sinks: they would need splitting by heads too
+        if own == ["sinks"] and m.sinks.shape == (heads,):  # GPT-OSS: one per query head
+            h0, h1 = head_shards(heads, heads, self.n, self.rank)[0]
+            m.sinks = local_parameter(self.source.read(f"{name}.sinks", 0, h0, h1)
+                                      .to(self.dtype or m.sinks.dtype),
+                                      ShardSpec(0, h0, h1, heads), m.sinks.requires_grad)
+        elif own:  # parameters that mix heads or that nothing here knows how to split
             raise ValueError(f"{name} has parameters of its own ({own}): style 'attention' "
-                             "splits only its projections")
+                             "splits only its projections and per-head attention sinks")
+        for c, child in list(m.named_children()):
+            if c not in converted and _norm_over_heads(child, hd):
+                setattr(m, c, self._heads_norm(f"{name}.{c}", child, hd, heads,
+                                               attention_heads(m, getattr(m, "config", None))))
+                converted = converted | {c}
         others = [(f"{name}.{c}.{p}", t) for c, child in m.named_children()
                   if c not in converted for p, t in child.named_parameters()]
         for pname, t in others:
-            if t.numel() > hd:  # e.g. OLMo-2's q_norm: one norm over all heads together
+            if t.numel() > hd:  # a parameter over all heads that is not such a norm
                 raise ValueError(f"{pname} has {t.numel()} elements, more than one head "
                                  f"({hd}): it mixes heads, so it cannot run on a rank's heads "
                                  "alone; this attention is not supported by style 'attention'")
         self.grad_sum += [pname for pname, _ in others]
+
+    def moe(self, name, m) -> list[str]:
+        """An MoE block (``moe.py``): the routed experts cut across the EP group, the shared
+        expert(s) split like the MLP, the router and the shared expert's gate whole; a block
+        without experts (a dense layer of an MoE model) is an MLP. Returns the TP regions."""
+        if not hasattr(m, "experts"):
+            self.mlp(name, m)
+            return [name]
+        m.experts = convert_experts(self.source, f"{name}.experts", m.experts, self.group,
+                                    self.ep_group, self.dtype)
+        regions = []
+        for child in SHARED:
+            if isinstance(getattr(m, child, None), nn.Module):
+                self.mlp(f"{name}.{child}", getattr(m, child))
+                regions.append(f"{name}.{child}")
+        return regions
+
+    def _heads_norm(self, name, norm, hd: int, heads: int, counts) -> HeadsRMSNorm:
+        """An RMSNorm over all query heads or all KV heads (OLMoE's q/k norms), split with them
+        (``HeadsRMSNorm``); refused when ranks share KV heads (their squares would count
+        twice)."""
+        H, K = heads, counts[1]
+        (h0, h1), (k0, k1), shared = head_shards(H, K, self.n, self.rank)
+        width = norm.weight.numel()
+        a, b = (h0, h1) if width == H * hd else (k0, k1)
+        if width != H * hd and shared:
+            raise ValueError(f"{name}: a norm over all {K} KV heads cannot be split over "
+                             f"{self.n} ranks that share KV heads; use a TP size of at most {K}")
+        weight = local_parameter(self.source.read(f"{name}.weight", 0, a * hd, b * hd)
+                                 .to(self.dtype or norm.weight.dtype),
+                                 ShardSpec(0, a * hd, b * hd, width), norm.weight.requires_grad)
+        return HeadsRMSNorm(weight, width, norm.variance_epsilon, self.group)
 
     def mlp(self, name, m):
         linears = [(c, sub) for c, sub in m.named_children()
@@ -262,6 +310,14 @@ class Converter:
                 setattr(m, c, columns[-1])
         Region(m, columns, self.group, self.seq)
         return m
+
+
+def _norm_over_heads(m: nn.Module, hd: int) -> bool:
+    """An RMSNorm (a weight and ``variance_epsilon``) wider than one head: over all heads."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 1 and w.numel() > hd and \
+        w.numel() % hd == 0 and hasattr(m, "variance_epsilon") and \
+        [n for n, _ in m.named_parameters()] == ["weight"] and "RMSNorm" in type(m).__name__
 
 
 # the names transformers' attention modules give their head counts, across families and

@@ -149,6 +149,10 @@ class GPTRecipe:
     def loss_fn(self, model: nn.Module, cfg, group) -> Callable:
         return loss_function(model, cfg.compile, cfg.compile_backend)  # GPT(ids, targets)
 
+    def expert_group(self, group):
+        """None: the GPT's experts have their own groups (``train/moe.py``)."""
+        return None
+
     def manifest(self) -> dict:
         tokenizer = {"tokenizer": ByteTokenizer.name} if self.tokenizer_dir is None else \
             {"tokenizer": HFTokenizer.name, "tokenizer_files": RUN_TOKENIZER}

@@ -145,6 +145,11 @@ class HFRecipe:
                              f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
                              "layer replays its TP regions' masks through checkpoint contexts, "
                              "which torch.compile does not trace")
+        if "moe" in self.plan.values() and ((cfg.dp or 1) > 1 or (cfg.ep or 1) > 1 or
+                                            cfg.cp > 1):
+            raise ValueError(f"--hf {self.origin} (Mixture of Experts): its experts are cut "
+                             "across the --tp ranks; --dp, --ep and --cp with a Hugging Face "
+                             "MoE model are not supported yet")
         if cfg.cp > 1 and cfg.lora_dropout > 0:
             raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --cp {cfg.cp} is not "
                              "supported yet (the adapters' masks are drawn per TP rank, not per "
@@ -156,6 +161,11 @@ class HFRecipe:
                             cfg.cp > 1)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
+
+    def expert_group(self, group):
+        """The ranks a converted MoE model's experts are cut across (its TP group; ``check``
+        refuses other foldings), or None for a dense model: the gradient norm's EP group."""
+        return group if "moe" in self.plan.values() else None
 
     def tokenizer(self) -> HFTokenizer:
         return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
@@ -205,13 +215,16 @@ class HFRecipe:
             # position_ids (--pack): restarting positions, from which transformers confines
             # attention to each example (no cache: the block-diagonal causal mask)
             extra = {} if position_ids is None else {"position_ids": position_ids}
-            logits_BTV_local = forward(input_ids=ids_BT, use_cache=False, **extra).logits
+            out = forward(input_ids=ids_BT, use_cache=False, **extra)
             if cp_group is not None:  # the logits are this CP rank's chunks: so the targets
                 targets_BT = split_to_cp(targets_BT, cp_group)
             loss = vocab_parallel_cross_entropy(
-                logits_BTV_local, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
+                out.logits, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
                 reduction="mean" if loss_tokens is None else "sum")
-            return loss if loss_tokens is None else loss / loss_tokens
+            loss = loss if loss_tokens is None else loss / loss_tokens
+            if getattr(out, "aux_loss", None) is not None:  # an MoE's own balancing loss
+                loss = loss + self.config.get("router_aux_loss_coef", 0.0) * out.aux_loss
+            return loss
 
         return loss
 

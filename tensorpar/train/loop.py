@@ -271,7 +271,8 @@ class Run:
             self.moe.reduce_grads(self.net)
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
                                dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
-                               self.pp_group, None if self.moe is None else self.moe.ep_group)
+                               self.pp_group, self.moe.ep_group if self.moe is not None
+                               else self.recipe.expert_group(self.group))
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:

@@ -52,6 +52,7 @@ from tensorpar.runtime.groups import tp_rank, tp_size
 from tensorpar.transformer.mlp import ParallelMLP
 
 ROUTERS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1
     route_scale: float = 1.0  # a factor on the routing weights (DeepSeek-V3's routed_scaling)
     shared_hidden_dim: int = 0  # the shared experts' SwiGLU width, 0 for none
+    # the routed experts' gated unit: "silu": silu(gate) * up, gate_up = [gate | up] (Mixtral,
+    # Qwen3-MoE); "clamped_swiglu" (GPT-OSS): gate and up interleaved, gate clamped above at
+    # swiglu_limit, up to +-swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # a bias on each routed expert's gate_up and down (GPT-OSS)
 
     def __post_init__(self):
         for name in ("dim", "hidden_dim", "num_experts", "top_k"):
@@ -77,6 +85,9 @@ class MoEConfig:
                              f"{self.num_experts}")
         if self.router not in ROUTERS:
             raise ValueError(f"MoEConfig: router={self.router!r}; expected one of {ROUTERS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig: activation={self.activation!r}; expected one of "
+                             f"{ACTIVATIONS}")
         if self.shared_hidden_dim < 0:
             raise ValueError(f"MoEConfig: shared_hidden_dim={self.shared_hidden_dim}; expected "
                              "0 (no shared experts) or more")
@@ -184,41 +195,70 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) rows grouped by expert, ``counts[g]`` rows for expert g, times each expert's
-    (N, K) weight ``w[g]`` transposed -> (M, N). One ``torch._grouped_mm`` where it runs; a loop
-    over the experts for the dtypes it lacks (fp64)."""
+    (N, K) weight ``w[g]`` transposed, plus its bias ``bias[g]`` (G, N) when given -> (M, N).
+    One ``torch._grouped_mm`` where it runs; a loop over the experts for the dtypes it lacks
+    (fp64)."""
     if _grouped_mm_fits(x, w):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
-    pieces = torch.split(x, counts.tolist())
-    return torch.cat([p @ w[g].T for g, p in enumerate(pieces)])
+        y = _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
+    else:
+        pieces = torch.split(x, counts.tolist())
+        y = torch.cat([p @ w[g].T for g, p in enumerate(pieces)])
+    return y if bias is None else y + torch.repeat_interleave(bias, counts, dim=0)
+
+
+def expert_activation(gate_up: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """(M, 2H) -> (M, H): the routed experts' gated unit (``MoEConfig.activation``)."""
+    if config.activation == "silu":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # GPT-OSS: interleaved
+    gate = gate.clamp(max=config.swiglu_limit)
+    up = up.clamp(min=-config.swiglu_limit, max=config.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, config: MoEConfig,
+                   gate_up: torch.Tensor, down: torch.Tensor,
+                   gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, D) rows grouped by expert, ``counts`` of each -> (M, D): each expert's gated unit,
+    with gate_up (G, 2H, D), down (G, D, H) and the optional biases (G, 2H), (G, D)."""
+    hidden = expert_activation(grouped_linear(x, gate_up, counts, gate_up_bias), config)
+    return grouped_linear(hidden, down, counts, down_bias)
 
 
 class GroupedExperts(nn.Module):
     """Routed SwiGLU experts ``[start, stop)`` of E, in transformers' fused layout:
-    ``gate_up_proj`` (E_local, 2H, D) (gate rows first, then up) and ``down_proj``
-    (E_local, D, H); each tagged ``ep_shard`` (dim 0 of the E experts)."""
+    ``gate_up_proj`` (E_local, 2H, D) (gate rows first, then up; interleaved for
+    ``clamped_swiglu``) and ``down_proj`` (E_local, D, H), with ``config.expert_bias`` also
+    ``gate_up_bias`` (E_local, 2H) and ``down_bias`` (E_local, D); each tagged ``ep_shard``
+    (dim 0 of the E experts)."""
 
     def __init__(self, config: MoEConfig, start: int, stop: int, *, device=None, dtype=None):
         super().__init__()
+        self.config = config
         n, d, h = stop - start, config.dim, config.hidden_dim
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * h, d, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(n, d, h, device=device, dtype=dtype))
         if device != "meta":
             nn.init.normal_(self.gate_up_proj, std=d ** -0.5)
             nn.init.normal_(self.down_proj, std=h ** -0.5)
-        for p in (self.gate_up_proj, self.down_proj):
+        if config.expert_bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(n, 2 * h, device=device, dtype=dtype))
+            self.down_bias = nn.Parameter(torch.zeros(n, d, device=device, dtype=dtype))
+        for p in self.parameters():
             p.ep_shard = ShardSpec(0, start, stop, config.num_experts)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor | None = None,
-                down: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                params: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x: (M, D) rows grouped by local expert, ``counts`` (E_local,) of them each -> (M, D).
-        gate_up, down: the weights to use (wrapped for a gradient sum), default the modules'."""
-        gate_up = self.gate_up_proj if gate_up is None else gate_up
-        down = self.down_proj if down is None else down
-        gate, up = grouped_linear(x, gate_up, counts).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, down, counts)
+        params: the weights (then the biases) to use, wrapped for a gradient sum; default the
+        module's own."""
+        return swiglu_experts(x, counts, self.config, *(params or list(self.parameters())))
 
 
 def _group_ranks(group: ProcessGroup | None) -> list[int]:
@@ -290,10 +330,13 @@ class ParallelMoE(nn.Module):
                    shared: tuple[nn.Linear, nn.Linear, nn.Linear] | None = None,
                    tp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
                    stats_group: ProcessGroup | None = None,
-                   sequence_parallel: bool = False) -> ParallelMoE:
+                   sequence_parallel: bool = False,
+                   expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> ParallelMoE:
         """From the dense weights: the router's (E, D), the experts' (E, 2H, D) and (E, D, H)
-        (transformers' fused layout) of which this rank keeps its experts, and the shared
-        experts' (gate, up, down) linears, split by ``ParallelMLP.from_dense``."""
+        (transformers' fused layout) and, with ``config.expert_bias``, their biases (E, 2H)
+        and (E, D), of which this rank keeps its experts, and the shared experts' (gate, up,
+        down) linears, split by ``ParallelMLP.from_dense``."""
         want = {"router_weight": (config.num_experts, config.dim),
                 "gate_up_proj": (config.num_experts, 2 * config.hidden_dim, config.dim),
                 "down_proj": (config.num_experts, config.dim, config.hidden_dim)}
@@ -301,6 +344,9 @@ class ParallelMoE(nn.Module):
             if tuple(t.shape) != want[name]:
                 raise ValueError(f"ParallelMoE.from_dense: {name} is {tuple(t.shape)}, the "
                                  f"config gives {want[name]}")
+        if (expert_biases is not None) != config.expert_bias:
+            raise ValueError(f"ParallelMoE.from_dense: expert_bias={config.expert_bias} but "
+                             f"expert biases {'given' if expert_biases else 'missing'}")
         if (shared is not None) != bool(config.shared_hidden_dim):
             raise ValueError(f"ParallelMoE.from_dense: shared_hidden_dim="
                              f"{config.shared_hidden_dim} but shared experts "
@@ -313,7 +359,10 @@ class ParallelMoE(nn.Module):
             moe.router.selection_bias = torch.zeros(config.num_experts,
                                                     device=router_weight.device)
         start, stop = moe.expert_range
-        for name, dense in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        dense_experts = [("gate_up_proj", gate_up_proj), ("down_proj", down_proj)]
+        if expert_biases is not None:
+            dense_experts += list(zip(("gate_up_bias", "down_bias"), expert_biases, strict=True))
+        for name, dense in dense_experts:
             p = nn.Parameter(dense.detach()[start:stop].clone())
             p.ep_shard = ShardSpec(0, start, stop, config.num_experts)
             setattr(moe.experts, name, p)
@@ -335,11 +384,13 @@ class ParallelMoE(nn.Module):
         mine = tokens if self.sequence_parallel else split_tokens(tokens, self.tp_group)
         params = [self.router.weight]
         if self.experts_shared_by_tp:
-            params += [self.experts.gate_up_proj, self.experts.down_proj]
+            params += list(self.experts.parameters())
         router_w, *expert_ws = sum_grads_in_backward(params, self.tp_group)
         routing = self.router(mine, router_w)
         aux = router_statistics(routing, self.config.num_experts, self.stats_group)
-        y = self._routed(mine, routing, *(expert_ws or [None, None]))
+        y = routed_experts(mine, routing.experts, routing.weights, self.experts_per_rank,
+                           self.ep_group, lambda rows, counts: self.experts(rows, counts,
+                                                                          expert_ws or None))
         if not self.sequence_parallel:
             y = gather_tokens(y, tokens.shape[0], self.tp_group)
         y = y.view_as(x)
@@ -347,27 +398,32 @@ class ParallelMoE(nn.Module):
             y = y + self.shared(x, seq_len)
         return y, aux
 
-    def _routed(self, x: torch.Tensor, routing: Routing, gate_up: torch.Tensor | None,
-                down: torch.Tensor | None) -> torch.Tensor:
-        """x: (n, D) -> (n, D): each token's k expert outputs, weighted and summed."""
-        n, k = routing.experts.shape
-        chosen = routing.experts.reshape(-1)  # (n k,): token t's choices at t k .. t k + k - 1
-        order = torch.argsort(chosen, stable=True)  # grouped by expert, so by EP rank too
-        rows = x[order // k]  # (n k, D)
-        counts = torch.bincount(chosen, minlength=self.config.num_experts)  # (E,)
-        if tp_size(self.ep_group) == 1:
-            out = self.experts(rows, counts, gate_up, down)
-        else:
-            recv = exchange_expert_counts(counts, self.experts_per_rank, self.ep_group)  # (S, J)
-            send_sizes = [int(c.sum()) for c in counts.split(self.experts_per_rank)]
-            recv_sizes = recv.sum(1).tolist()
-            arrived = dispatch_to_experts(rows, send_sizes, recv_sizes, self.ep_group)
-            perm = _expert_major(recv)
-            done = self.experts(arrived[perm], recv.sum(0), gate_up, down)
-            back = done[torch.argsort(perm)]  # grouped by source again
-            out = combine_from_experts(back, send_sizes, recv_sizes, self.ep_group)
-        per_choice = out[torch.argsort(order)].view(n, k, x.shape[-1])  # (n, k, D), choice order
-        return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
+
+def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                   experts_per_rank: list[int], ep_group: ProcessGroup | None,
+                   run) -> torch.Tensor:
+    """x: (n, D) tokens, each sent to its k chosen ``experts`` (n, k) -> (n, D): the k outputs
+    weighted by ``weights`` (n, k) and summed. The E = sum(experts_per_rank) experts are cut
+    across ``ep_group`` in that many consecutive ones per rank; ``run(rows, counts)`` computes
+    this rank's experts on rows grouped by local expert, ``counts`` (E_local,) of each."""
+    n, k = experts.shape
+    chosen = experts.reshape(-1)  # (n k,): token t's choices at t k .. t k + k - 1
+    order = torch.argsort(chosen, stable=True)  # grouped by expert, so by EP rank too
+    rows = x[order // k]  # (n k, D)
+    counts = torch.bincount(chosen, minlength=sum(experts_per_rank))  # (E,)
+    if tp_size(ep_group) == 1:
+        out = run(rows, counts)
+    else:
+        recv = exchange_expert_counts(counts, experts_per_rank, ep_group)  # (S, J)
+        send_sizes = [int(c.sum()) for c in counts.split(experts_per_rank)]
+        recv_sizes = recv.sum(1).tolist()
+        arrived = dispatch_to_experts(rows, send_sizes, recv_sizes, ep_group)
+        perm = _expert_major(recv)
+        done = run(arrived[perm], recv.sum(0))
+        back = done[torch.argsort(perm)]  # grouped by source again
+        out = combine_from_experts(back, send_sizes, recv_sizes, ep_group)
+    per_choice = out[torch.argsort(order)].view(n, k, x.shape[-1])  # (n, k, D), choice order
+    return (per_choice * weights.unsqueeze(-1)).sum(1)
 
 
 def moe_collective_counts(tp: int, ep: int, stats: int, shared: bool,

@@ -202,6 +202,49 @@ def test_transformers_blocks_agree(family, norm):
     _check("down grad", moe.experts.down_proj.grad, hf.experts.down_proj.grad, errors)
 
 
+def test_gpt_oss_experts_agree():
+    """GPT-OSS's experts (interleaved gate and up, a bias on each expert's two matmuls, the
+    SwiGLU clamped at a limit low enough to clamp here) as ``GroupedExperts`` with
+    ``activation="clamped_swiglu"`` and ``expert_bias``, run by ``routed_experts`` on the
+    same choices: transformers' ``GptOssExperts`` output and every gradient (one process)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from tensorpar.transformer.moe import GroupedExperts, routed_experts
+
+    config = MoEConfig(dim=D, hidden_dim=H, num_experts=6, top_k=2, activation="clamped_swiglu",
+                       swiglu_alpha=1.5, swiglu_limit=0.5, expert_bias=True)
+    torch.manual_seed(0)
+    hf = GptOssExperts(GptOssConfig(hidden_size=D, intermediate_size=H, num_local_experts=6,
+                                    swiglu_limit=0.5))
+    hf.alpha = 1.5
+    ours = GroupedExperts(config, 0, 6)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(std=0.3)
+        ours.gate_up_proj.copy_(hf.gate_up_proj.transpose(1, 2))  # theirs (E, D, 2H)
+        ours.down_proj.copy_(hf.down_proj.transpose(1, 2))
+        ours.gate_up_bias.copy_(hf.gate_up_proj_bias)
+        ours.down_bias.copy_(hf.down_proj_bias)
+    x, g = torch.randn(11, D), torch.randn(11, D)
+    experts = torch.stack([torch.randperm(5)[:2] for _ in range(11)])  # expert 5 gets no row
+    weights = torch.rand(11, 2)
+    x_hf, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_hf = hf(x_hf, experts, weights)
+    y = routed_experts(x_ours, experts, weights, [6], None, ours)
+    (y_hf * g).sum().backward()
+    (y * g).sum().backward()
+    errors: dict[str, float] = {}
+    _check("output", y, y_hf, errors)
+    _check("input grad", x_ours.grad, x_hf.grad, errors)
+    _check("gate_up grad", ours.gate_up_proj.grad, hf.gate_up_proj.grad.transpose(1, 2), errors)
+    _check("down grad", ours.down_proj.grad, hf.down_proj.grad.transpose(1, 2), errors)
+    _check("gate_up bias grad", ours.gate_up_bias.grad, hf.gate_up_proj_bias.grad, errors)
+    _check("down bias grad", ours.down_bias.grad, hf.down_proj_bias.grad, errors)
+    clamped = (x @ hf.gate_up_proj[0] + hf.gate_up_proj_bias[0]).abs() > 0.5
+    assert clamped.any() and not clamped.all()  # the limit is reached, by some values only
+
+
 def test_grouped_matmul_and_its_fallback_agree():
     """fp32 rows go through torch._grouped_mm, fp64 through the loop over experts: the same
     numbers (to fp32 rounding), experts left without rows included."""
