@@ -178,7 +178,7 @@ class Run:
             self.net, self.at_step = recipe.build(cfg, self.group, r, self.device, **extra,
                                                   **cp_kw)
         if self.moe is not None:
-            self.moe.attach(self.net, self.pp_group)
+            self.moe.attach(self.net, passes(cfg), self.pp_group)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's

@@ -62,7 +62,7 @@ def test_loss_free_balancing_moves_the_bias():
     train = TrainConfig(tp=1, batch_size=2, seq_len=8)
     moe = MoETraining.setup(train, GPTRecipe(cfg), None, None)
     model = GPT(cfg, seed=1)
-    moe.attach(model)
+    moe.attach(model, 1)  # one pass a step
     x, y = _batch()
     model(x, y).backward()
     loads = {i: layer.records[0].expert_load.clone() for i, layer in moe.layers.items()}
