@@ -14,9 +14,9 @@ from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.gpt.moe_blocks import GPTMoE
+from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.gpt_recipe import GPTRecipe
-from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.train.moe import MoETraining
 from tensorpar.transformer.moe import ParallelMoE
 
