@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.parallel.context import check_cp_split
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.comm import cp_comm
 from tensorpar.planner.moe_comm import moe_comm
 from tensorpar.planner.pipeline import plan_pipeline
@@ -66,11 +67,19 @@ def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: i
 
 
 def expert_sizes(shape: ModelShape, tp: int, dp: int) -> list[int]:
-    """The EP sizes a search tries at (tp, dp): every divisor of dp x tp up to the routed
-    experts (``parallel.sharding.check_expert_parallel``); 1 for a dense model."""
+    """The EP sizes a search tries at (tp, dp): those ``check_expert_parallel`` takes (the
+    trainer's rule); 1 for a dense model."""
     if shape.moe is None:
         return [1]
-    return [e for e in range(1, min(dp * tp, shape.moe.experts) + 1) if (dp * tp) % e == 0]
+    return [e for e in range(1, dp * tp + 1) if _folds(e, tp, dp, shape.moe.experts)]
+
+
+def _folds(ep: int, tp: int, dp: int, experts: int) -> bool:
+    try:
+        check_expert_parallel(ep, tp, dp, experts)
+    except ValueError:
+        return False
+    return True
 
 
 def plan_layout(step: Step, layout: dict, device_memory: float, reserve: float,

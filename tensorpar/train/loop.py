@@ -47,7 +47,7 @@ from tensorpar.data.packing import (
 from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
-from tensorpar.mesh.mesh import cp_group, cp_rank, dp_group, dp_rank, init_parallel
+from tensorpar.mesh.mesh import cp_group, cp_rank, dp_rank, init_parallel, replica_group
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
@@ -270,7 +270,7 @@ class Run:
         if self.moe is not None:  # the experts' gradients over the expert-data ranks
             self.moe.reduce_grads(self.net)
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
-                               dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
+                               replica_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
                                self.pp_group, self.moe.ep_group if self.moe is not None
                                else self.recipe.expert_group(self.group))
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
@@ -291,7 +291,7 @@ class Run:
         if self.mesh is None:
             return loss.item()
         total = loss.clone()
-        dist.all_reduce(total, group=dp_group(self.mesh))
+        dist.all_reduce(total, group=replica_group(self.mesh))
         return total.item()
 
     @torch.no_grad()
@@ -314,7 +314,7 @@ class Run:
         finally:
             self.model.train()
         if self.mesh is not None:
-            dist.all_reduce(total, group=dp_group(self.mesh))
+            dist.all_reduce(total, group=replica_group(self.mesh))
         return (total[0] / total[1]).item()
 
     def intro(self) -> str:
@@ -333,7 +333,7 @@ class Run:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
                                          "epoch": round(self.batches.epoch_of(step), 4)}
         save_checkpoint(self.out, step, self.net, self.ownership, self.opt, self.group, self.meta,
-                        dp_group=dp_group(self.mesh), pp_group=self.pp_group)
+                        dp_group=replica_group(self.mesh), pp_group=self.pp_group)
 
     def agree(self, value: int) -> int:
         """Rank 0's ``value`` on every rank of the run."""
