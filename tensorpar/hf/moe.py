@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.expert_dispatch import gather_tokens, split_tokens
-from tensorpar.parallel.mappings import sum_grads_in_backward
+from tensorpar.parallel.mappings import reduce_from_tp, sum_grads_in_backward
 from tensorpar.parallel.sharding import (
     REPLICATED,
     ShardSpec,
@@ -167,6 +167,31 @@ def convert_experts(source, name: str, m: nn.Module, tp_group: ProcessGroup | No
                for key in keys}
     return ExpertParallelExperts(config, transposed, tensors, tp_group, ep_group,
                                  m.gate_up_proj.requires_grad)
+
+
+def balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                   stats_group: ProcessGroup | None) -> torch.Tensor:
+    """The HF MoE models' load-balancing loss (their ``load_balancing_loss_func``, without an
+    attention mask) over the tokens of every rank of ``stats_group`` (None: this rank's
+    alone): ``E * sum_i f_i P_i``, f_i the top-k choices of expert i and P_i its summed router
+    probability, each over every layer's rows (one (N, E) tensor of logits a layer) divided by
+    their count. The sums travel in one all-reduce of 2E + 1 numbers, identity in backward
+    (each rank's gradient is its tokens' share), so ranks holding different tokens get the
+    loss of one rank holding them all."""
+    load = prob_sum = 0.0
+    rows = 0
+    for logits in router_logits:  # (N, E)
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        load = load + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        prob_sum = prob_sum + probs.float().sum(0)
+        rows += logits.shape[0]
+    packed = torch.cat([load, prob_sum, prob_sum.new_tensor([rows])])
+    if stats_group is not None:
+        packed = reduce_from_tp(packed, stats_group)  # (2E + 1,)
+    load, prob_sum = packed[:num_experts].detach(), packed[num_experts:-1]
+    tokens = packed[-1].detach()
+    return num_experts * torch.sum((load / tokens) * (prob_sum / tokens))
 
 
 def check_moe_block(name: str, m: nn.Module, ep: int) -> None:

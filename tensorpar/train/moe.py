@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.gpt.moe_blocks import moe_layers
-from tensorpar.mesh.experts import expert_groups, reduce_expert_grads
+from tensorpar.mesh.experts import expert_groups
 from tensorpar.runtime.groups import tp_size
 from tensorpar.train.config import passes
 from tensorpar.transformer.expert_groups import ExpertGroups
@@ -53,14 +53,6 @@ class MoETraining:
         g = self.groups
         return ({"ep": g.ep} if g.ep_size > 1 else {}) | \
             ({"stats": g.stats} if tp_size(g.stats) > 1 else {})
-
-    @property
-    def ep_group(self):
-        return self.groups.ep if self.groups.ep_size > 1 else None
-
-    def reduce_grads(self, net: torch.nn.Module) -> None:
-        """After the step's last backward, before the gradient norm."""
-        reduce_expert_grads(net, self.groups)
 
     @torch.no_grad()
     def end_step(self, finite: bool) -> dict:

@@ -69,7 +69,7 @@ def moe_dirs(tmp_path_factory):
                     if "sinks" in name or "bias" in name:
                         p.normal_(std=0.5)
         model.save_pretrained(root / family)
-    char_tokenizer().save_pretrained(root / "qwen3_moe")  # for train --hf
+        char_tokenizer().save_pretrained(root / family)  # for train --hf
     return root
 
 
@@ -216,6 +216,47 @@ def test_train_hf_at_tp2_equals_one_rank(trained, lora):
     (_, one), (_, two) = trained[1, lora], trained[2, lora]
     assert len(one) == len(two) == TRAIN["steps"]
     for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
+# train --hf at layouts folding EP from the dp x tp ranks, against one rank: (family, tp, dp, ep,
+# the dp engine); Qwen3-MoE at (tp 2, ep 2) is the ``trained`` fixture's TP-2 run
+LAYOUTS = [("qwen3_moe", 1, 2, 2, "fsdp"), ("qwen3_moe", 2, 2, 4, "ddp"),
+           ("mixtral", 2, None, 2, "fsdp"), ("gpt_oss", 2, None, 2, "fsdp"),
+           ("qwen2_moe", 2, 2, 4, "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def layouts(ranks, moe_dirs, trained, tmp_path_factory):
+    """The metrics rows of each layout's run and of its family's run on one rank:
+    {(family, tp, dp, ep): (one rank's rows, the layout's rows)}."""
+    from hf_runs import train
+
+    root = tmp_path_factory.mktemp("hf-moe-layouts")
+    one = {"qwen3_moe": trained[1, False][1]}
+    runs = {}
+    for family, tp, dp, ep, mode in LAYOUTS:
+        if family not in one:
+            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **TRAIN)
+        out = root / f"{family}-tp{tp}-dp{dp}-ep{ep}"
+        runs[family, tp, dp, ep] = one[family], train(ranks, moe_dirs / family, out, tp, dp,
+                                                     ep=ep, dp_mode=mode, **TRAIN)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [layout[:4] for layout in LAYOUTS],
+                         ids=["-".join(map(str, layout[:4])) for layout in LAYOUTS])
+def test_train_hf_moe_layouts_equal_one_rank(layouts, layout):
+    """``train --hf --tp T --dp D --ep N``: the experts cut across EP groups folded from the
+    dp x tp ranks (their gradients summed over the expert-data ranks, left out of FSDP2 and
+    DDP, counted once in the norm), the model's balancing loss over each pass's tokens on
+    every dp rank: each step's loss (that aux loss included) and gradient norm equal one
+    rank's (1e-5 relative)."""
+    one, other = layouts[layout]
+    assert len(one) == len(other) == TRAIN["steps"]
+    for a, b in zip(one, other, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
 
