@@ -10,6 +10,8 @@ the dense model's, and so does every gradient, shard by shard; a rank holds at m
 0.15 of the parameters. One run per world size covers every family (the session's rank pool).
 """
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -321,3 +323,18 @@ def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
     for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding)):
         for kind, err in errors.items():
             assert err <= TOL[kind], f"rank {rank}: {kind} {err:.2e}"
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"tp": 1, "dp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage"),
+    ({"tp": 2, "dp": 2, "ep": 3}, "--ep 3 does not divide the 4 ranks"),
+    ({"tp": 1, "dp": 8, "ep": 8}, "6 experts over 8 EP ranks"),
+    ({"tp": 1, "cp": 2}, "--cp 2 with --hf"),
+], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "cp"])
+def test_train_hf_moe_layout_refused_in_one_line(moe_dirs, flags, says):
+    """A layout the MoE model cannot take is refused before any rank starts, in one line."""
+    from hf_runs import resolve
+
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        resolve(moe_dirs / "qwen3_moe", **flags)
+    assert "\n" not in str(e.value)
