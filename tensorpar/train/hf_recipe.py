@@ -29,6 +29,11 @@ it, or with --sequence-parallel, dropout or --lora-dropout); the GPT's model fla
 and --compile with --recompute for a model with dropout (not supported here yet); on --resume, a
 --hf whose config.json is not the run's.
 
+A Mixture-of-Experts model (``hf/moe.py``) takes ``--dp`` and ``--ep N``: the EP groups folded
+from the dp x tp ranks as the GPT's (``mesh/experts.py``; at ``--ep 1`` each TP group), the
+experts' gradients reduced by the trainer as the GPT's, and the model's balancing loss over each
+pass's tokens on every dp rank (:func:`_aux_term`); not ``--cp`` yet.
+
 ``--cp N`` (the Llama family, ``hf/context.py``): every CP rank is given the same whole rows, the
 model keeps its load-balanced chunks of them, and the loss reads the targets of those chunks
 (the trainer averages the gradients over dp x cp and divides the loss by the step's tokens).
