@@ -9,7 +9,7 @@ The packages, and the one direction their imports flow (each imports only those 
     data         text, token shards, their writer (prepare), chat examples, packing, tokenizers
     checkpoint   sharded checkpoints that load at any TP size
     planner      memory and communication per rank, the memory meter
-    mesh         the ("pp", "dp", "tp") DeviceMesh; FSDP2 / DDP around a TP model
+    mesh         the ("pp", "dp", "cp", "tp") DeviceMesh; FSDP2 / DDP; the expert groups
     gpt          tensorpar's GPT, its pipeline stages, generation
     hf           Hugging Face plans, parallelize, from_pretrained, LoRA, export
     train        the trainer: config, run, loop, the recipes, the report

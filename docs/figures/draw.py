@@ -1,5 +1,5 @@
-"""Draw the figures of docs/learn.md: `python docs/figures/draw.py [DIR]` writes docs/figures/*.png
-(or into DIR; tests/test_docs.py draws them again and compares).
+"""Draw the figures of docs/learn.md and docs/moe.md: `python docs/figures/draw.py [DIR]` writes
+docs/figures/*.png (or into DIR; tests/test_docs.py draws them again and compares).
 
 Deterministic: no dates, no random numbers, no software version in the files. Every figure is
 7 inches wide (700 px at 100 dpi, saved at 200 dpi) and drawn in inches: the axes span the figure.
@@ -404,6 +404,51 @@ def bubble():
     save(fig, "bubble.png")
 
 
+# 8 tokens, 4 on each EP rank, each choosing 2 of 4 experts (E0, E1 on rank 0; E2, E3 on rank 1)
+MOE_CHOICES = [(0, 2), (1, 3), (0, 1), (2, 3), (1, 2), (0, 3), (2, 3), (0, 1)]
+
+
+def moe_dispatch():
+    """EP=2: route, sort the (token, expert) rows by expert, all-to-all there, experts, back."""
+    fig, ax = canvas(7, 4.45)
+    text(ax, 3.5, 4.27, "Expert parallelism on 2 ranks: 4 experts, top-2, 4 tokens a rank",
+         size=12, weight="bold")
+    cell, xs = 0.27, (0.25, 1.35, 4.45, 5.95)
+    for x, head in zip(xs, ("tokens", "rows sorted\nby expert", "experts", "y: weighted\nsum"),
+                       strict=True):
+        text(ax, x + 0.45, 3.87, head, size=9.5)
+    for r in range(2):
+        top = 3.55 - r * 1.85
+        box(ax, 0.1, top - 1.68, 6.8, 1.78, "", "none", edge=RANK[r])
+        text(ax, 0.17, top - 1.58, f"rank {r}", size=9, ha="left", color=RANK[r])
+        toks = range(4 * r, 4 * r + 4)
+        for i, t in enumerate(toks):  # the tokens, and each one's output after the combine
+            box(ax, xs[0] + 0.1, top - (i + 1) * cell - 0.04, 0.7, cell - 0.05, f"t{t}", GREY,
+                size=8.5)
+            box(ax, xs[3] + 0.1, top - (i + 1) * cell - 0.04, 0.7, cell - 0.05, f"y{t}", GREY,
+                size=8.5)
+        rows = sorted((e, t) for t in toks for e in MOE_CHOICES[t])
+        for i, (e, t) in enumerate(rows):  # 8 rows, coloured by the rank holding their expert
+            y = top - (i + 1) * cell / 1.45
+            box(ax, xs[1], y, 0.95, cell / 1.45 - 0.03, f"E{e}  t{t}", RANK[e // 2],
+                color="white", size=7.5)
+            if e // 2 != r:  # it travels: to the other rank's experts
+                ax.add_patch(FancyArrowPatch((xs[1] + 0.97, y + 0.08),
+                                             (xs[2] - 0.05, 3.55 - (e // 2) * 1.85 - 0.75),
+                                             arrowstyle="-|>", mutation_scale=8, color=COMM,
+                                             lw=0.8, alpha=0.7))
+        text(ax, xs[0] + 0.45, top - 4 * cell - 0.25, "router: top-2", size=8.5)
+        for j in range(2):
+            e = 2 * r + j
+            n = sum(e in c for c in MOE_CHOICES)
+            box(ax, xs[2] + j * 0.72, top - 1.15, 0.62, 0.8, f"E{e}\n{n} rows", RANK[r],
+                color="white", size=8.5, weight="bold")
+        arrow(ax, xs[2] + 1.42, top - 0.75, xs[3] + 0.05, top - 0.75, color=COMM)
+    text(ax, 3.3, 3.1, "all-to-all:\nsizes, then rows", size=9, color=COMM)
+    text(ax, 5.55, 2.1, "all-to-all back, × weights", size=8.5, color=COMM)
+    save(fig, "moe_dispatch.png")
+
+
 if __name__ == "__main__":
     column_split()
     row_split()
@@ -414,3 +459,4 @@ if __name__ == "__main__":
     memory()
     layout()
     bubble()
+    moe_dispatch()

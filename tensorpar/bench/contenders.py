@@ -14,6 +14,9 @@ Each contender is a ``setup(work, state, group) -> step`` run on every rank of i
     tensorpar-tp1-c    1      1        a one-rank pool     the same under torch.compile
     hf-llama           tp     1        the TP pool         transformers' Llama via parallelize
     hf-llama-sp        tp     1        the TP pool         the same with sequence parallelism
+    hf-qwen3moe        tp     1        the TP pool         transformers' Qwen3-MoE via parallelize
+    hf-qwen3moe-transformers  tp  1    the TP pool         the same model, transformers' TP + EP
+    hf-qwen3moe-1      1      1        a one-rank pool     the same model (their loss reference)
     dtensor            tp     1        the TP pool         DenseLlama + parallelize_module
     dtensor-sp         tp     1        the TP pool         the same with SequenceParallel norms
     megatron           tp     1        a pool of its own   megatron-core (megatron_core.py)
@@ -50,6 +53,7 @@ from torch.distributed import ProcessGroup
 
 from tensorpar.bench.dtensor_tp import setup_dtensor
 from tensorpar.bench.hf_llama import setup_hf_llama, setup_hf_llama_labels
+from tensorpar.bench.hf_moe import setup_dense_moe, setup_tensorpar_moe, setup_transformers_moe
 from tensorpar.bench.megatron_fits import check_megatron_fits
 from tensorpar.bench.workload import DenseLlama, StepFn, Workload, make_optimizer, mixed_precision
 from tensorpar.gpt.model import GPT
@@ -144,6 +148,9 @@ class Contender:
     bench; another library's contender that fails is reported and skipped.
     compiled: its setup takes ``compile_backend`` (``--compile-backend``).
     cpu_only: this bench runs it on the CPU only (skipped under ``--device cuda``).
+    reference: the contender whose losses this one's are compared with (run untimed when not
+    asked for); None: the bench's reference, ``dense-1t``. A model other than the bench's GPT
+    (the Qwen3-MoE rows) names its own.
     """
 
     name: str
@@ -156,6 +163,7 @@ class Contender:
     ours: bool = True
     compiled: bool = False
     cpu_only: bool = False
+    reference: str | None = None
 
     def ranks(self, tp: int) -> int:
         return tp if self.world == "tp" else int(self.world)
@@ -197,6 +205,14 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
     Contender("hf-llama-lora", partial(setup_hf_llama_labels, lora_rank=8), "tp",
               cannot_run=transformers_missing,
               about="hf-llama-labels training LoRA adapters (rank 8) on every block projection"),
+    Contender("hf-qwen3moe", setup_tensorpar_moe, "tp", cannot_run=transformers_missing,
+              reference="hf-qwen3moe-1",
+              about="transformers' Qwen3-MoE under tensorpar.parallelize (EP = the TP group)"),
+    Contender("hf-qwen3moe-transformers", setup_transformers_moe, "tp", ours=False,
+              cannot_run=transformers_missing, reference="hf-qwen3moe-1",
+              about="the same Qwen3-MoE, transformers' own TP + EP (DistributedConfig)"),
+    Contender("hf-qwen3moe-1", setup_dense_moe, 1, cannot_run=transformers_missing,
+              reference="hf-qwen3moe-1", about="the same Qwen3-MoE, one process, one thread"),
     Contender("dtensor", partial(setup_dtensor), "tp", ours=False,
               about="PyTorch DTensor TP (parallelize_module, loss_parallel)"),
     Contender("dtensor-sp", partial(setup_dtensor, sequence_parallel=True), "tp", ours=False,

@@ -90,6 +90,7 @@ def table(results: dict) -> str:
                        ("tensorpar", "megatron", "target <= 1.00"),
                        ("hf-llama", "dtensor", "target <= 0.78"),
                        ("hf-llama", "tensorpar", "target <= 1.05"),
+                       ("hf-qwen3moe", "hf-qwen3moe-transformers", "target <= 0.85"),
                        ("tensorpar", "dense-Nt", "target <= 1.00: the machine's floor"),
                        ("tensorpar-c", "dense-c", "target <= 1.00"),
                        ("tensorpar-tp1", "dense-1t", "target <= 1.01"),

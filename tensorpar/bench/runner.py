@@ -19,7 +19,8 @@ holds while a contender runs.
 Step time: each rank times each step; a step's time is the slowest rank's. The report gives the
 median over all timed steps, the interquartile range and min-max. Losses: every contender's
 per-step losses against the dense fp32 run's (``dense-1t``, or an untimed reference run of the
-same model when dense-1t is not among the contenders).
+same model when dense-1t is not among the contenders); a contender of another model names its own
+reference (``Contender.reference``: the Qwen3-MoE rows, ``hf-qwen3moe-1``).
 
 On GPUs (``device="cuda"``, ``--device cuda``) every pool runs on NCCL, a GPU per rank; a
 contender with more ranks than visible GPUs, or one this bench runs on the CPU only, is skipped.
@@ -162,7 +163,8 @@ def run_bench(work: Workload, names: list[str], plan: RunPlan,
         if why:
             log(f"{name} skipped: {why}")
     timed = [n for n in names if rows[n]["status"] == "ok"]
-    measured = timed + ([REFERENCE] if REFERENCE not in timed else [])
+    refs = list(dict.fromkeys(reference_of(n) for n in timed)) or [REFERENCE]
+    measured = timed + [n for n in refs if n not in timed]
     pools = Pools(pool_for, backend="nccl" if plan.device == "cuda" else "gloo")
     peak_flops, n_params = None, None
     errors: list[dict] = []  # failures of our own contenders and the reference: bugs
@@ -231,6 +233,11 @@ def run_bench(work: Workload, names: list[str], plan: RunPlan,
         "round_orders": orders, "errors": errors}
 
 
+def reference_of(name: str) -> str:
+    """The contender whose losses ``name``'s are compared with."""
+    return CONTENDERS[name].reference or REFERENCE
+
+
 def failure_reason(err: RankError) -> tuple[str, bool]:
     """(one line, refused) for a contender that failed on its ranks: refused when every rank
     raised ValueError (the line is then its message), else the last line of the last failing
@@ -263,11 +270,14 @@ def _summarize(work: Workload, plan: RunPlan, names: list[str], rows: dict,
                profile: list[dict], flops: int | None, peak_flops: float | None) -> dict:
     """Each contender's statistics; model TFLOP/s over all its ranks, and MFU against
     ``peak_flops`` per rank where the bench measured it (on GPUs)."""
-    ref = rows.get(REFERENCE, {})
-    ref_losses = ref.get("losses") if ref.get("status") == "ok" else None
+    def losses_of(name: str) -> list[float] | None:
+        ref = rows.get(name, {})
+        return ref.get("losses") if ref.get("status") == "ok" else None
+
     out = []
     for name in names:
         row = dict(rows[name])
+        ref_losses = losses_of(reference_of(name))
         if row["status"] == "ok":
             row["step_s"] = _quantiles(row["seconds"])
             row["tokens_per_s"] = work.tokens_per_step / row["step_s"]["median"]
@@ -286,6 +296,6 @@ def _summarize(work: Workload, plan: RunPlan, names: list[str], rows: dict,
                                                    strict=True))
         out.append(row)
     return {"work": asdict(work), "plan": asdict(plan), "tokens_per_step": work.tokens_per_step,
-            "reference": REFERENCE, "reference_losses": ref_losses, "contenders": out,
+            "reference": REFERENCE, "reference_losses": losses_of(REFERENCE), "contenders": out,
             "profile": profile, "device": plan.device, "model_flops_per_step": flops,
             "peak_flops": peak_flops}

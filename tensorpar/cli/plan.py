@@ -10,13 +10,15 @@
     tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
         --micro-batch-size 2
     tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB   # which layouts fit
+    tensorpar plan --model llama-3-8b --tp 8 --cp 8 --seq-len 131072 --dtype bf16  # long sequences
 
 The shape flags are ``tensorpar train``'s (``--batch-size``, ``--seq-len``,
 ``--micro-batch-size``), so a train line's plan is typed as it is; the older ``--batch``,
 ``--seq`` and ``--micro-batches`` (a count of micro-batches) still work.
 
 Formulas and their checks: ``memory.py`` (memory), ``comm.py`` (communication),
-``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies), ``pipeline.py`` and ``schedule.py``
+``data_parallel.py`` (FSDP2 and DDP over ``--dp`` copies; under ``--cp`` over the dp x cp
+ranks), ``activations.py`` and ``comm.cp_comm`` (``--cp``), ``pipeline.py`` and ``schedule.py``
 (``--pp`` stages, the bubble, point to point), ``search.py`` (the ``--devices`` search); the
 step they plan is one ``step.Step``, built from the flags by ``step_from_flags``. What the command
 says besides its tables (the default model it fell back on, the files it wrote) goes to stderr
@@ -31,9 +33,9 @@ import re
 import sys
 from pathlib import Path
 
+from tensorpar.cli.plan_flags import add_layout_flags
 from tensorpar.cli.plan_run import apply_run_settings, config_file
-from tensorpar.planner.activations import DEVICES
-from tensorpar.planner.comm import mlp_split_comparison, predicted_comm
+from tensorpar.planner.comm import cp_comm, mlp_split_comparison, predicted_comm
 from tensorpar.planner.data_parallel import check_dp, dp_comm
 from tensorpar.planner.moe_comm import moe_summary
 from tensorpar.planner.pipeline import plan_pipeline
@@ -47,7 +49,7 @@ from tensorpar.planner.report import (
 )
 from tensorpar.planner.search import search_layouts
 from tensorpar.planner.shapes import PRESETS, preset
-from tensorpar.planner.step import ADAMW, DTYPES, RECOMPUTE, Step
+from tensorpar.planner.step import DTYPES, RECOMPUTE, Step
 from tensorpar.planner.tp_plan import plan_memory
 from tensorpar.runtime.output import GIB
 from tensorpar.train.shape import load_shape
@@ -72,6 +74,7 @@ examples:
   tensorpar plan --model llama-2-7b --tp 2 --pp 2 --batch-size 16 --seq-len 512 \
       --micro-batch-size 2          # a tensorpar train line's shape flags, as typed
   tensorpar plan --model llama-2-70b --devices 64 --device-memory 80GB
+  tensorpar plan --model llama-3-8b --tp 8 --cp 8 --seq-len 131072 --dtype bf16
 """
 
 
@@ -148,65 +151,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "as tensorpar train's: the step's --batch-size / (--dp x this) passes (or "
                    "pipeline micro-batches); instead of --micro-batches (default: one pass, "
                    "or with --pp one sequence each)")
-    _add_layout_flags(p)
+    add_layout_flags(p)
     p.set_defaults(func=main)
     return p
-
-
-def _add_layout_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the layout of ranks (dp, pp, the search), the kernels and the device, and
-    the outputs."""
-    p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel copies of the TP-split model (the world is TP x DP "
-                   "ranks); 1 is none (default: a run's, else 1)")
-    p.add_argument("--ep", type=int, default=1, help="an MoE model's routed experts split over "
-                   "--ep of the dp x tp ranks (default 1; --devices searches it)")
-    p.add_argument("--pp", type=int, default=None,
-                   help="pipeline stages: the blocks cut into --pp stages over as many ranks "
-                   "(tp x dp x pp ranks), run by 1F1B on --micro-batches; plans one layout, "
-                   "a row per pipeline rank (default: no pipeline; with --devices the only "
-                   "pipeline size the search tries)")
-    p.add_argument("--pp-virtual", type=int, default=None,
-                   help="stages per pipeline rank, interleaved 1F1B (stage s on pp rank s %% "
-                   "pp): a bubble V times smaller, V times the point-to-point sends (default: a "
-                   "run's, else 1)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="how many micro-batches per step and data-parallel copy (gradient "
-                   "accumulation's passes: --batch-size / (--dp x --micro-batch-size)) "
-                   "(default: one sequence each; without --batch-size, 2 x --pp of them)")
-    p.add_argument("--devices", type=int, default=None,
-                   help="search the (tp, pp, dp) layouts of this many devices for those that "
-                   "fit --device-memory, ranked by an estimated step time; --batch is the "
-                   "step's (default: one sequence per device) (default: no search)")
-    p.add_argument("--dp-mode", default=None,
-                   help="how the copies share: fsdp (FSDP2, weights, gradients and AdamW states "
-                   "sharded over the copies, each block gathered for its forward and backward) "
-                   "or ddp (DDP, replicated, gradients all-reduced in buckets) (default: a run's, "
-                   "else fsdp)")
-    p.add_argument("--optimizer", choices=ADAMW, default="fused",
-                   help="AdamW's implementation: fused (tensorpar's trainer) steps in place; "
-                   "foreach (torch's default on cuda) keeps an fp32 temporary per parameter, "
-                   "for-loop (torch's default on cpu) two of the largest (default fused)")
-    p.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="where the step runs: cuda counts what torch's CUDA kernels keep for "
-                   "backward (RMSNorm's fused kernel keeps no normalized copy; the attention "
-                   "output is read by the output projection as it is), cpu what its CPU "
-                   "kernels keep (default cpu)")
-    p.add_argument("--device-memory", default="80GB",
-                   help="memory per device, with its unit: GB and MB are decimal (80GB = 80e9 "
-                   "bytes, an H100's 80 GB), GiB and MiB binary (24GiB = 24 x 2^30); plan "
-                   "prints binary units, as train does (80GB shows as 74.5 GiB) (default 80GB)")
-    p.add_argument("--reserve", type=float, default=0.10,
-                   help="fraction of device memory kept free for fragmentation, the CUDA "
-                   "context and buffers, from 0 up to 1 (default 0.1)")
-    p.add_argument("--json", action="store_true",
-                   help="print JSON instead of tables (default: tables)")
-    p.add_argument("--png", metavar="FILE",
-                   help="also write a chart to FILE: per-rank memory by component against TP "
-                   "size (default: no chart)")
-    p.add_argument("--split", action="store_true",
-                   help="also compare the ways of splitting gelu(X W1) W2, by bytes moved "
-                   "(default off)")
 
 
 def _preset(name: str):
@@ -255,7 +202,8 @@ def step_from_flags(args, shape, **layout) -> Step:
               "dp": args.dp, "dp_mode": args.dp_mode, "optimizer": args.optimizer,
               "device": args.device, "lora": getattr(args, "lora", None),
               "packed": getattr(args, "packed", False),
-              "converted": getattr(args, "converted", None), "ep": getattr(args, "ep", 1)}
+              "converted": getattr(args, "converted", None), "ep": getattr(args, "ep", 1),
+              "cp": getattr(args, "cp", None) or 1}
     return Step(shape, **(fields | layout))
 
 
@@ -329,7 +277,8 @@ def build(args) -> dict:
                 raise ValueError(f"--tp {tp} for {shape.name}: {e}") from None
     verdicts = {}
     unit = unit_for(rows)
-    split = f" x DP={dp} ({dp_mode})" if dp > 1 else ""
+    cp = step.cp
+    split = (f" x CP={cp}" if cp > 1 else "") + (f" x DP={dp} ({dp_mode})" if dp > 1 else "")
     for dtype in dtypes:
         best = smallest_fitting([r for r in rows if r["dtype"] == dtype])
         verdicts[dtype] = (f"{dtype}: TP={best['tp']}{split} is the smallest that fits "
@@ -339,16 +288,20 @@ def build(args) -> dict:
                            f"{args.device_memory}")
     comm_dtype = "fp32" if dtypes == ["fp32"] else "bf16"
     rec = "full" if args.recompute == "full" else "none"
-    comm = {tp: predicted_comm(shape, args.batch // dp, args.seq, tp, args.sequence_parallel,
-                               comm_dtype, rec) for tp in tps}
+    comm = {tp: predicted_comm(shape, args.batch // dp, step.rank_seq, tp,
+                               args.sequence_parallel, comm_dtype, rec) for tp in tps}
     out = {"model": shape.name, "params": shape.params(),
            **moe_summary(step.replace(dtype=comm_dtype), tps), "rows": rows, "verdict": verdicts,
            "comm": {str(tp): c for tp, c in comm.items()}, "comm_dtype": comm_dtype,
-           "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp > 1 else None}
-    if dp > 1:  # what travels on the dp group: fp32 but for Megatron-style bf16 (and FSDP2's
-        # bf16 gathers under bf16-autocast)
+           "adamw": args.optimizer, "dp": dp, "dp_mode": dp_mode if dp * cp > 1 else None,
+           "cp": cp}
+    if cp > 1:  # the K/V all-gathers and reduce-scatters over the CP group
+        out["cp_comm"] = {str(tp): cp_comm(shape, args.batch // dp, args.seq, tp, cp, comm_dtype,
+                                           rec) for tp in tps}
+    if dp * cp > 1:  # what travels on the dp group (the dp x cp ranks): fp32 but for
+        # Megatron-style bf16 (and FSDP2's bf16 gathers under bf16-autocast)
         out["dp_comm"] = {dtype: {str(tp): dp_comm(
-            shape, tp, dp, dp_mode, 2 if dtype == "bf16" else 4,
+            shape, tp, dp * cp, dp_mode, 2 if dtype == "bf16" else 4,
             bf16_params=dtype == "bf16-autocast" and dp_mode == "fsdp", ep=args.ep)
             for tp in tps}
             for dtype in dtypes}
@@ -437,18 +390,21 @@ def build_search(args) -> dict:
     tps = _ints(str(args.tp), "--tp") if args.tp else None
     out = search_layouts(step_from_flags(args, shape, virtual=args.pp_virtual), args.devices,
                          device, args.reserve, args.micro_batches, tps,
-                         None if args.pp is None else [args.pp], args.micro_batch_size)
+                         None if args.pp is None else [args.pp], args.micro_batch_size,
+                         None if args.cp is None else [args.cp])
     if out["layouts"]:
         best = out["layouts"][0]
         ep = f" (EP={best['ep']})" if "ep" in best else ""
+        cp = f" x CP={best['cp']}" if best["cp"] > 1 else ""
         verdict = (f"{len(out['layouts'])} of {out['planned']} layouts fit; best: TP={best['tp']}"
-                   f" x PP={best['pp']} x DP={best['dp']}{ep}")
+                   f"{cp} x PP={best['pp']} x DP={best['dp']}{ep}")
     elif out["smallest"]:
         low = out["smallest"]
+        cp = f" x CP={low['cp']}" if low["cp"] > 1 else ""
         verdict = (f"no layout of {args.devices} devices fits {args.device_memory} "
                    f"({out['usable'] / GIB:.1f} GiB usable): the smallest peak is "
-                   f"{low['total'] / GIB:.1f} GiB per rank (TP={low['tp']} x PP={low['pp']} x "
-                   f"DP={low['dp']}), which needs devices of "
+                   f"{low['total'] / GIB:.1f} GiB per rank (TP={low['tp']}{cp} x "
+                   f"PP={low['pp']} x DP={low['dp']}), which needs devices of "
                    f"{low['total'] / (1 - args.reserve) / GIB:.1f} GiB")
     else:
         verdict = (f"no layout of {args.devices} devices can run {shape.name}: all "

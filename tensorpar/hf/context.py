@@ -31,7 +31,9 @@ add an attention kernel, a constant name -> function entry) and the model's conf
 keeps no state: the group and the sequence come with each call.
 
 For training and scoring: no KV cache (``generate()`` needs a model converted without CP), no
-padding ``attention_mask`` (pad with labels -100, or pack), and not with sequence parallelism or
+padding ``attention_mask`` (pad with labels -100, or pack), no router logits (an MoE family's
+``output_router_logits``: transformers would add each rank's own load-balancing loss, from its
+chunks' statistics, to the loss summed over the group), and not with sequence parallelism or
 dropout yet.
 """
 
@@ -119,10 +121,17 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
 
 
-def _split_call(kwargs: dict, group: ProcessGroup) -> dict:
+def _split_call(kwargs: dict, group: ProcessGroup, config) -> dict:
     """The forward's keyword arguments with the whole rows replaced by this rank's chunks, the
     sequence passed on as ``CP_KWARG``; refusals in one line, before any collective."""
     what = "context parallelism"
+    router = kwargs.get("output_router_logits")
+    if router is None:
+        router = getattr(config, "output_router_logits", False)
+    if router:
+        raise ValueError(f"{what} does not return router logits (output_router_logits): "
+                         "the load-balancing loss would count each rank's chunks alone; pass "
+                         "output_router_logits=False (or set it so in the config)")
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{what} takes no KV cache: it is for training and scoring; "
@@ -193,10 +202,13 @@ def install_context_parallel(model: nn.Module, group: ProcessGroup) -> None:
                              "input_ids")
         if args:
             kwargs = kwargs | {"input_ids": args[0]}
-        return (), _split_call(kwargs, group)
+        return (), _split_call(kwargs, group, module.config)
 
     def loss_over_cp(module, args, kwargs, out):
         if getattr(out, "loss", None) is not None:  # each rank's share -> the whole rows' loss
+            # forward: all-reduce, backward: identity, over whichever group it is given (the
+            # g operator; parallel/ has no CP-named copy): each rank's loss is its tokens' share,
+            # so the sum is the whole rows' loss and each rank's gradient stays its share
             out.loss = reduce_from_tp(out.loss, group)
         return out
 

@@ -23,42 +23,36 @@ average expects). The router statistics of a pass count every token of the stage
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tensorpar.parallel.sharding import is_expert_split
+from tensorpar.parallel.sharding import check_expert_parallel, is_expert_split
 from tensorpar.transformer.expert_groups import ExpertGroups
 
 
-def check_ep(ep: int, tp: int, dp: int) -> None:
-    """``--ep`` against the stage's dp x tp ranks: one line naming the numbers, no collective."""
-    if ep < 1:
-        raise ValueError(f"--ep {ep} must be >= 1")
-    if (dp * tp) % ep:
-        raise ValueError(f"--ep {ep} does not divide the {dp * tp} ranks of a stage "
-                         f"(--dp {dp} x --tp {tp})")
-    if ep > 1 and ep % tp:
-        raise ValueError(f"--ep {ep} with --tp {tp}: an EP group holds whole TP groups, so --ep "
-                         "must be 1 or a multiple of --tp")
-
-
 def stage_ranks(mesh, run_group: ProcessGroup | None) -> list[list[int]]:
-    """Each pipeline stage's ranks in (dp, tp) row-major order (one list without a pipeline)."""
+    """Each pipeline stage's ranks in (dp, tp) row-major order (one list without a pipeline),
+    the dims found by the mesh's names: one list per index of every other dim ("pp", "cp")."""
     if mesh is None:
         return [dist.get_process_group_ranks(run_group or dist.group.WORLD)
                 if dist.is_initialized() else [0]]
     names = list(mesh.mesh_dim_names)
-    grid = mesh.mesh.movedim(names.index("pp"), 0) if "pp" in names else mesh.mesh.unsqueeze(0)
-    return [stage.reshape(-1).tolist() for stage in grid]
+    inner = [n for n in ("dp", "tp") if n in names]
+    outer = [n for n in names if n not in inner]
+    grid = mesh.mesh.permute(*(names.index(n) for n in outer + inner))  # (..outer, dp, tp)
+    width = math.prod(mesh.mesh.shape[names.index(n)] for n in inner)
+    return grid.reshape(-1, width).tolist()
 
 
 def expert_groups(ep: int, tp: int, dp: int, mesh=None,
                   run_group: ProcessGroup | None = None) -> ExpertGroups:
     """This rank's ``ExpertGroups`` for ``--ep ep`` (collective: every rank creates every group,
     in the same order, as ``new_group`` requires)."""
-    check_ep(ep, tp, dp)
+    check_expert_parallel(ep, tp, dp, None)  # the experts: the recipe checks them
     if not dist.is_initialized():
         return ExpertGroups(None, None, None, dp, ep)
     me = dist.get_rank()

@@ -105,13 +105,15 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def dp_group(mesh: DeviceMesh | None):
+def replica_group(mesh: DeviceMesh | None):
     """The group a gradient is reduced over (None without a mesh: no data parallelism): the
-    data-parallel group, or under CP the ("dp", "cp") one (:func:`replica_mesh`)."""
+    data-parallel group, or under CP the ("dp", "cp") one (:func:`replica_mesh`); its size is
+    dp x cp, where :func:`dp_size` is dp alone."""
     return None if mesh is None else replica_mesh(mesh).get_group()
 
 
 def dp_size(mesh: DeviceMesh | None) -> int:
+    """The data-parallel size alone (the "dp" dim; without the CP ranks)."""
     return 1 if mesh is None else mesh["dp"].size()
 
 

@@ -1,4 +1,6 @@
-"""What one transformer block keeps for backward, tensor by tensor, per device.
+"""What one transformer block keeps for backward, tensor by tensor, per device (under context
+parallelism per CP rank: its tokens' share, the whole sequence's K and V, its queries' mask
+against every key: ``cp_terms``).
 
 The planner's activation model of tensorpar's GPT (``memory.tensorpar_memory`` adds the rest of the
 step), and Korthikanti et al.'s formula it is shown against (``paper_activations``). ``block_terms``
@@ -50,7 +52,9 @@ class PassSizes:
     rank's tokens under sequence parallelism (N/t; N without), "act" the bytes of an activation
     (2 under autocast, else 4), "regather" whether the column ops keep their input shard and
     gather it again in backward (SP without ``keep_gathered_input``), and the rank's local
-    sizes (``rank_shapes``)."""
+    sizes (``rank_shapes``). Under context parallelism T is the CP rank's tokens of each
+    sequence (the largest rank's: ``parallel.context.cp_sizes``) and ``keys`` the whole
+    sequence, which its queries read (T without CP)."""
 
     B: int
     T: int
@@ -59,6 +63,7 @@ class PassSizes:
     act: int
     regather: bool
     local: dict
+    keys: int = 0
 
 
 def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
@@ -71,13 +76,16 @@ def rank_shapes(shape: ModelShape, tp: int, rank: int) -> dict:
 
 
 def pass_sizes(step: Step, rank: int = 0) -> PassSizes:
-    """The sizes of one pass of ``step`` (``step.micro`` sequences) on TP rank ``rank``."""
-    B, T, tp = step.micro, step.seq, step.tp
+    """The sizes of one pass of ``step`` (``step.micro`` sequences) on TP rank ``rank`` (of
+    the CP rank holding the most tokens)."""
+    B, tp = step.micro, step.tp
+    T = step.rank_seq  # the CP rank's tokens of each sequence (all of it without CP)
     N = B * T
     sp = step.sequence_parallel and tp > 1
     Ns = B * shard_sizes(T, tp)[rank] if sp else N  # its SP shard
     return PassSizes(B, T, N, Ns, 2 if step.autocast else 4,
-                     sp and not step.keep_gathered_input, rank_shapes(step.shape, tp, rank))
+                     sp and not step.keep_gathered_input, rank_shapes(step.shape, tp, rank),
+                     step.seq)
 
 
 def block_terms(step: Step, rank: int = 0) -> dict:
@@ -125,6 +133,8 @@ def block_terms(step: Step, rank: int = 0) -> dict:
     # q and for k: four copies per block (in fp32 the shared table is used as it is)
     # (packed rows: tables per row, (B, T, hd/2), from each row's positions)
     t["rotary tables"] = 4 * (B if step.packed else 1) * T * (hd // 2) * 2 if autocast else 0
+    if step.cp > 1:
+        t |= cp_terms(step, z)
     t["mlp"] = (4 if shape.gated_mlp else 2) * N * H * act  # gate, up, silu(gate), the product
     # autocast: the bf16 weight copies; fp32: the layers save the parameters themselves
     t["weight copies"] = block_copies(shape, s) if autocast else 0
@@ -132,10 +142,30 @@ def block_terms(step: Step, rank: int = 0) -> dict:
         t |= moe_terms(step, rank, N, Ns, act)
     t["dropout masks"] = 2 * Ns * D if step.dropout else 0  # two residual branches, 1 B each
     # packed rows: SDPA turns the block-diagonal (B, 1, T, T) bool mask into an additive one in
-    # q's dtype, which it keeps, one per block (the same on every TP rank: it spans no heads)
-    t["attention mask"] = B * T * T * act if step.packed else 0
+    # q's dtype, which it keeps, one per block (the same on every TP rank: it spans no heads);
+    # under CP a mask always, the rank's T_i queries against all T keys, one for every row
+    # unless packed ((1, 1, T_i, T): ``cp_attention_mask``)
+    masked = step.packed or step.cp > 1
+    t["attention mask"] = (B if step.packed else 1) * T * z.keys * act if masked else 0
     t["total"] = sum(t.values())
     return t
+
+
+def cp_terms(step: Step, z: PassSizes) -> dict:
+    """Under context parallelism (``transformer/context_parallel.py``, measured with
+    ``saved_tensors_hooks``, torch 2.13 CPU): the rank's queries (T_i tokens of each row) read
+    the keys and values of the whole sequence, all-gathered over the CP group: SDPA keeps K and
+    V at full length (one per query head where the GQA heads are repeated, as without CP); and
+    each layer takes its rows of the rotary tables, (T_i, hd/2) fp32 each for q's and k's
+    rotation (their bf16 casts under autocast, as without CP: four per block). The mask is
+    ``block_terms``' "attention mask"."""
+    s, hd, act = z.local, step.shape.head_dim, z.act
+    kv_heads = s["kv_heads"] if s["kv_identity"] else s["heads"]
+    q = z.N * s["heads"] * hd * act
+    out = {"sdpa q, k, v": q + 2 * z.B * z.keys * kv_heads * hd * act}
+    rows = z.B if step.packed else 1
+    out["rotary tables"] = 4 * rows * z.T * (hd // 2) * 2  # 2 fp32 tables, or 4 bf16 casts
+    return out
 
 
 def paper_activations(shape: ModelShape, tp: int, batch: int, seq: int,

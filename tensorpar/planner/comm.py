@@ -37,6 +37,10 @@ tokens, width D, TP size t > 1::
                 still re-gathers its shard in its backward. These are eager counts (what the
                 trainer's summary measures): compiled, the partitioner picks what it recomputes
 
+Context parallelism (``cp_comm``): the K/V all-gather forward and the reduce-scatter of their
+gradients backward, per layer and pass; under CP the TP collectives above carry the rank's
+tokens (``Step.rank_seq``), the whole sequence's never.
+
 Payload is the full tensor (Megatron's b·s·h); ring bytes per rank are 2(t-1)/t of it for an
 all-reduce, (t-1)/t for the others. ``dtype="bf16"`` is tensorpar's bf16 training (autocast, fp32
 master weights): the row layers' outputs (forward g) and the re-gathered input shards travel in

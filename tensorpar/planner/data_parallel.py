@@ -1,7 +1,10 @@
 """Data parallelism on top of TP, planned: per-rank memory and the dp group's communication.
 
 What ``tensorpar.mesh.data_parallel`` builds: ``dp`` copies of the TP-sharded model, each step's
-batch split over them, gradients averaged over the "dp" group, by torch's own engines.
+batch split over them, gradients averaged over the "dp" group, by torch's own engines. Under
+context parallelism the cp ranks of a copy hold the same weights and sum their gradients with
+the copies': the engine is planned over the dp x cp ranks (``Step.dp_ranks``; "dp" below), as
+torchtitan's FSDP over dp x cp.
 
 **FSDP2** (``fully_shard`` each block, then the root: embedding, final norm, LM head). Each rank
 keeps 1/dp of its TP shard of every weight, gradient and AdamW state: each tensor's dim 0 is cut
@@ -278,7 +281,7 @@ def dp_memory(step: Step, mem: Budget, rank: int = 0, dp_rank: int = 0) -> Budge
     "cuda". Returns the data-parallel step's budget, its "dp_buffers" DDP's buckets (held the
     whole run), or the gathered weights and reduce-scatter buffers at FSDP2's peak.
     """
-    dp, mode = step.dp, step.dp_mode
+    dp, mode = step.dp_ranks, step.dp_mode  # the CP ranks of a copy shard and sum with it
     check_dp(dp, mode)
     if dp == 1:
         return accumulated(step, mem, rank).replace(dp_buffers=0, held=0)

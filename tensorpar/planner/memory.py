@@ -334,9 +334,9 @@ def kept_at_forward_end(step: Step, rank: int, terms: dict) -> Kept:
         bf16_base and not shape.tie_embeddings) else 0
     # the fp32 cos and sin tables (T, hd/2), which the blocks save in fp32 (or, recomputed,
     # keep as the checkpoints' inputs); under autocast they save their bf16 casts instead
-    # ("rotary tables" in block_terms)
+    # ("rotary tables" in block_terms; under CP each block saves its own rows of them there)
     rows = z.B if step.packed else 1  # packed: tables per row, from its restarting positions
-    rope = 0 if step.autocast and not full else 4 * rows * z.T * shape.head_dim
+    rope = 0 if (step.autocast or step.cp > 1) and not full else 4 * rows * z.keys * shape.head_dim
     if step.is_converted:  # the model's cos and sin, (T, hd) fp32 each (converted_block_terms)
         rope = 0 if shape.learned_pos else 2 * rows * z.T * shape.head_dim * 4
     L = shape.n_layer

@@ -114,7 +114,7 @@ def tied_sync(step: Step, rank: int, tp_rank: int = 0) -> dict:
     if pp == 1 or not shape.tie_embeddings or rank not in (0, pp - 1):
         return {"counts": {}, "bytes": {}}
     rows = shard_sizes(shape.vocab_size, step.tp)[tp_rank]
-    rows = -(-rows // step.dp) if step.fsdp else rows  # FSDP2's first chunk
+    rows = -(-rows // step.dp_ranks) if step.fsdp else rows  # FSDP2's first chunk
     grad_bytes = _dtype_bytes(step.dtype)[0]
     return {"counts": {"all_reduce": 1}, "bytes": {"all_reduce": rows * shape.dim * grad_bytes}}
 
@@ -136,7 +136,7 @@ def micro_batch_pieces(step: Step) -> dict:
     fp32 gradient. Under FSDP2 with tensorpar's bf16 the layers compute with bf16 gathered
     weights, and no autocast copy of a weight is kept (as ``data_parallel.dp_memory`` takes
     them out)."""
-    shape, tp, micro, seq = step.shape, step.tp, step.micro, step.seq
+    shape, tp, micro, seq = step.shape, step.tp, step.micro, step.rank_seq
     fsdp_bf16 = step.fsdp and step.dtype == "bf16-autocast"
     one = step.replace(shape=dataclasses.replace(shape, n_layer=1), batch=micro, dp=1,
                        micro_batches=1, pp=1, virtual=1)
@@ -217,10 +217,11 @@ def rank_memory(step: Step, rank: int) -> dict:
                     + (pieces["tail"] if s == S - 1 else 0))
         own = stage_tensors(shape, step.tp, s == 0, s == S - 1, step.ep)["root"]
         # accumulated whole (FSDP2: unsharded, padded) until the last backward
-        grads.append(grad_bytes * (_unsharded(own, step.dp, step.fsdp)
-                                   + n * _unsharded(stored["block"], step.dp, step.fsdp)))
+        grads.append(grad_bytes * (_unsharded(own, step.dp_ranks, step.fsdp)
+                                   + n * _unsharded(stored["block"], step.dp_ranks, step.fsdp)))
         temporaries.append(max(pieces["inside"], pieces["loss_backward"] if s == S - 1 else 0))
-    tokens = shard_sizes(step.seq, step.tp)[0] if step.sequence_parallel else step.seq
+    seq = step.rank_seq  # the CP rank's tokens
+    tokens = shard_sizes(seq, step.tp)[0] if step.sequence_parallel else seq
     boundary = step.micro * tokens * shape.dim * ACTIVATION_BYTES
     pp_buffers = 0 if pp == 1 else step.micro_batches * boundary * (
         sum(s != 0 for s in mine) + sum(s != S - 1 for s in mine))
@@ -250,7 +251,8 @@ def rank_stored(step: Step, first: bool, last: bool, layers: int) -> dict:
     stored, _, state_bytes = _dtype_bytes(step.dtype)
     params = _elements(t["root"]) + layers * _elements(t["block"])
     if step.fsdp:
-        root, block = fsdp_elements(t["root"], step.dp), fsdp_elements(t["block"], step.dp)
+        dp = step.dp_ranks
+        root, block = fsdp_elements(t["root"], dp), fsdp_elements(t["block"], dp)
         held = root["sharded"] + layers * block["sharded"]  # padded shards
         local = root["local"] + layers * block["local"]
         largest = max(root["largest"], block["largest"])
@@ -270,7 +272,7 @@ def rank_dp_buffers(step: Step, stored: dict, layers: int) -> int:
     without one the root's, the block's in backward and the next one's) and one block's
     reduce-scatter input. None without dp."""
     stored_bytes, gathered, _ = _dtype_bytes(step.dtype)
-    dp = step.dp
+    dp = step.dp_ranks
     if dp == 1:
         return 0
     if step.dp_mode == "ddp":
@@ -289,7 +291,8 @@ def rank_tp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
     ``predicted_comm``: "counts", "bytes", "ring_bytes" per kind, "breakdown" rows."""
     rec = "full" if step.recompute == "full" else "none"
     micro_batches = step.micro_batches
-    comm = predicted_comm(dataclasses.replace(step.shape, n_layer=layers), step.micro, step.seq,
+    comm = predicted_comm(dataclasses.replace(step.shape, n_layer=layers), step.micro,
+                          step.rank_seq,
                           step.tp, step.sequence_parallel,
                           "fp32" if step.dtype == "fp32" else "bf16", rec,
                           passes=micro_batches,
@@ -317,7 +320,7 @@ def rank_dp_comm(step: Step, layers: int, first: bool, last: bool) -> dict:
     rank's gradients once, in buckets as ``data_parallel.ddp_buckets`` fills them; the reported
     loss (one fp32 scalar) either way, and FSDP2's gradient norm (one more, and the partly
     owned K and V gradients gathered)."""
-    shape, tp, dp = step.shape, step.tp, step.dp
+    shape, tp, dp = step.shape, step.tp, step.dp_ranks
     stored, gathered, _ = _dtype_bytes(step.dtype)
     bf16_params = step.dtype == "bf16-autocast" and step.dp_mode == "fsdp"
     if step.pp == 1:
@@ -392,7 +395,7 @@ def plan_pipeline(step: Step, device_memory: float | None = None,
         if key not in cache:
             cache[key] = (rank_tp_comm(step, *key), rank_dp_comm(step, *key))
         tp_c, dp_c = cache[key]
-        sent = p2p(pp, virtual, m, rank, step.micro, step.seq, step.shape.dim, step.tp,
+        sent = p2p(pp, virtual, m, rank, step.micro, step.rank_seq, step.shape.dim, step.tp,
                    step.sequence_parallel)
         sends.append(sent)
         tied = tied_sync(step, rank)["bytes"].get("all_reduce", 0)
@@ -400,8 +403,8 @@ def plan_pipeline(step: Step, device_memory: float | None = None,
                      "dp": sum(dp_c["ring_bytes"].values()), "tp_counts": tp_c["counts"],
                      "dp_counts": dp_c["counts"]})
     worst = max(stages, key=lambda r: r["total"])
-    return {"model": step.shape.name, "tp": step.tp, "pp": pp, "dp": step.dp,
-            "virtual": virtual, "dp_mode": step.dp_mode if step.dp > 1 else None,
+    return {"model": step.shape.name, "tp": step.tp, "pp": pp, "dp": step.dp, "cp": step.cp,
+            "virtual": virtual, "dp_mode": step.dp_mode if step.dp_ranks > 1 else None,
             "schedule": "1F1B" if virtual == 1 else "interleaved 1F1B",
             "micro_batches": m, "micro_batch": step.micro, "batch": step.batch, "seq": step.seq,
             "dtype": step.dtype, "sequence_parallel": step.sequence_parallel,

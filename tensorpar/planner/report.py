@@ -46,10 +46,11 @@ def _console():
 
 
 def _layout_name(d: dict) -> str:
-    """"TP=8 x PP=4 (interleaved 1F1B, V=2) x DP=2 (fsdp)"."""
+    """"TP=8 x PP=4 (interleaved 1F1B, V=2) x DP=2 (fsdp)" ("TP=8 x CP=2 x ..." under CP)."""
     v = f", V={d['virtual']}" if d["virtual"] > 1 else ""
     dp = f" x DP={d['dp']} ({d['dp_mode']})" if d.get("dp_mode") else f" x DP={d['dp']}"
-    return f"TP={d['tp']} x PP={d['pp']} ({d['schedule']}{v}){dp}"
+    cp = f" x CP={d['cp']}" if d.get("cp", 1) > 1 else ""
+    return f"TP={d['tp']}{cp} x PP={d['pp']} ({d['schedule']}{v}){dp}"
 
 
 def print_pipeline(data: dict) -> None:
@@ -116,18 +117,21 @@ def print_search(data: dict, device_memory: str) -> None:
               f"{data['seq']}, {data['dtype']}, recompute {data['recompute']}; the layouts that "
               "fit, by estimated step time")
     moe = any("ep" in r for r in data["layouts"])
+    cp = any(r["cp"] > 1 for r in data["layouts"])
     ep_cols = ("EP",) if moe else ()
-    for col in ("TP", "PP", "DP", *ep_cols, "schedule", "micro-batches", "peak GiB", "worst",
-                "bubble", "tp GiB", "pp GiB", "dp GiB", *(("ep GiB",) if moe else ()),
+    for col in ("TP", *(("CP",) if cp else ()), "PP", "DP", *ep_cols, "schedule",
+                "micro-batches", "peak GiB", "worst", "bubble", "tp GiB",
+                *(("cp GiB",) if cp else ()), "pp GiB", "dp GiB", *(("ep GiB",) if moe else ()),
                 "est. step s"):
         t.add_column(col, justify="right")
     for r in data["layouts"]:
-        groups = ("tp", "pp", "dp", "ep") if moe else ("tp", "pp", "dp")
-        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), *((str(r["ep"]),) if moe else ()),
+        groups = ("tp", *(("cp",) if cp else ()), "pp", "dp", *(("ep",) if moe else ()))
+        t.add_row(str(r["tp"]), *((str(r["cp"]),) if cp else ()), str(r["pp"]), str(r["dp"]),
+                  *((str(r["ep"]),) if moe else ()),
                   r["schedule"] + (f", V={r['virtual']}" if r["virtual"] > 1 else ""),
                   f"{r['micro_batches']} x {r['micro_batch']}", f"{r['total'] / GIB:,.1f}",
                   f"pp {r['worst']}", f"{r['bubble']:.1%}",
-                  *(f"{r['sends'][g] / GIB:,.1f}" for g in groups),
+                  *(f"{r['sends'].get(g, 0) / GIB:,.1f}" for g in groups),
                   f"{r['step_seconds']:,.2f}")
     if data["layouts"]:
         console.print(t)
@@ -186,7 +190,9 @@ def print_tables(data: dict, args) -> None:
         console = Console(width=120)
     unit = unit_for(data["rows"])
     dp, dp_mode = data.get("dp", 1), data.get("dp_mode")
-    split = f" x DP={dp} ({dp_mode}, {args.batch // dp} per copy)" if dp_mode else ""
+    split = f" x DP={dp} ({dp_mode}, {args.batch // dp} per copy)" if dp > 1 else ""
+    cp = data.get("cp", 1)
+    split += f" x CP={cp} (each sequence over {cp} ranks)" if cp > 1 else ""
     t = Table(title=f"{data['model']} ({params_text(data)}), batch {args.batch}{split} x seq "
               f"{args.seq}{', SP' if args.sequence_parallel else ''}, recompute "
               f"{args.recompute}, AdamW {args.optimizer}: {unit[1]} per rank")
@@ -206,8 +212,9 @@ def print_tables(data: dict, args) -> None:
                   "temporaries, a block's backward, or gradients and the optimizer step. "
                   "fits: peak <= device memory less the reserve.")
     if dp_mode == "fsdp":
-        console.print("FSDP2: weights, optim and grads are this rank's 1/dp shard; dp buf: the "
-                      "gathered weights and gradient buffers at the peak (in it).")
+        console.print("FSDP2: weights, optim and grads are this rank's 1/dp shard (1/(dp x cp) "
+                      "under CP); dp buf: the gathered weights and gradient buffers at the peak "
+                      "(in it).")
     elif dp_mode == "ddp":
         console.print("DDP: dp buf is its gradient buckets, kept the whole run (in the peak).")
     for line in data["verdict"].values():
@@ -227,8 +234,16 @@ def print_tables(data: dict, args) -> None:
     console.print(c)
     if "ep_comm" in data:
         print_ep_comm(console, data)
+    if "cp_comm" in data:
+        c = Table(title=f"context-parallel communication per step and rank (CP={cp}: K and V "
+                  "all-gathered forward, their gradients reduce-scattered backward)")
+        for col in ("TP", "kind", "calls", "payload MiB", "ring MiB sent"):
+            c.add_column(col, justify="right")
+        _kind_rows(c, data["cp_comm"], "ring_bytes")
+        console.print(c)
     if "dp_comm" in data:
-        d = Table(title=f"data-parallel communication per step and rank (DP={dp}, {dp_mode}; "
+        over = f"DP={dp} x CP={cp} ranks" if cp > 1 else f"DP={dp}"
+        d = Table(title=f"data-parallel communication per step and rank ({over}, {dp_mode}; "
                   "with the loss reported over dp)")
         for col in ("dtype", "TP", "kind", "calls", "payload MiB", "ring MiB sent"):
             d.add_column(col, justify="right")

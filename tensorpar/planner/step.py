@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tensorpar.parallel.context import cp_sizes
 from tensorpar.planner.shapes import ModelShape
 
 # the precisions: fp32; Megatron-style bf16 (bf16 weights and gradients, fp32 master weights and
@@ -66,6 +67,9 @@ class Step:
     # GPT's); None: whether ``lora`` is given (only those take adapters)
     converted: bool | None = field(default=None)
     ep: int = 1  # expert-parallel size: the routed experts split over ep of the dp x tp ranks
+    # context-parallel size: each sequence split over cp ranks, 2 load-balanced chunks each
+    # (``parallel/context.py``); the data-parallel engine spans the dp x cp ranks
+    cp: int = 1
 
     @property
     def micro(self) -> int:
@@ -77,9 +81,22 @@ class Step:
         return self.dtype == "bf16-autocast"
 
     @property
+    def rank_seq(self) -> int:
+        """Tokens of each sequence on one CP rank: the most any rank holds
+        (``parallel.context.cp_sizes``); the whole sequence without CP."""
+        return max(cp_sizes(self.seq, self.cp))
+
+    @property
+    def dp_ranks(self) -> int:
+        """The ranks the data-parallel engine spans: the dp copies times the CP ranks of each,
+        which hold the same weights and sum their gradients with the copies' (FSDP2 shards
+        over them all, as torchtitan's FSDP over dp x cp)."""
+        return self.dp * self.cp
+
+    @property
     def fsdp(self) -> bool:
-        """Whether FSDP2 shards over more than one copy."""
-        return self.dp > 1 and self.dp_mode == "fsdp"
+        """Whether FSDP2 shards over more than one rank."""
+        return self.dp_ranks > 1 and self.dp_mode == "fsdp"
 
     @property
     def is_converted(self) -> bool:
@@ -109,7 +126,8 @@ class Step:
                    pp=cfg.pp, virtual=cfg.pp_virtual,
                    micro_batches=per_copy // (cfg.micro_batch_size or per_copy),
                    optimizer=optimizer, dropout=dropout, device=device, fused=cfg.fused,
-                   lora=lora, packed=cfg.pack, converted=converted, ep=getattr(cfg, "ep", 1))
+                   lora=lora, packed=cfg.pack, converted=converted, ep=getattr(cfg, "ep", 1),
+                   cp=getattr(cfg, "cp", None) or 1)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ parallelism (``data_parallel.dp_memory``), the step's peak and whether it fits a
 
 from __future__ import annotations
 
+from tensorpar.parallel.context import check_cp_split
 from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.activations import paper_activations
 from tensorpar.planner.data_parallel import check_dp, dp_memory
@@ -20,11 +21,12 @@ def check_step(step: Step) -> None:
     if step.recompute not in RECOMPUTE:
         raise ValueError(f"recompute {step.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     check_dp(step.dp, step.dp_mode)
-    check_expert_parallel(step.ep, step.tp, step.dp, None if step.shape.moe is None
+    check_expert_parallel(step.ep, step.tp, step.dp, 0 if step.shape.moe is None
                           else step.shape.moe.experts)
     if step.batch % step.dp:
         raise ValueError(f"--batch {step.batch} does not split over --dp {step.dp}: each copy "
                          "takes batch/dp sequences")
+    check_cp_split(step.seq, step.cp, "--cp")
 
 
 def check_shape(step: Step) -> None:
@@ -61,17 +63,19 @@ def plan_memory(step: Step, device_memory: float | None = None, reserve: float =
     # the largest moment of the step (loss backward, a block's backward, the optimizer step)
     mem = dp_memory(step, step_memory(step))
     dp = step.dp
-    row = {"model": step.shape.name, "tp": step.tp, "dp": dp,
-           "dp_mode": step.dp_mode if dp > 1 else None, "dtype": step.dtype,
+    row = {"model": step.shape.name, "tp": step.tp, "cp": step.cp, "dp": dp,
+           "dp_mode": step.dp_mode if step.dp_ranks > 1 else None, "dtype": step.dtype,
            "sequence_parallel": step.sequence_parallel, "recompute": step.recompute,
            "batch": step.batch, "seq": step.seq, "device": step.device,
            "params_per_rank": rank_params(step.shape, step.tp, 0, step.ep)["total"],
            "weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
            "activations": mem.activations, "dp_buffers": mem.dp_buffers,
            "peak_bytes": mem.peak_extra, "peak_at": mem.peak_at,
-           "activations_paper": paper_activations(step.shape, step.tp, step.batch // dp,
-                                                  step.seq, step.sequence_parallel,
-                                                  step.recompute),
+           # under CP every term is a rank's tokens' share (its queries' scores against all
+           # keys too): the formula over cp
+           "activations_paper": round(paper_activations(step.shape, step.tp, step.batch // dp,
+                                                        step.seq, step.sequence_parallel,
+                                                        step.recompute) / step.cp),
            "total": mem.total}
     if step.shape.moe is not None:
         row["ep"] = step.ep

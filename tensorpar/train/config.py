@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from tensorpar.mesh.data_parallel import check_dp_mode
-from tensorpar.mesh.experts import check_ep
-from tensorpar.parallel.context import cp_sizes
+from tensorpar.parallel.context import check_cp_split, cp_sizes
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.train.compute import check_compile_backend
 
 
@@ -201,8 +201,9 @@ class TrainConfig:
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism with "
                              "context parallelism is not built yet")
-        if self.ep > 1 and self.dp is not None:  # under torchrun: when the mesh is built
-            check_ep(self.ep, self.tp, self.dp)
+        # the layout part here; the experts against the model (the recipe); dp None under
+        # torchrun: when the mesh is built
+        check_expert_parallel(self.ep, self.tp, self.dp, None)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
@@ -222,10 +223,7 @@ def evaluates(cfg: TrainConfig, step: int) -> bool:
 def check_cp_flags(cfg: TrainConfig) -> None:
     """What ``--cp N`` needs of the other flags: 2N chunks of at least a token in a sequence,
     and under --sequence-parallel at least --tp tokens on every CP rank."""
-    if cfg.seq_len < 2 * cfg.cp:
-        raise ValueError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks (2 a "
-                         f"rank), but --seq-len {cfg.seq_len} is shorter: use --seq-len >= "
-                         f"{2 * cfg.cp} or --cp <= {cfg.seq_len // 2}")
+    check_cp_split(cfg.seq_len, cfg.cp, "--cp")
     fewest = min(cp_sizes(cfg.seq_len, cfg.cp))
     if cfg.sequence_parallel and fewest < cfg.tp:
         raise ValueError(f"--sequence-parallel splits each CP rank's tokens over --tp "

@@ -56,6 +56,7 @@ from tensorpar.data.tokenizer import (
 )
 from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.parallel.dropout import TensorParallelRNG
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.parallel.stages import check_pipeline
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.train.compute import loss_function
@@ -110,7 +111,7 @@ class GPTRecipe:
             raise ValueError(f"--cp {cfg.cp} with MoE blocks (--moe-experts "
                              f"{self.model_cfg.moe_experts}) is not supported yet: the "
                              "router's statistics and the experts' groups do not span CP ranks")
-        check_experts(self.model_cfg, getattr(cfg, "ep", 1))
+        check_experts(self.model_cfg, getattr(cfg, "ep", 1), cfg.tp, getattr(cfg, "dp", None))
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:
             check_pipeline(pp, virtual, self.model_cfg.n_layer, passes(cfg))
@@ -180,14 +181,13 @@ class GPTRecipe:
         os.rename(tmp, target)
 
 
-def check_experts(model_cfg: GPTConfig, ep: int) -> None:
-    """``--ep`` against the model's experts: one line naming the numbers."""
+def check_experts(model_cfg: GPTConfig, ep: int, tp: int, dp: int | None) -> None:
+    """``--ep`` against the model's experts (``check_expert_parallel``, the one rule), the
+    dense GPT's case told with its flag: one line naming the numbers."""
     if ep > 1 and not model_cfg.moe_experts:
         raise ValueError(f"--ep {ep} splits a Mixture of Experts' experts: add --moe-experts E "
                          "(the GPT is dense without it)")
-    if ep > max(model_cfg.moe_experts, 1):
-        raise ValueError(f"--ep {ep} is more than the {model_cfg.moe_experts} experts: every "
-                         "EP rank needs at least one")
+    check_expert_parallel(ep, tp, dp, model_cfg.moe_experts)
 
 
 def resolve_gpt(flags: RunFlags) -> tuple[TrainConfig, GPTRecipe, str | None]:

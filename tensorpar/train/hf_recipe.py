@@ -79,8 +79,9 @@ from tensorpar.hf.lora import (
 from tensorpar.hf.moe import balancing_loss
 from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
-from tensorpar.mesh.experts import check_ep, expert_groups
+from tensorpar.mesh.experts import expert_groups
 from tensorpar.parallel.context import split_to_cp
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
@@ -142,9 +143,9 @@ class HFRecipe:
                              "masks and positions made inside it, so torch.distributed."
                              "pipelining cannot cut it into stages without a model-specific "
                              "stage forward, which tensorpar does not have yet")
-        if cfg.ep > 1 and not self.moe:
-            raise ValueError(f"--ep {cfg.ep} with --hf {self.origin}: --ep splits a Mixture of "
-                             "Experts' routed experts, and this model has none")
+        # --ep against the model's routed experts (none: a dense model), the one rule
+        check_expert_parallel(cfg.ep, cfg.tp, cfg.dp,
+                              getattr(self.meta_model(), "num_experts", 0) if self.moe else 0)
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
@@ -156,8 +157,6 @@ class HFRecipe:
         if self.moe and cfg.cp > 1:
             raise ValueError(f"--cp {cfg.cp} with --hf {self.origin} (Mixture of Experts) is not "
                              "supported yet")
-        if self.moe:  # the folding of mesh/experts.py, before any rank starts
-            check_ep(self.ep_size(cfg), cfg.tp, cfg.dp or 1)
         if cfg.cp > 1 and cfg.lora_dropout > 0:
             raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --cp {cfg.cp} is not "
                              "supported yet (the adapters' masks are drawn per TP rank, not per "

@@ -48,7 +48,7 @@ from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
 from tensorpar.mesh.experts import reduce_expert_grads
-from tensorpar.mesh.mesh import cp_group, cp_rank, dp_group, dp_rank, init_parallel
+from tensorpar.mesh.mesh import cp_group, cp_rank, dp_rank, init_parallel, replica_group
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
 from tensorpar.ranks.signals import StopRequest, signal_name
@@ -276,7 +276,7 @@ class Run:
         reduce_expert_grads(self.net, self.experts)  # over the expert-data ranks (--ep)
         ep = self.experts if self.experts is not None and self.experts.ep_size > 1 else None
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
-                               dp_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
+                               replica_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
                                self.pp_group, None if ep is None else ep.ep)
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -296,7 +296,7 @@ class Run:
         if self.mesh is None:
             return loss.item()
         total = loss.clone()
-        dist.all_reduce(total, group=dp_group(self.mesh))
+        dist.all_reduce(total, group=replica_group(self.mesh))
         return total.item()
 
     @torch.no_grad()
@@ -319,7 +319,7 @@ class Run:
         finally:
             self.model.train()
         if self.mesh is not None:
-            dist.all_reduce(total, group=dp_group(self.mesh))
+            dist.all_reduce(total, group=replica_group(self.mesh))
         return (total[0] / total[1]).item()
 
     def intro(self) -> str:
@@ -338,7 +338,7 @@ class Run:
         self.meta["data"]["position"] = {"step": step, "sequences": step * self.cfg.batch_size,
                                          "epoch": round(self.batches.epoch_of(step), 4)}
         save_checkpoint(self.out, step, self.net, self.ownership, self.opt, self.group, self.meta,
-                        dp_group=dp_group(self.mesh), pp_group=self.pp_group)
+                        dp_group=replica_group(self.mesh), pp_group=self.pp_group)
 
     def agree(self, value: int) -> int:
         """Rank 0's ``value`` on every rank of the run."""

@@ -25,12 +25,17 @@ if importlib.util.find_spec("transformers"):  # transformers' Llama through tens
     # (hf-llama-sp: the same setup with SP, exact in tests/hf); a user's loop (labels=), every
     # weight trained or LoRA adapters
     NAMES += ["hf-llama", "hf-llama-labels", "hf-llama-lora"]
-ONE_RANK = ("tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-Nt", "dense-c")
+    # a Qwen3-MoE of the same shape: tensorpar.parallelize against transformers' own TP + EP,
+    # both against the model on one rank (their own loss reference)
+    NAMES += ["hf-qwen3moe", "hf-qwen3moe-transformers", "hf-qwen3moe-1"]
+ONE_RANK = ("tensorpar-tp1", "tensorpar-tp1-c", "dense-1t", "dense-Nt", "dense-c",
+            "hf-qwen3moe-1")
 
 
 def test_bench_runs_and_contenders_agree(ranks, tmp_path):
     """Every contender trains the same model from the same weights on the same batches: each
-    step's loss equals the dense fp32 model's to 1e-6 relative, over warmup and timed steps
+    step's loss equals the dense fp32 model's (the Qwen3-MoE rows: that model's on one rank) to
+    1e-6 relative, over warmup and timed steps
     (~10x the largest measured, 8.6e-8 for the TP=2 rows, 0 for the one-rank ones; 2026-11-27,
     torch 2.13 CPU).
     The TP contenders communicate (bytes reported per kind); the dense one does not; the table,
@@ -77,6 +82,17 @@ def test_bench_runs_and_contenders_agree(ranks, tmp_path):
         assert rows["hf-llama-labels"]["comm_per_rank"] == tp_comm
         lora = rows["hf-llama-lora"]["comm_per_rank"]["calls"]
         assert lora == tp_comm["calls"], lora
+    if "hf-qwen3moe" in rows:  # each TP rank sends its half of the tokens' k rows to the
+        # experts and back, forward and backward (4 N k D fp32 bytes a layer), and the E counts
+        # once a layer (a call's payload is the larger of what it sends and receives: more
+        # with uneven routing, equal on this seed); transformers' EP moves the same rows
+        from tensorpar.bench.hf_moe import EXPERTS, TOP_K
+
+        n = TINY.batch_size * TINY.seq_len // plan.tp
+        a2a = TINY.n_layer * (4 * n * TOP_K * TINY.dim * 4 + EXPERTS * 8)
+        ours = rows["hf-qwen3moe"]["comm_per_rank"]["payload_bytes"]["all_to_all"]
+        theirs = rows["hf-qwen3moe-transformers"]["comm_per_rank"]["payload_bytes"]
+        assert ours == theirs["all_to_all"] == a2a, (ours, theirs, a2a)
     # the losses move: the model learns the batches' successor structure
     ref = results["reference_losses"]
     assert ref[-1] < ref[0]

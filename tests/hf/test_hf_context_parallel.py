@@ -84,9 +84,10 @@ def _llama_case(path: str, tp: int, cp: int, packed: bool, recompute: bool = Fal
     return _errors(dense, model, _batch(packed), cp_group)
 
 
-def _moe_case(cp: int) -> dict:
+def _moe_case(cp: int) -> tuple[dict, list[str]]:
     """Mixtral: its attention is Llama's (with a sliding window), converted alone (the experts
-    stay whole)."""
+    stay whole); the errors, and what its forward says when asked for router logits (by the
+    call, then by the config)."""
     tp_group, cp_group = _groups(1, cp)
     torch.manual_seed(0)
     dense = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**MOE))
@@ -94,7 +95,16 @@ def _moe_case(cp: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_config(dense.config)
     model.load_state_dict(dense.state_dict())
     parallelize(model, {"model.layers.*.self_attn": "attention"}, tp_group, cp_group=cp_group)
-    return _errors(dense, model, _batch(packed=True), cp_group)
+    errors = _errors(dense, model, _batch(packed=True), cp_group)
+    batch, said = _batch(packed=False), []
+    for how in ("call", "config"):
+        kwargs = {"output_router_logits": True} if how == "call" else {}
+        model.config.output_router_logits = how == "config"
+        try:
+            model(**batch, **kwargs)
+        except ValueError as e:
+            said.append(f"{how}: {e}")
+    return errors, said
 
 
 def _refusals(path: str, cp: int) -> list[str]:
@@ -117,10 +127,11 @@ def _refusals(path: str, cp: int) -> list[str]:
 
 def _cp2_body(path: str) -> dict:
     transformers.logging.set_verbosity_error()
+    mixtral, router = _moe_case(2)
     return {"plain": _llama_case(path, 1, 2, packed=False),
             "packed": _llama_case(path, 1, 2, packed=True),
             "recompute": _llama_case(path, 1, 2, packed=True, recompute=True),
-            "mixtral": _moe_case(2), "refused": _refusals(path, 2)}
+            "mixtral": mixtral, "refused": _refusals(path, 2), "router refused": router}
 
 
 def _tp2cp2_body(path: str) -> dict:
@@ -169,6 +180,16 @@ def test_forward_refusals(cp2):
     assert [s.split(":")[0] for s in said] == ["a cache", "padding", "too short"], said
     assert all("\n" not in s for s in said)
     assert "KV cache" in said[0] and "labels -100" in said[1] and "cannot be cut into 4" in said[2]
+
+
+def test_router_logits_refused(cp2):
+    """An MoE model's router logits (``output_router_logits``, asked by the call or by the
+    config) are refused in one line on both ranks before any collective: transformers would add
+    each rank's load-balancing loss, from its chunks alone, to the loss summed over CP."""
+    said = cp2[0]["router refused"]
+    assert said == cp2[1]["router refused"]
+    assert [s.split(":")[0] for s in said] == ["call", "config"], said
+    assert all("\n" not in s and "output_router_logits" in s for s in said), said
 
 
 def test_layouts_refused_before_any_rank(hf_configs):

@@ -16,6 +16,7 @@ from tensorpar.planner.comm import predicted_comm
 from tensorpar.planner.memory import rank_params
 from tensorpar.planner.moe_comm import expected_calls, moe_comm
 from tensorpar.planner.report import params_text
+from tensorpar.planner.search import expert_sizes
 from tensorpar.planner.shapes import MOE_CONFIGS, moe_tensors, preset, shape_from_hf_config
 from tensorpar.planner.step import Step
 from tensorpar.planner.tp_plan import plan_memory
@@ -166,9 +167,10 @@ def test_moe_tp_collectives_match_the_layer():
 
 
 @pytest.mark.parametrize("ep, tp, dp, experts, message", [
-    (3, 2, 1, 8, "--ep 3 does not divide the dp x tp = 1 x 2 = 2 ranks"),
+    (3, 2, 1, 8, "--ep 3 does not divide the 2 ranks of a stage (--dp 1 x --tp 2)"),
     (16, 2, 8, 8, "--ep 16 is more than the 8 routed experts"),
-    (2, 2, 1, None, "--ep 2: the model has no experts"),
+    (2, 2, 1, 0, "--ep 2: the model has no experts"),
+    (2, 4, 2, 8, "--ep 2 with --tp 4: an EP group holds whole TP groups"),
     (0, 1, 1, 8, "--ep 0 must be >= 1")])
 def test_folding_rule(ep, tp, dp, experts, message):
     """EP ranks fold into the dp x tp ranks: one rule, one line naming the numbers."""
@@ -192,8 +194,12 @@ def test_plan_prints_total_active_and_ep():
 
 def test_search_lists_layouts_with_ep():
     """plan --model mixtral-8x7b --devices 16 --device-memory 80GB lists layouts with ep > 1
-    (and every layout's EP folds into its dp x tp)."""
+    (and every layout's EP folds into its dp x tp, whole TP groups in an EP group, as the trainer
+    requires)."""
     data = _build("--model", "mixtral-8x7b", "--devices", "16", "--device-memory", "80GB")
     assert data["layouts"] and any(r["ep"] > 1 for r in data["layouts"])
     assert all((r["dp"] * r["tp"]) % r["ep"] == 0 for r in data["layouts"])
+    assert all(r["ep"] == 1 or r["ep"] % r["tp"] == 0 for r in data["layouts"]), \
+        [(r["tp"], r["ep"]) for r in data["layouts"]]
+    assert expert_sizes(preset("mixtral-8x7b"), tp=4, dp=2) == [1, 4, 8]
     assert "(EP=" in data["verdict"]

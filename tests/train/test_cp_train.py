@@ -149,8 +149,8 @@ def test_recompute_replays_the_cp_ranks_masks(runs):
 
 
 @pytest.mark.parametrize("argv,said", [
-    (["--cp", "4", "--seq-len", "7"], "--cp 4 cuts each sequence into 8 chunks (2 a rank), but "
-     "--seq-len 7 is shorter: use --seq-len >= 8 or --cp <= 3"),
+    (["--cp", "4", "--seq-len", "7"], "--cp: a sequence of 7 tokens cannot be cut into 8 chunks "
+     "for 4 CP ranks (each rank holds 2 chunks; need seq_len >= 8, or cp <= 3)"),
     (["--cp", "2", "--tp", "4", "--seq-len", "6", "--sequence-parallel"],
      "--sequence-parallel splits each CP rank's tokens over --tp 4, but --seq-len 6 over --cp 2 "
      "leaves a rank 3"),
