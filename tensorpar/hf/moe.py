@@ -106,14 +106,17 @@ class ExpertParallelExperts(nn.Module):
     tp_group: the ranks that hold the same tokens (the attention's); ep_group: the ranks the
     experts are cut across (default the TP group). When the TP ranks hold the same experts
     (each in another EP group), the experts' gradients are summed over TP in backward.
+    sequence_parallel: the TP ranks hold different tokens (their sequence shards), routed and
+    sent as they are: no split, no gather.
     """
 
     def __init__(self, config: MoEConfig, transposed: bool, tensors: dict[str, torch.Tensor],
                  tp_group: ProcessGroup | None, ep_group: ProcessGroup | None,
-                 requires_grad: bool = True):
+                 requires_grad: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.config, self.transposed = config, transposed
         self.tp_group, self.ep_group = tp_group, ep_group
+        self.sequence_parallel = sequence_parallel
         ep = tp_size(ep_group)
         self.experts_per_rank = shard_sizes(config.num_experts, ep)
         self.expert_range = shard_range(config.num_experts, ep, tp_rank(ep_group))
@@ -132,7 +135,8 @@ class ExpertParallelExperts(nn.Module):
                 weights: torch.Tensor) -> torch.Tensor:
         """hidden (N, D), experts (N, k) chosen, weights (N, k) -> (N, D), as the model's own."""
         n, k = experts.shape
-        if tp_size(self.tp_group) > 1:  # this rank's share of the tokens, with their weights
+        split = tp_size(self.tp_group) > 1 and not self.sequence_parallel
+        if split:  # this rank's share of the tokens, with their weights
             both = split_tokens(torch.cat([hidden, weights.to(hidden.dtype)], -1), self.tp_group)
             x, w = both.split([hidden.shape[-1], k], -1)
             a, b = shard_range(n, tp_size(self.tp_group), tp_rank(self.tp_group))
@@ -147,13 +151,14 @@ class ExpertParallelExperts(nn.Module):
         y = routed_experts(x, experts, w, self.experts_per_rank, self.ep_group,
                            lambda rows, counts: swiglu_experts(rows, counts, self.config,
                                                                *params))
-        if tp_size(self.tp_group) > 1:
+        if split:
             y = gather_tokens(y, n, self.tp_group)
         return y.to(hidden.dtype)
 
 
 def convert_experts(source, name: str, m: nn.Module, tp_group: ProcessGroup | None,
-                    ep_group: ProcessGroup | None, dtype) -> ExpertParallelExperts:
+                    ep_group: ProcessGroup | None, dtype,
+                    sequence_parallel: bool = False) -> ExpertParallelExperts:
     """The transformers experts module ``m`` (named ``name``) as ``ExpertParallelExperts``,
     this rank's experts read from ``source``."""
     config, transposed = experts_config(name, m)
@@ -166,7 +171,7 @@ def convert_experts(source, name: str, m: nn.Module, tp_group: ProcessGroup | No
     tensors = {key: read_experts(source, name, key, start, stop).to(dtype or m.gate_up_proj.dtype)
                for key in keys}
     return ExpertParallelExperts(config, transposed, tensors, tp_group, ep_group,
-                                 m.gate_up_proj.requires_grad)
+                                 m.gate_up_proj.requires_grad, sequence_parallel)
 
 
 def balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,

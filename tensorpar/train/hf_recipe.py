@@ -184,11 +184,14 @@ class HFRecipe:
         """The ranks of an MoE model's experts (None: a dense model), folded from the stage's
         dp x tp ranks as the GPT's (``mesh/experts.py``; collective); the trainer reduces their
         gradients over ``expert_data`` and counts them once over ``ep`` in the gradient norm.
-        The router statistics cover the dp ranks' tokens: every TP rank routes all of its
-        group's tokens, so ``stats`` is the data-parallel group."""
+        The router statistics cover the tokens of the ranks that hold different ones: every TP
+        rank routes all of its group's tokens, so ``stats`` is the data-parallel group; under
+        --sequence-parallel each routes its shard, so it stays the stage's dp x tp ranks."""
         if not self.moe:
             return None
         groups = expert_groups(self.ep_size(cfg), cfg.tp, cfg.dp or 1, mesh, run_group)
+        if cfg.sequence_parallel:
+            return groups
         return replace(groups, stats=mesh["dp"].get_group() if (cfg.dp or 1) > 1 else None)
 
     def tokenizer(self) -> HFTokenizer:

@@ -223,39 +223,40 @@ def test_train_hf_at_tp2_equals_one_rank(trained, lora):
 
 
 # train --hf at layouts folding EP from the dp x tp ranks, against one rank: (family, tp, dp, ep,
-# the dp engine); Qwen3-MoE at (tp 2, ep 2) is the ``trained`` fixture's TP-2 run
-LAYOUTS = [("qwen3_moe", 1, 2, 2, "fsdp"), ("qwen3_moe", 2, 2, 4, "ddp"),
-           ("mixtral", 2, None, 2, "fsdp"), ("gpt_oss", 2, None, 2, "fsdp"),
-           ("qwen2_moe", 2, 2, 4, "fsdp")]
+# sequence parallelism, the dp engine); Qwen3-MoE at (tp 2, ep 2) is the ``trained`` fixture's
+# TP-2 run
+LAYOUTS = [("qwen3_moe", 1, 2, 2, False, "fsdp"), ("qwen3_moe", 2, 2, 4, False, "ddp"),
+           ("qwen3_moe", 2, 2, 4, True, "fsdp"), ("mixtral", 2, None, 2, False, "fsdp"),
+           ("gpt_oss", 2, None, 2, False, "fsdp"), ("qwen2_moe", 2, 2, 4, False, "fsdp")]
+LAYOUT_IDS = ["{}-tp{}-dp{}-ep{}{}".format(*layout[:4], "-sp" if layout[4] else "")
+              for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
 def layouts(ranks, moe_dirs, trained, tmp_path_factory):
     """The metrics rows of each layout's run and of its family's run on one rank:
-    {(family, tp, dp, ep): (one rank's rows, the layout's rows)}."""
+    {layout id: (one rank's rows, the layout's rows)}."""
     from hf_runs import train
 
     root = tmp_path_factory.mktemp("hf-moe-layouts")
     one = {"qwen3_moe": trained[1, False][1]}
     runs = {}
-    for family, tp, dp, ep, mode in LAYOUTS:
+    for name, (family, tp, dp, ep, sp, mode) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
         if family not in one:
             one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **TRAIN)
-        out = root / f"{family}-tp{tp}-dp{dp}-ep{ep}"
-        runs[family, tp, dp, ep] = one[family], train(ranks, moe_dirs / family, out, tp, dp,
-                                                     ep=ep, dp_mode=mode, **TRAIN)
+        runs[name] = one[family], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
+                                        sequence_parallel=sp, dp_mode=mode, **TRAIN)
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [layout[:4] for layout in LAYOUTS],
-                         ids=["-".join(map(str, layout[:4])) for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUT_IDS)
 def test_train_hf_moe_layouts_equal_one_rank(layouts, layout):
     """``train --hf --tp T --dp D --ep N``: the experts cut across EP groups folded from the
     dp x tp ranks (their gradients summed over the expert-data ranks, left out of FSDP2 and
     DDP, counted once in the norm), the model's balancing loss over each pass's tokens on
-    every dp rank: each step's loss (that aux loss included) and gradient norm equal one
-    rank's (1e-5 relative)."""
+    every dp rank (and TP rank, under sequence parallelism, where each routes its shard): each
+    step's loss (that aux loss included) and gradient norm equal one rank's (1e-5 relative)."""
     one, other = layouts[layout]
     assert len(one) == len(other) == TRAIN["steps"]
     for a, b in zip(one, other, strict=True):
