@@ -81,8 +81,8 @@ from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.mesh.experts import expert_groups
 from tensorpar.parallel.context import split_to_cp
-from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
 from tensorpar.train.config import TrainConfig, lora_targets, passes
