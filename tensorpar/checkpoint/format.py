@@ -14,6 +14,8 @@ a piece says that rank's file holds the dense rows [start, stop) of ``split_dim`
 several ranges of one tensor (a fused dim: GPT-2's q|k|v, each block split alike); its file then
 stacks them along ``split_dim`` and each piece after the first gives its ``offset`` there: rows
 [offset, offset + stop - start) of the file's tensor. Every dense element is in exactly one piece.
+Besides the parameters (and their AdamW moments), a checkpoint holds the buffers a run moves
+(``checkpointed_buffers``: the GPT's MoE selection bias), each whole, in one file.
 
 Versions: 1 has no ``offset`` (one range per rank and tensor); 2 may have it; 3 is a pipelined
 run's (``pp_size`` stages, each of ``tp_size`` files: stage p's TP rank r wrote file
@@ -71,6 +73,23 @@ def checkpointed(model) -> list:
     params = list(model.named_parameters())
     trainable = [(n, p) for n, p in params if p.requires_grad]
     return trainable or params
+
+
+def checkpointed_buffers(model) -> list:
+    """The (name, buffer) pairs a checkpoint of ``model`` holds besides its parameters: the
+    state a run moves outside the optimizer, the buffers each module lists in its
+    ``checkpointed_buffers`` (names relative to it): the GPT's MoE blocks' selection bias, which
+    loss-free balancing moves. Each is the same on every rank, so it is stored whole, as a
+    replicated parameter is; a checkpoint without one (written before it was kept) leaves the
+    model's as it is."""
+    found = []
+    for prefix, module in model.named_modules():
+        for name in getattr(module, "checkpointed_buffers", ()):
+            owner, _, attr = name.rpartition(".")
+            t = module.get_submodule(owner)._buffers.get(attr)
+            if t is not None:
+                found.append((f"{prefix}.{name}" if prefix else name, t))
+    return found
 
 
 def model_kind(manifest: dict) -> str:

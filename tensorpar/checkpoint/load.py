@@ -20,6 +20,7 @@ from tensorpar.checkpoint.format import (
     VERSIONS,
     CheckpointError,
     checkpointed,
+    checkpointed_buffers,
     find_checkpoint,
     is_dense_export,
     sha256_of,
@@ -136,7 +137,9 @@ def check_fits(reader: CheckpointReader, model: nn.Module, part: bool = False) -
     (``part``: the model is a pipeline rank's part, so the checkpoint holds more)."""
     have = {k for k in reader.tensors if not k.startswith("optimizer.")}
     want = dict(checkpointed(model))
-    missing, extra = sorted(want.keys() - have), [] if part else sorted(have - want.keys())
+    kept = {name for name, _ in checkpointed_buffers(model)}  # optional: see load_checkpoint
+    missing = sorted(want.keys() - have)
+    extra = [] if part else sorted(have - want.keys() - kept)
     if missing or extra:
         raise CheckpointError(f"{reader.dir} does not match the model: missing {missing[:4]}"
                               f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}"
@@ -179,7 +182,8 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     what it reads; a model in DDP is loaded through ``wrapped.module``. ``check_hashes``:
     compare each file's sha256 with the manifest (the CLI does it once, before the ranks start).
     ``part``: ``model`` is a pipeline rank's part of the saved model (its own tensors are read,
-    whatever pipeline size saved them).
+    whatever pipeline size saved them). The buffers a run moves (``checkpointed_buffers``: the
+    MoE selection bias) are read whole on every rank.
     """
     reader = CheckpointReader(path, check_hashes)
     check_fits(reader, model, part)
@@ -198,4 +202,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
             on_device = group.get("fused") or group.get("capturable")
             state["step"] = torch.tensor(float(reader.manifest["step"]), dtype=torch.float32,
                                          device=p.device if on_device else "cpu")
+    for name, b in checkpointed_buffers(model):  # whole on every rank; an older checkpoint
+        if name in reader.tensors:  # without it leaves the model's
+            b.copy_(reader.read(name))
     return reader.manifest | {"path": str(reader.dir)}

@@ -34,6 +34,7 @@ from tensorpar.checkpoint.format import (
     ADAM_STATES,
     FORMAT,
     checkpointed,
+    checkpointed_buffers,
     list_checkpoints,
     make_readable,
     sha256_of,
@@ -213,6 +214,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, ownership:
     writers = _expert_writers(model, grid) if experts else {}
     tensors = {}
     rank = tp_rank(group)
+    if rank == 0 and grid.dp_rank == 0:  # the same on every rank: the stage's first file
+        tensors |= {name: b.detach().to("cpu", copy=True).contiguous()
+                    for name, b in checkpointed_buffers(model)}
     for name, p in saved(model):  # every dp rank: FSDP2's gathers are collectives
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in [(name, p.detach())] + [(f"optimizer.{s}.{name}", state[s])
@@ -328,9 +332,9 @@ def _pieces(ownership: ShardOwnership, name: str, n: int, first_file: int = 0) -
 
 
 def _entries(model, ownership, optimizer, n: int, first_file: int, writers) -> dict:
-    """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too): a routed
-    expert's pieces are its writers' (split dim 0), any other's its owners' in the stage's first
-    data replica."""
+    """The manifest's entry of each tensor ``model`` saves (its AdamW moments' too, and its
+    ``checkpointed_buffers``): a routed expert's pieces are its writers' (split dim 0), any
+    other's its owners' in the stage's first data replica."""
     tensors = {}
     for name, p in saved(model):
         if name in writers:
@@ -344,6 +348,10 @@ def _entries(model, ownership, optimizer, n: int, first_file: int, writers) -> d
         if optimizer is not None and optimizer.state.get(p):
             for s in ADAM_STATES:
                 tensors[f"optimizer.{s}.{name}"] = entry
+    for name, b in checkpointed_buffers(model):  # whole, in the stage's first file
+        tensors[name] = {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch."),
+                         "split_dim": None, "pieces": [{"rank": first_file, "start": 0,
+                                                        "stop": 0}]}
     return tensors
 
 

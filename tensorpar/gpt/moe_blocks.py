@@ -83,6 +83,10 @@ class GPTMoE(ParallelMoE):
     experts: the EP, statistics and expert-data groups (``mesh/experts.py``); None: the
     experts split over the TP group, the statistics over it (a model that generates)."""
 
+    # the sigmoid router's selection bias (loss-free balancing moves it): in checkpoints,
+    # whole, as the router's weight (checkpoint/format.py)
+    checkpointed_buffers = ("router.selection_bias",)
+
     def __init__(self, cfg, sequence_parallel: bool, group, experts: ExpertGroups | None,
                  device=None):
         ep = group if experts is None else experts.ep

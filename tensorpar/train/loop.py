@@ -157,11 +157,7 @@ class Run:
             self.batches = TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
                                         data.digest)
         r = dp_rank(self.mesh)
-        # this dp rank's rows of every batch, cut into the step's passes
-        per_rank, n = cfg.batch_size // dp, passes(cfg)
-        first = r * per_rank
-        self.passes = [slice(first + i * per_rank // n, first + (i + 1) * per_rank // n)
-                       for i in range(n)]
+        self.passes = pass_rows(cfg.batch_size, dp, passes(cfg), r)
         self.dp = dp
         self.replicas = dp * cfg.cp  # the ranks a step's gradient is averaged over
         # ``net`` is the model (FSDP2 turns it into a sharded module in place); ``model`` what
@@ -186,7 +182,7 @@ class Run:
             self.net, self.at_step = recipe.build(cfg, self.group, r, self.device, **extra,
                                                   **cp_kw)
         if self.moe is not None:
-            self.moe.attach(self.net, self.pp_group)
+            self.moe.attach(self.net, passes(cfg), self.pp_group)
         if collectives_checked(self.group):  # a mismatch then names the layer
             scope.enter_context(naming_layers(self.net))
         scope.enter_context(tf32_matmuls(cfg.tf32, self.device))  # restored after: a pool's
@@ -194,7 +190,7 @@ class Run:
         if cfg.pp > 1:
             modules = shard_stages(parts, self.mesh, cfg.dp_mode, bf16)
             self.model = self.net
-            self.pipeline = Schedule(cfg, parts, modules, self.mesh, self.device, n,
+            self.pipeline = Schedule(cfg, parts, modules, self.mesh, self.device, passes(cfg),
                                      recipe.model_cfg.vocab_size,
                                      bf16 or torch.float32)
         else:
@@ -245,13 +241,15 @@ class Run:
         pos = packed[0].to(self.device) if packed and cfg.pack else None
         at = {} if pos is None else {"position_ids": pos}
         if self.pipeline is not None:  # the passes are the pipeline's micro-batches
-            rows = slice(self.passes[0].start, self.passes[-1].stop)
+            def rows(t):  # the pipeline cuts them back into the passes (tensor_split)
+                return torch.cat([t[p] for p in self.passes])
+
             tokens = torch.tensor((y != IGNORE_INDEX).sum().item() / self.replicas,
                                   device=self.device)
             with self.autocast:
                 loss_sum = self.pipeline.step(
-                    x[rows].to(self.device), y[rows].to(self.device), tokens,
-                    None if pos is None else pos[rows]) / self.replicas
+                    rows(x).to(self.device), rows(y).to(self.device), tokens,
+                    None if pos is None else rows(pos)) / self.replicas
         elif len(self.passes) == 1 and self.replicas == 1:  # one pass: the loss's own mean
             with self.autocast:
                 loss = self.forward(x.to(self.device), y.to(self.device), **at)
@@ -374,6 +372,17 @@ class Run:
                                            self.source, stopped is not None, self.data_note,
                                            converted=self.recipe.kind == "hf")
         return result
+
+
+def pass_rows(batch_size: int, dp: int, n: int, r: int) -> list[slice]:
+    """Dp rank ``r``'s rows of the step's batch, one slice per pass: pass i of the step is
+    rows [i·B/n, (i+1)·B/n) of the batch, cut over the dp ranks in order (Megatron's global
+    micro-batches). So a pass's tokens over every dp rank are those one rank takes in pass i
+    at ``--micro-batch-size`` dp x M: what a Mixture of Experts' router statistics, summed
+    over the dp ranks each pass, need to equal one rank (with one pass: rows [r·B/dp,
+    (r+1)·B/dp))."""
+    size = batch_size // dp // n
+    return [slice((i * dp + r) * size, (i * dp + r + 1) * size) for i in range(n)]
 
 
 def nonfinite_step(step: int, loss: float, norm: float, model: torch.nn.Module, group,

@@ -9,17 +9,23 @@ each pass's statistics over the pass's tokens on every rank of the stage. So eac
 gradients over dp while each rank holds only its tokens' part of the sum. ``metrics.jsonl``
 gets ``aux_loss`` (that sum over the layers, the mean over passes) and ``expert_load``: for
 each MoE layer [fewest, most] tokens routed to one expert in the step (every rank's tokens).
+The summary shows both (``moe_rows``), and the measured step's expert-parallel collectives
+beside ``planner/moe_comm.py``'s count (calls exactly; bytes as measured beside the
+even-routing expectation: routing decides them).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
 
 from tensorpar.gpt.moe_blocks import moe_layers
 from tensorpar.mesh.experts import expert_groups
+from tensorpar.planner.moe_comm import expected_calls, moe_comm
+from tensorpar.planner.step import Step
 from tensorpar.runtime.groups import tp_size
-from tensorpar.train.config import passes
+from tensorpar.runtime.output import human_bytes
 from tensorpar.transformer.expert_groups import ExpertGroups
 
 
@@ -40,10 +46,11 @@ class MoETraining:
         groups = expert_groups(cfg.ep, cfg.tp, cfg.dp or 1, mesh, run_group)
         return cls(cfg, model_cfg, groups)
 
-    def attach(self, net: torch.nn.Module, pp_group=None) -> None:
-        """Find the model's MoE layers and give each its aux-loss weight, dp / passes."""
+    def attach(self, net: torch.nn.Module, passes: int, pp_group=None) -> None:
+        """Find the model's MoE layers and give each its aux-loss weight, dp / passes (the
+        step's forward and backward passes on each rank, ``train/config.py``'s ``passes``)."""
         self.layers, self.pp_group = moe_layers(net), pp_group
-        weight = (self.cfg.dp or 1) / passes(self.cfg)
+        weight = (self.cfg.dp or 1) / passes
         for layer in self.layers.values():
             layer.aux_weight = weight
 
@@ -79,3 +86,29 @@ class MoETraining:
             table = moved.cpu()
         return {"aux_loss": float(table[:, 0].sum()),
                 "expert_load": [[int(row[1:].min()), int(row[1:].max())] for row in table]}
+
+
+def moe_rows(table: Table, rows: list[dict], comm: dict, step: Step) -> None:
+    """Add the MoE rows (nothing for a dense model or a run without steps)."""
+    done = [r for r in rows if r.get("aux_loss") is not None]
+    if step.shape.moe is None or not done:
+        return
+    table.add_row("MoE aux loss (first -> final step)",
+                  f"{done[0]['aux_loss']:.5f} -> {done[-1]['aux_loss']:.5f} (the balancing "
+                  "and z-losses times their coefficients, summed over the layers)")
+    loads = done[-1].get("expert_load") or []
+    table.add_row("expert load (final step, tokens)",
+                  "; ".join(f"block {i}: {lo}-{hi}" for i, (lo, hi) in enumerate(loads))
+                  + " (fewest-most routed to one expert)")
+    want = expected_calls(step)
+    predicted = moe_comm(step)
+    for label, kind in (("ep", "all_to_all"), ("stats", "all_reduce")):
+        if not want.get(kind):
+            continue
+        got = comm.get(label, {})
+        calls = got.get("counts", {}).get(kind, 0)
+        verdict = "as counted" if calls == want[kind] else f"analytic count {want[kind]}"
+        what = "EP all_to_all" if label == "ep" else "router statistics all_reduce"
+        table.add_row(f"{what} per step",
+                      f"{calls} calls ({verdict}), {human_bytes(got.get('bytes', {}).get(kind, 0))}"
+                      f" payload (even routing: {human_bytes(predicted['bytes'].get(kind, 0))})")

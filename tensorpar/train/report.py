@@ -25,7 +25,7 @@ from tensorpar.planner.expected import RankPlace, RunPlan, plan_run
 from tensorpar.planner.shapes import ModelShape
 from tensorpar.planner.step import Step
 from tensorpar.runtime.output import human_bytes, write_atomically
-from tensorpar.train.moe_report import moe_rows
+from tensorpar.train.moe import moe_rows
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}  # fp32 master weights, AdamW moments
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from tensorpar.cli.compare import dense_shard
 from tensorpar.checkpoint.format import CheckpointError, find_checkpoint
 from tensorpar.checkpoint.load import load_checkpoint
 from tensorpar.checkpoint.save import save_checkpoint
+from tensorpar.cli.compare import dense_shard
 from tensorpar.parallel.ownership import ShardOwnership
 from tensorpar.parallel.sharding import param_shard
 from tensorpar.transformer.moe import MoEConfig, ParallelMoE
@@ -92,7 +92,7 @@ def _save_body(path: str, layout: str):
     model = _sharded(_dense(0), tp_group, ep_group)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     grads = _dense(1)  # its weights serve as the dense gradients
-    for (name, p), (_, g) in zip(model.named_parameters(), grads.named_parameters(), strict=True):
+    for p, g in zip(model.parameters(), grads.parameters(), strict=True):
         p.grad = dense_shard(g.detach(), param_shard(p)).clone()
     opt.step()
     save_checkpoint(path, 3, model, ShardOwnership.gather(model, tp_group), opt, tp_group,

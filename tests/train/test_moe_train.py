@@ -1,10 +1,15 @@
 """The GPT with MoE blocks in the trainer (``--moe-experts``, ``--ep``): 6 experts, top-2, one
 shared expert, a z-loss, at (tp 2, ep 2) with sequence parallelism, recompute and passes of 1,
-(dp 2, ep 2) under FSDP2 and DDP, (tp 2, dp 2, ep 4) and (tp 2, pp 2, ep 2): every step's loss,
-gradient norm, aux loss and expert loads equal one rank taking the same passes at ep 1; the
-summary's EP all-to-alls and statistics all-reduces are the planner's count. One shared run per
-layout (``_runs``), read by every assertion. The layer itself is checked against a dense
-reference (and that against transformers) in tests/core/test_moe.py."""
+(dp 2, ep 2) under FSDP2 and (with passes of 1) DDP, (tp 2, dp 2, ep 4), (tp 2, pp 2, ep 2) and
+(pp 2, dp 2, ep 2) with micro-batches of 1: every step's loss, gradient norm, aux loss and expert
+loads equal one rank taking the same passes at ep 1; the summary's EP all-to-alls and statistics
+all-reduces are the planner's count. One shared run per layout (``_runs``), read by every
+assertion. The layer itself is checked against a dense reference (and that against
+transformers) in tests/core/test_moe.py.
+
+"The same passes": a pass's router statistics cover its tokens on every dp rank, so the one-rank
+reference of a layout with dp ranks taking passes of M sequences runs passes of dp x M, the same
+sequences (a step's pass i is rows [i·B/n, (i+1)·B/n) of the batch on every layout)."""
 
 import dataclasses
 
@@ -20,15 +25,23 @@ from tensorpar.train.loop import train_model_rank
 MODEL = GPTConfig(n_layer=2, dim=16, n_head=2, n_kv_head=1, hidden_dim=16, moe_experts=6,
                   moe_top_k=2, moe_shared_experts=1, moe_z_coef=0.001)
 STEPS, BATCH, SEQ = 2, 4, 16
-TOL = 1e-5  # relative; measured at most 2.1e-7 (the gradient norms) over these layouts
-LAYOUTS = {  # name: (ranks, flags); micro_batch_size also the reference's
+TOL = 1e-5  # relative; measured at most 1.2e-7 (the gradient norms) over these layouts
+LAYOUTS = {  # name: (ranks, flags)
     "tp2-ep2-sp-recompute-passes": (2, {"tp": 2, "ep": 2, "sequence_parallel": True,
                                         "recompute": True, "micro_batch_size": 1}),
     "dp2-ep2-fsdp": (2, {"tp": 1, "dp": 2, "ep": 2, "dp_mode": "fsdp"}),
-    "dp2-ep2-ddp": (2, {"tp": 1, "dp": 2, "ep": 2, "dp_mode": "ddp"}),
+    "dp2-ep2-ddp-passes": (2, {"tp": 1, "dp": 2, "ep": 2, "dp_mode": "ddp",
+                               "micro_batch_size": 1}),
     "tp2-dp2-ep4": (4, {"tp": 2, "dp": 2, "ep": 4}),
     "tp2-pp2-ep2": (4, {"tp": 2, "pp": 2, "ep": 2, "micro_batch_size": 1}),
+    "pp2-dp2-ep2-passes": (4, {"tp": 1, "pp": 2, "dp": 2, "ep": 2, "micro_batch_size": 1}),
 }
+
+
+def _reference_micro(flags: dict) -> int | None:
+    """The one-rank reference's --micro-batch-size: the layout's passes over every dp rank."""
+    micro = flags.get("micro_batch_size")
+    return None if micro is None else micro * flags.get("dp", 1)
 
 
 def _config(out, **flags) -> TrainConfig:
@@ -50,8 +63,7 @@ def _runs(ranks, tmp_path_factory):
     micro-batch size, run once for the module."""
     out = tmp_path_factory.mktemp("moe")
     refs = {micro: ranks(1).run(_train, out / f"ref-{micro}", tp=1, micro_batch_size=micro)[0]
-            for micro in sorted({f.get("micro_batch_size") for _, f in LAYOUTS.values()},
-                                key=str)}
+            for micro in sorted({_reference_micro(f) for _, f in LAYOUTS.values()}, key=str)}
     runs = {name: ranks(n).run(_train, out / name, **flags)[0]
             for name, (n, flags) in LAYOUTS.items()}
     return refs, runs
@@ -64,7 +76,7 @@ def test_layout_equals_one_rank(_runs, name):
     loads (fewest and most tokens a step, every rank's tokens) the same."""
     refs, runs = _runs
     flags = LAYOUTS[name][1]
-    (rows, _), (want, _) = runs[name], refs[flags.get("micro_batch_size")]
+    (rows, _), (want, _) = runs[name], refs[_reference_micro(flags)]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for got, ref in zip(rows, want, strict=True):
         for key in ("loss", "grad_norm", "aux_loss"):
