@@ -16,7 +16,10 @@ experts (N, k), their weights (N, k)), and returns (N, D). Each TP rank holds th
 so it takes its ``tensor_split`` share of them and of their weights (``split_tokens``: in
 backward the shares' gradients are all-gathered, so the replicated router's gradient is whole
 on every rank), sends each row to the rank holding its expert (``routed_experts``, the core's
-dispatch), and the shares are all-gathered after (``gather_tokens``). The weights keep the
+dispatch), and the shares are all-gathered after (``gather_tokens``). Under sequence
+parallelism (``sequence.py``) each TP rank holds and routes its own shard: its rows go to their
+experts as they are. ``balancing_loss`` is the models' load-balancing loss with its statistics
+summed over the ranks holding different tokens (``train --hf`` with ``--dp``). The weights keep the
 model's names and layout (GPT-OSS's transposed (E, D, 2H) and its biases too), sliced on the
 expert dimension, so a checkpoint or an export finds them under the model's own names.
 """
@@ -28,7 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tensorpar.parallel.expert_dispatch import gather_tokens, split_tokens
-from tensorpar.parallel.mappings import sum_grads_in_backward
+from tensorpar.parallel.mappings import reduce_from_tp, sum_grads_in_backward
 from tensorpar.parallel.sharding import (
     REPLICATED,
     ShardSpec,
@@ -106,14 +109,17 @@ class ExpertParallelExperts(nn.Module):
     tp_group: the ranks that hold the same tokens (the attention's); ep_group: the ranks the
     experts are cut across (default the TP group). When the TP ranks hold the same experts
     (each in another EP group), the experts' gradients are summed over TP in backward.
+    sequence_parallel: the TP ranks hold different tokens (their sequence shards), routed and
+    sent as they are: no split, no gather.
     """
 
     def __init__(self, config: MoEConfig, transposed: bool, tensors: dict[str, torch.Tensor],
                  tp_group: ProcessGroup | None, ep_group: ProcessGroup | None,
-                 requires_grad: bool = True):
+                 requires_grad: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.config, self.transposed = config, transposed
         self.tp_group, self.ep_group = tp_group, ep_group
+        self.sequence_parallel = sequence_parallel
         ep = tp_size(ep_group)
         self.experts_per_rank = shard_sizes(config.num_experts, ep)
         self.expert_range = shard_range(config.num_experts, ep, tp_rank(ep_group))
@@ -132,7 +138,8 @@ class ExpertParallelExperts(nn.Module):
                 weights: torch.Tensor) -> torch.Tensor:
         """hidden (N, D), experts (N, k) chosen, weights (N, k) -> (N, D), as the model's own."""
         n, k = experts.shape
-        if tp_size(self.tp_group) > 1:  # this rank's share of the tokens, with their weights
+        split = tp_size(self.tp_group) > 1 and not self.sequence_parallel
+        if split:  # this rank's share of the tokens, with their weights
             both = split_tokens(torch.cat([hidden, weights.to(hidden.dtype)], -1), self.tp_group)
             x, w = both.split([hidden.shape[-1], k], -1)
             a, b = shard_range(n, tp_size(self.tp_group), tp_rank(self.tp_group))
@@ -147,13 +154,14 @@ class ExpertParallelExperts(nn.Module):
         y = routed_experts(x, experts, w, self.experts_per_rank, self.ep_group,
                            lambda rows, counts: swiglu_experts(rows, counts, self.config,
                                                                *params))
-        if tp_size(self.tp_group) > 1:
+        if split:
             y = gather_tokens(y, n, self.tp_group)
         return y.to(hidden.dtype)
 
 
 def convert_experts(source, name: str, m: nn.Module, tp_group: ProcessGroup | None,
-                    ep_group: ProcessGroup | None, dtype) -> ExpertParallelExperts:
+                    ep_group: ProcessGroup | None, dtype,
+                    sequence_parallel: bool = False) -> ExpertParallelExperts:
     """The transformers experts module ``m`` (named ``name``) as ``ExpertParallelExperts``,
     this rank's experts read from ``source``."""
     config, transposed = experts_config(name, m)
@@ -166,7 +174,32 @@ def convert_experts(source, name: str, m: nn.Module, tp_group: ProcessGroup | No
     tensors = {key: read_experts(source, name, key, start, stop).to(dtype or m.gate_up_proj.dtype)
                for key in keys}
     return ExpertParallelExperts(config, transposed, tensors, tp_group, ep_group,
-                                 m.gate_up_proj.requires_grad)
+                                 m.gate_up_proj.requires_grad, sequence_parallel)
+
+
+def balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                   stats_group: ProcessGroup | None) -> torch.Tensor:
+    """The HF MoE models' load-balancing loss (their ``load_balancing_loss_func``, without an
+    attention mask) over the tokens of every rank of ``stats_group`` (None: this rank's
+    alone): ``E * sum_i f_i P_i``, f_i the top-k choices of expert i and P_i its summed router
+    probability, each over every layer's rows (one (N, E) tensor of logits a layer) divided by
+    their count. The sums travel in one all-reduce of 2E + 1 numbers, identity in backward
+    (each rank's gradient is its tokens' share), so ranks holding different tokens get the
+    loss of one rank holding them all."""
+    load = prob_sum = 0.0
+    rows = 0
+    for logits in router_logits:  # (N, E)
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        load = load + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        prob_sum = prob_sum + probs.float().sum(0)
+        rows += logits.shape[0]
+    packed = torch.cat([load, prob_sum, prob_sum.new_tensor([rows])])
+    if stats_group is not None:
+        packed = reduce_from_tp(packed, stats_group)  # (2E + 1,)
+    load, prob_sum = packed[:num_experts].detach(), packed[num_experts:-1]
+    tokens = packed[-1].detach()
+    return num_experts * torch.sum((load / tokens) * (prob_sum / tokens))
 
 
 def check_moe_block(name: str, m: nn.Module, ep: int) -> None:

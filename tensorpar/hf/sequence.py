@@ -22,7 +22,11 @@ tables from the embedding output's shape, which must stay (B, T, D). So the forw
 the embedding where the GPT reduce-scatters it; the backward is the same (one all-gather).
 
 Supported: the Llama family (``SP_FAMILIES``), with every layer's attention and MLP converted
-(the built-in plan; the head ``column`` or ``column_gather``), without dropout. A forward needs
+(the built-in plan; the head ``column`` or ``column_gather``), without dropout; and Qwen3-MoE,
+whose MoE blocks (``moe.py``) route each rank's shard: its tokens go to their experts as they
+are (no split, no gather), the router's gradient is summed over the group like the norms'.
+The model's own ``aux_loss`` then counts this rank's tokens only (``train --hf`` sums the
+statistics over the ranks: ``balancing_loss``). A forward needs
 at least as many tokens as ranks: it is for training and scoring; ``generate()`` decodes one
 token at a time, so generate with a model converted without sequence parallelism.
 ``output_hidden_states`` gives each rank's shards of the layers' outputs.
@@ -36,7 +40,7 @@ from torch.distributed import ProcessGroup
 from tensorpar.parallel.mappings import scatter_to_sequence
 from tensorpar.runtime.groups import tp_size
 
-SP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 LAYERS, NORM, EMBED, HEAD = "model.layers", "model.norm", "model.embed_tokens", "lm_head"
 
 
@@ -63,7 +67,7 @@ def check_sequence_parallel(model: nn.Module, styles: dict[str, str], dropout: b
     want = {f"{LAYERS}.{i}.{child}": style for i in range(n_layers)
             for child, style in (("self_attn", "attention"), ("mlp", "mlp"))}
     for name, style in want.items():
-        if styles.get(name) != style:
+        if styles.get(name) != style and not (style == "mlp" and styles.get(name) == "moe"):
             raise ValueError(f"sequence_parallel=True: {name} must have the style {style!r} "
                              f"(its input is a sequence shard), not {styles.get(name)!r}")
     allowed = {EMBED: ("vocab",), HEAD: ("column", "column_gather")}
@@ -78,7 +82,8 @@ def split_at_first_layer(model: nn.Module, seq: SequenceLength, regions: list[st
                          group: ProcessGroup | None) -> list[str]:
     """Split the residual stream into sequence shards at the first layer's input (noting T in
     ``seq``); return the names of the parameters that then see only this rank's tokens (the
-    norms), whose gradients must be summed over the group."""
+    norms, an MoE block's router), whose gradients must be summed over the group. Routed
+    experts (``ep_shard``) are left out: the tokens of every rank reach them."""
     n = tp_size(group)
 
     def split(module, args, kwargs):
@@ -96,6 +101,6 @@ def split_at_first_layer(model: nn.Module, seq: SequenceLength, regions: list[st
 
     model.get_submodule(LAYERS)[0].register_forward_pre_hook(split, with_kwargs=True)
     inside = tuple(f"{r}." for r in regions)
-    return [name for name, _ in model.named_parameters()
-            if (name.startswith(f"{LAYERS}.") and not name.startswith(inside))
-            or name.startswith(f"{NORM}.")]
+    return [name for name, p in model.named_parameters()
+            if ((name.startswith(f"{LAYERS}.") and not name.startswith(inside))
+                or name.startswith(f"{NORM}.")) and not hasattr(p, "ep_shard")]

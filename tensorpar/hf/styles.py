@@ -267,7 +267,7 @@ class Converter:
             self.mlp(name, m)
             return [name]
         m.experts = convert_experts(self.source, f"{name}.experts", m.experts, self.group,
-                                    self.ep_group, self.dtype)
+                                    self.ep_group, self.dtype, self.seq is not None)
         regions = []
         for child in SHARED:
             if isinstance(getattr(m, child, None), nn.Module):

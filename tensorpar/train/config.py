@@ -25,10 +25,11 @@ class TrainConfig:
         "help": "fsdp (torch's FSDP2: weights, gradients and AdamW states split over dp too) "
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
     ep: int = dataclasses.field(default=1, metadata={
-        "help": "with --moe-experts: expert-parallel size, the routed experts split over N of "
-                "the dp x tp ranks of a stage (consecutive; 1 or a multiple of --tp), each "
-                "expert held once in that group and replicated over the other dp x tp / N "
-                "ranks", "default": "1, every rank holds every expert"})
+        "help": "with --moe-experts or an --hf MoE model: expert-parallel size, the routed "
+                "experts split over N of the dp x tp ranks of a stage (consecutive; 1 or a "
+                "multiple of --tp), each expert held once in that group and replicated over the "
+                "other dp x tp / N ranks", "default": "1: every rank holds every expert (an "
+                "--hf model: the experts split over each TP group)"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "

@@ -147,11 +147,12 @@ class GPTRecipe:
                   **part)
         return net, rng.set_step
 
-    def loss_fn(self, model: nn.Module, cfg, group) -> Callable:
+    def loss_fn(self, model: nn.Module, cfg, group, experts=None) -> Callable:
+        """experts: unused (the MoE blocks hold their groups and weigh their aux losses)."""
         return loss_function(model, cfg.compile, cfg.compile_backend)  # GPT(ids, targets)
 
-    def expert_group(self, group):
-        """None: the GPT's experts have their own groups (``train/moe.py``)."""
+    def expert_groups(self, cfg, mesh, run_group):
+        """None: the GPT's MoE blocks get theirs from ``train/moe.py``."""
         return None
 
     def manifest(self) -> dict:

@@ -29,6 +29,11 @@ it, or with --sequence-parallel, dropout or --lora-dropout); the GPT's model fla
 and --compile with --recompute for a model with dropout (not supported here yet); on --resume, a
 --hf whose config.json is not the run's.
 
+A Mixture-of-Experts model (``hf/moe.py``) takes ``--dp`` and ``--ep N``: the EP groups folded
+from the dp x tp ranks as the GPT's (``mesh/experts.py``; at ``--ep 1`` each TP group), the
+experts' gradients reduced by the trainer as the GPT's, and the model's balancing loss over each
+pass's tokens on every dp rank (:func:`_aux_term`); not ``--cp`` yet.
+
 ``--cp N`` (the Llama family, ``hf/context.py``): every CP rank is given the same whole rows, the
 model keeps its load-balanced chunks of them, and the loss reads the targets of those chunks
 (the trainer averages the gradients over dp x cp and divides the loss by the step's tokens).
@@ -52,7 +57,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -71,14 +76,18 @@ from tensorpar.hf.lora import (
     frozen_in_bf16,
     read_peft,
 )
+from tensorpar.hf.moe import balancing_loss
 from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
+from tensorpar.mesh.experts import expert_groups
 from tensorpar.parallel.context import split_to_cp
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.parallel.sharding import check_expert_parallel
 from tensorpar.planner.shapes import ModelShape, shape_from_hf_config
 from tensorpar.train.compute import loss_function
-from tensorpar.train.config import TrainConfig, lora_targets
+from tensorpar.train.config import TrainConfig, lora_targets, passes
 from tensorpar.train.resume import RunFlags, resolve_run
+from tensorpar.transformer.expert_groups import ExpertGroups
 
 HF_FILES = "hf"  # the run's copy of the source model's files, in --out
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
@@ -134,9 +143,9 @@ class HFRecipe:
                              "masks and positions made inside it, so torch.distributed."
                              "pipelining cannot cut it into stages without a model-specific "
                              "stage forward, which tensorpar does not have yet")
-        if cfg.ep > 1:
-            raise ValueError(f"--ep {cfg.ep} with --hf {self.origin}: expert parallelism is "
-                             "built for tensorpar's GPT (--moe-experts) only so far")
+        # --ep against the model's routed experts (none: a dense model), the one rule
+        check_expert_parallel(cfg.ep, cfg.tp, cfg.dp,
+                              getattr(self.meta_model(), "num_experts", 0) if self.moe else 0)
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
@@ -145,11 +154,9 @@ class HFRecipe:
                              f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
                              "layer replays its TP regions' masks through checkpoint contexts, "
                              "which torch.compile does not trace")
-        if "moe" in self.plan.values() and ((cfg.dp or 1) > 1 or (cfg.ep or 1) > 1 or
-                                            cfg.cp > 1):
-            raise ValueError(f"--hf {self.origin} (Mixture of Experts): its experts are cut "
-                             "across the --tp ranks; --dp, --ep and --cp with a Hugging Face "
-                             "MoE model are not supported yet")
+        if self.moe and cfg.cp > 1:
+            raise ValueError(f"--cp {cfg.cp} with --hf {self.origin} (Mixture of Experts) is not "
+                             "supported yet")
         if cfg.cp > 1 and cfg.lora_dropout > 0:
             raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --cp {cfg.cp} is not "
                              "supported yet (the adapters' masks are drawn per TP rank, not per "
@@ -158,28 +165,52 @@ class HFRecipe:
             (f" --cp {cfg.cp}" if cfg.cp > 1 else "")
         try:
             check_plan_fits(self.meta_model(), self.plan, cfg.tp, cfg.sequence_parallel,
-                            cfg.cp > 1)
+                            cfg.cp > 1, ep=self.ep_size(cfg) if self.moe else None)
         except ValueError as e:
             raise ValueError(f"--hf {self.origin} at {split}: {e}") from None
 
-    def expert_group(self, group):
-        """The ranks a converted MoE model's experts are cut across (its TP group; ``check``
-        refuses other foldings), or None for a dense model: the gradient norm's EP group."""
-        return group if "moe" in self.plan.values() else None
+    @property
+    def moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts blocks (the plan style ``moe``)."""
+        return "moe" in self.plan.values()
+
+    @staticmethod
+    def ep_size(cfg: TrainConfig) -> int:
+        """The EP size of an MoE model: ``--ep``, or at ``--ep 1`` the TP size (the experts cut
+        across each TP group, as ``parallelize`` cuts them by default)."""
+        return cfg.ep if cfg.ep > 1 else cfg.tp
+
+    def expert_groups(self, cfg: TrainConfig, mesh, run_group) -> ExpertGroups | None:
+        """The ranks of an MoE model's experts (None: a dense model), folded from the stage's
+        dp x tp ranks as the GPT's (``mesh/experts.py``; collective); the trainer reduces their
+        gradients over ``expert_data`` and counts them once over ``ep`` in the gradient norm.
+        The router statistics cover the tokens of the ranks that hold different ones: every TP
+        rank routes all of its group's tokens, so ``stats`` is the data-parallel group; under
+        --sequence-parallel each routes its shard, so it stays the stage's dp x tp ranks."""
+        if not self.moe:
+            return None
+        groups = expert_groups(self.ep_size(cfg), cfg.tp, cfg.dp or 1, mesh, run_group)
+        if cfg.sequence_parallel:
+            return groups
+        return replace(groups, stats=mesh["dp"].get_group() if (cfg.dp or 1) > 1 else None)
 
     def tokenizer(self) -> HFTokenizer:
         return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
 
     def build(self, cfg: TrainConfig, group, dp_rank: int, device: torch.device,
-              cp_group=None) -> tuple[nn.Module, Callable[[int], None]]:
+              cp_group=None, experts: ExpertGroups | None = None
+              ) -> tuple[nn.Module, Callable[[int], None]]:
         """cp_group: under --cp, the model takes the whole rows and keeps this rank's chunks
-        (``hf/context.py``); the loss then reads the targets of those chunks."""
+        (``hf/context.py``); the loss then reads the targets of those chunks. experts: an MoE
+        model's groups (:meth:`expert_groups`), its experts cut across ``experts.ep``."""
         from tensorpar.hf.pretrained import from_pretrained
 
         _transformers()
         model = from_pretrained(self.source, group, plan=self.plan, weights=self.weights,
                                 sequence_parallel=cfg.sequence_parallel,
-                                cp_group=cp_group).to(device).train()
+                                cp_group=cp_group,
+                                ep_group=None if experts is None else experts.ep
+                                ).to(device).train()
         if cfg.lora_rank is not None:  # adapters on the projections, the model frozen
             init = None if cfg.lora_init is None else read_peft(cfg.lora_init)[1]
             add_lora(model, cfg.lora_rank, cfg.lora_alpha, lora_targets(cfg), cfg.seed, init,
@@ -201,8 +232,15 @@ class HFRecipe:
 
         return model, at_step
 
-    def loss_fn(self, model: nn.Module, cfg: TrainConfig, group) -> Callable:
+    def loss_fn(self, model: nn.Module, cfg: TrainConfig, group,
+                experts: ExpertGroups | None = None) -> Callable:
+        """The vocab-parallel cross-entropy, plus an MoE model's own balancing loss (with
+        ``output_router_logits`` in its config) times ``router_aux_loss_coef``: each pass's
+        over the pass's tokens on every dp rank (``experts.stats``), the step's the mean over
+        its passes, so any layout equals one rank taking the same passes."""
         vocab = self.config["vocab_size"]
+        aux = _aux_term(model, cfg, self.config.get("router_aux_loss_coef", 0.0),
+                        None if experts is None else experts.stats)
 
         # (or compiled; with dropout, inductor draws eager's masks: the run's measured step runs
         # eagerly, and a resumed run measures another step)
@@ -222,8 +260,8 @@ class HFRecipe:
                 out.logits, targets_BT, group=group, vocab_size=vocab, reuse_logits=True,
                 reduction="mean" if loss_tokens is None else "sum")
             loss = loss if loss_tokens is None else loss / loss_tokens
-            if getattr(out, "aux_loss", None) is not None:  # an MoE's own balancing loss
-                loss = loss + self.config.get("router_aux_loss_coef", 0.0) * out.aux_loss
+            if getattr(out, "router_logits", None):  # an MoE's own balancing loss
+                loss = loss + aux(out.router_logits)
             return loss
 
         return loss
@@ -254,6 +292,23 @@ class HFRecipe:
                 shutil.copy2(f, tmp / f.name)
         shutil.rmtree(target, ignore_errors=True)  # an earlier start that saved no checkpoint
         os.rename(tmp, target)
+
+
+def _aux_term(model: nn.Module, cfg: TrainConfig, coef: float,
+              stats) -> Callable[[tuple], torch.Tensor]:
+    """A pass's term of an MoE model's balancing loss, from its router logits: ``coef`` x the
+    loss over the pass's tokens on every rank of ``stats`` (``hf/moe.py``), divided by the
+    step's passes. Its value is the same on every dp rank (so the step's reported loss, the
+    dp ranks' mean, counts it once); its gradient counts dp times, each rank's gradient being
+    its tokens' share and data parallelism averaging the shares over dp."""
+    inner = getattr(model, "module", model)  # through a DDP wrapper
+    weight, dp = coef / passes(cfg), cfg.dp or 1
+
+    def term(router_logits: tuple) -> torch.Tensor:
+        loss = balancing_loss(router_logits, inner.num_experts, inner.num_experts_per_tok, stats)
+        return weight * (dp * loss - (dp - 1) * loss.detach())
+
+    return term
 
 
 def _meta_model(path: str) -> nn.Module:

@@ -47,6 +47,7 @@ from tensorpar.data.packing import (
 from tensorpar.data.text import read_corpus
 from tensorpar.gpt.model import GPTConfig
 from tensorpar.mesh.data_parallel import data_parallel, dp_groups, gradient_sync
+from tensorpar.mesh.experts import reduce_expert_grads
 from tensorpar.mesh.mesh import cp_group, cp_rank, dp_rank, init_parallel, replica_group
 from tensorpar.parallel.ownership import ShardOwnership, clip_grad_norm_, rank_sizes
 from tensorpar.ranks.checking import naming_layers
@@ -167,7 +168,10 @@ class Run:
         # a Mixture of Experts: its groups (--ep), aux-loss weights, expert gradients (moe.py)
         self.moe = MoETraining.setup(cfg, recipe, self.mesh, run_group)
         self.moe_metrics: dict = {}
-        extra = {} if self.moe is None else {"experts": self.moe.groups}
+        # the experts' groups: the GPT's (moe.py) or a Hugging Face MoE model's (its recipe)
+        self.experts = self.moe.groups if self.moe is not None else \
+            recipe.expert_groups(cfg, self.mesh, run_group)
+        extra = {} if self.experts is None else {"experts": self.experts}
         if cfg.pp > 1:
             self.pp_group = self.mesh["pp"].get_group()
             parts, self.at_step = build_parts(recipe, cfg, self.group, r, self.device,
@@ -192,7 +196,7 @@ class Run:
         else:
             self.model = self.net if self.mesh is None else \
                 data_parallel(self.net, self.mesh, cfg.dp_mode, param_dtype=bf16)
-        self.forward = recipe.loss_fn(self.model, cfg, self.group)
+        self.forward = recipe.loss_fn(self.model, cfg, self.group, **extra)
         self.opt = make_optimizer(self.net, cfg)
         self.counted = {"tp": self.group} | \
             ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
@@ -267,12 +271,11 @@ class Run:
                                             **({} if pos is None else {"position_ids": pos[rows]}))
                     loss.backward()
                 loss_sum = loss_sum + loss.detach().float() / self.replicas
-        if self.moe is not None:  # the experts' gradients over the expert-data ranks
-            self.moe.reduce_grads(self.net)
+        reduce_expert_grads(self.net, self.experts)  # over the expert-data ranks (--ep)
+        ep = self.experts if self.experts is not None and self.experts.ep_size > 1 else None
         norm = clip_grad_norm_(self.net, self.ownership, cfg.grad_clip, self.group,
                                replica_group(self.mesh) if cfg.dp_mode == "fsdp" else None,
-                               self.pp_group, self.moe.ep_group if self.moe is not None
-                               else self.recipe.expert_group(self.group))
+                               self.pp_group, None if ep is None else ep.ep)
         loss_value, norm_value = self._sum_over_dp(loss_sum), norm.item()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 from tensorpar.gpt.moe_blocks import moe_layers
-from tensorpar.mesh.experts import expert_groups, reduce_expert_grads
+from tensorpar.mesh.experts import expert_groups
 from tensorpar.planner.moe_comm import expected_calls, moe_comm
 from tensorpar.planner.step import Step
 from tensorpar.runtime.groups import tp_size
@@ -60,14 +60,6 @@ class MoETraining:
         g = self.groups
         return ({"ep": g.ep} if g.ep_size > 1 else {}) | \
             ({"stats": g.stats} if tp_size(g.stats) > 1 else {})
-
-    @property
-    def ep_group(self):
-        return self.groups.ep if self.groups.ep_size > 1 else None
-
-    def reduce_grads(self, net: torch.nn.Module) -> None:
-        """After the step's last backward, before the gradient norm."""
-        reduce_expert_grads(net, self.groups)
 
     @torch.no_grad()
     def end_step(self, finite: bool) -> dict:

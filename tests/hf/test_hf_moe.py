@@ -10,6 +10,8 @@ the dense model's, and so does every gradient, shard by shard; a rank holds at m
 0.15 of the parameters. One run per world size covers every family (the session's rank pool).
 """
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -69,7 +71,7 @@ def moe_dirs(tmp_path_factory):
                     if "sinks" in name or "bias" in name:
                         p.normal_(std=0.5)
         model.save_pretrained(root / family)
-    char_tokenizer().save_pretrained(root / "qwen3_moe")  # for train --hf
+        char_tokenizer().save_pretrained(root / family)  # for train --hf
     return root
 
 
@@ -220,6 +222,48 @@ def test_train_hf_at_tp2_equals_one_rank(trained, lora):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
 
 
+# train --hf at layouts folding EP from the dp x tp ranks, against one rank: (family, tp, dp, ep,
+# sequence parallelism, the dp engine); Qwen3-MoE at (tp 2, ep 2) is the ``trained`` fixture's
+# TP-2 run
+LAYOUTS = [("qwen3_moe", 1, 2, 2, False, "fsdp"), ("qwen3_moe", 2, 2, 4, False, "ddp"),
+           ("qwen3_moe", 2, 2, 4, True, "fsdp"), ("mixtral", 2, None, 2, False, "fsdp"),
+           ("gpt_oss", 2, None, 2, False, "fsdp"), ("qwen2_moe", 2, 2, 4, False, "fsdp")]
+LAYOUT_IDS = ["{}-tp{}-dp{}-ep{}{}".format(*layout[:4], "-sp" if layout[4] else "")
+              for layout in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def layouts(ranks, moe_dirs, trained, tmp_path_factory):
+    """The metrics rows of each layout's run and of its family's run on one rank:
+    {layout id: (one rank's rows, the layout's rows)}."""
+    from hf_runs import train
+
+    root = tmp_path_factory.mktemp("hf-moe-layouts")
+    one = {"qwen3_moe": trained[1, False][1]}
+    runs = {}
+    for name, (family, tp, dp, ep, sp, mode) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
+        if family not in one:
+            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **TRAIN)
+        runs[name] = one[family], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
+                                        sequence_parallel=sp, dp_mode=mode, **TRAIN)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUT_IDS)
+def test_train_hf_moe_layouts_equal_one_rank(layouts, layout):
+    """``train --hf --tp T --dp D --ep N``: the experts cut across EP groups folded from the
+    dp x tp ranks (their gradients summed over the expert-data ranks, left out of FSDP2 and
+    DDP, counted once in the norm), the model's balancing loss over each pass's tokens on
+    every dp rank (and TP rank, under sequence parallelism, where each routes its shard): each
+    step's loss (that aux loss included) and gradient norm equal one rank's (1e-5 relative)."""
+    one, other = layouts[layout]
+    assert len(one) == len(other) == TRAIN["steps"]
+    for a, b in zip(one, other, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
+
+
 @pytest.mark.slow
 def test_export_of_a_tp2_run_loads_in_transformers(trained, tmp_path):
     """``export --hf-out`` of the TP-2 run: transformers loads it with no missing or unexpected
@@ -280,3 +324,18 @@ def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
     for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding)):
         for kind, err in errors.items():
             assert err <= TOL[kind], f"rank {rank}: {kind} {err:.2e}"
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"tp": 1, "dp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage"),
+    ({"tp": 2, "dp": 2, "ep": 3}, "--ep 3 does not divide the 4 ranks"),
+    ({"tp": 1, "dp": 8, "ep": 8}, "--ep 8 is more than the 6 routed experts"),
+    ({"tp": 1, "cp": 2}, "--cp 2 with --hf"),
+], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "cp"])
+def test_train_hf_moe_layout_refused_in_one_line(moe_dirs, flags, says):
+    """A layout the MoE model cannot take is refused before any rank starts, in one line."""
+    from hf_runs import resolve
+
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        resolve(moe_dirs / "qwen3_moe", **flags)
+    assert "\n" not in str(e.value)

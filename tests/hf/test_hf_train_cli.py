@@ -56,7 +56,7 @@ BAD = {  # case: (the --hf directory, given models and tmp_path; extra flags; th
                   "leave out the GPT's model flags --n-layer, --dim"),
     "heads": (lambda m, t: m["llama"], ["--tp", 8], "at --tp 8: model.layers.0.self_attn: "),
     "SP": (lambda m, t: m["gpt2"], ["--tp", 2, "--sequence-parallel"],
-           "supported for the Llama family (llama, mistral, qwen2, qwen3), not "
+           "supported for the Llama family (llama, mistral, qwen2, qwen3, qwen3_moe), not "
            "model_type='gpt2'"),
     "compile with dropout": (lambda m, t: m["gpt2-dropout"], ["--compile", "--recompute"],
                              "--compile with --recompute is not supported with --hf for a model "
