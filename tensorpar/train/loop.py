@@ -125,6 +125,20 @@ def validation_data(cfg: TrainConfig, tokenizer) -> ValidationWindows | Validati
                              cfg.seq_len, cfg.batch_size, cfg.eval_batches)
 
 
+def training_batches(cfg: TrainConfig, tokenizer):
+    """``--data``'s batches, their source's label, and what the summary says of chat or
+    instruction examples (None for text)."""
+    if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
+        examples = read_examples(cfg.data, tokenizer, cfg.seq_len,
+                                 skip_bad=cfg.skip_bad_examples)
+        return (ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
+                               pad_id(tokenizer), cfg.pack),
+                cfg.data, describe_examples(examples, cfg.seq_len))
+    data = read_corpus(cfg.data, tokenizer)  # a text file's ids, or shards memory-mapped
+    return (TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, data.digest),
+            data.label, None)
+
+
 class Run:
     """One rank's run, set up: its groups, model, optimizer, data and files. ``step`` is one
     optimizer step; ``save`` a checkpoint; ``result`` what the run returns."""
@@ -144,18 +158,8 @@ class Run:
         self.lead = tp_rank(run_group) == 0  # the rank that prints and writes the run's files
         self.ddp = self.mesh is not None and cfg.dp_mode == "ddp"
         tokenizer = recipe.tokenizer()
-        self.data_note = None  # what the summary says of chat or instruction examples
-        if is_chat_file(cfg.data):  # examples, trained on their answers (data/chat.py)
-            examples = read_examples(cfg.data, tokenizer, cfg.seq_len,
-                                     skip_bad=cfg.skip_bad_examples)
-            self.source, self.data_note = cfg.data, describe_examples(examples, cfg.seq_len)
-            self.batches = ExampleBatches(examples, cfg.seq_len, cfg.batch_size, cfg.seed,
-                                          pad_id(tokenizer), cfg.pack)
-        else:  # a text file's ids, or shards memory-mapped
-            data = read_corpus(cfg.data, tokenizer)
-            self.source = data.label
-            self.batches = TokenBatches(data.tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
-                                        data.digest)
+        # the note: what the summary says of chat or instruction examples (None for text)
+        self.batches, self.source, self.data_note = training_batches(cfg, tokenizer)
         r = dp_rank(self.mesh)
         self.passes = pass_rows(cfg.batch_size, dp, passes(cfg), r)
         self.dp = dp
@@ -198,11 +202,7 @@ class Run:
                 data_parallel(self.net, self.mesh, cfg.dp_mode, param_dtype=bf16)
         self.forward = recipe.loss_fn(self.model, cfg, self.group, **extra)
         self.opt = make_optimizer(self.net, cfg)
-        self.counted = {"tp": self.group} | \
-            ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
-            ({} if self.pp_group is None else {"pp": self.pipeline.groups()}) | \
-            ({} if self.cp_group is None else {"cp": self.cp_group}) | \
-            ({} if self.moe is None else self.moe.counted())
+        self.counted = self.counted_groups()
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=cfg.dtype == "bf16")
         self.start = 0
@@ -221,6 +221,14 @@ class Run:
                     "note": "each stream's seed hashes (seed, purpose, step, dp rank, tp rank)"},
             "data_parallel": {"size": dp, "mode": cfg.dp_mode if dp > 1 else None,
                               "stored": "each TP rank's shard once, written by dp rank 0"}}
+
+    def counted_groups(self) -> dict:
+        """The groups whose collectives the summary counts, by kind."""
+        return {"tp": self.group} | \
+            ({} if self.replicas == 1 else {"dp": dp_groups(self.model, self.mesh)}) | \
+            ({} if self.pp_group is None else {"pp": self.pipeline.groups()}) | \
+            ({} if self.cp_group is None else {"cp": self.cp_group}) | \
+            ({} if self.moe is None else self.moe.counted())
 
     def step(self, step: int, skipped: int) -> tuple[float, float, bool]:
         """One optimizer step: forward and backward over this rank's passes (the gradients

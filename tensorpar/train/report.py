@@ -322,6 +322,35 @@ class RunReport:
         return rows
 
 
+def _memory_rows(table: Table, sizes: list[dict], plan, unplanned: bool, dp: int, pp: int,
+                 cp: int) -> None:
+    """The unsharded model's size, then each rank's parameters and peak memory against the
+    plan (``plan``: ``plan_run``'s numbers; ``unplanned``: the planner cannot describe it)."""
+    dense = sizes[0]["dense"] if pp == 1 else \
+        sum(s["dense"] for s in sizes if s.get("tp_rank", 0) == 0 and s.get("dp_rank", 0) == 0)
+    per_param = sum(BYTES_PER_PARAM.values())
+    table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
+                  "weights + grads + AdamW (fp32)")
+    for r, s in enumerate(sizes):
+        line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
+                f"{human_bytes(s['local'] * per_param)}")
+        if s.get("peak_memory") and unplanned:
+            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
+        elif s.get("peak_memory"):
+            data = s.get("data_bytes", 0)
+            planned = plan.peaks[r] + data
+            line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
+                     f"(planned {human_bytes(planned)}"
+                     + (f" with {human_bytes(data)} of token data" if data else "")
+                     + f", {planned / s['peak_memory'] - 1:+.1%})")
+        if s.get("resident_peak"):
+            line += f"; resident peak {human_bytes(s['resident_peak'])}"
+        where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
+        where += f" (pp {s['pp_rank']})" if pp > 1 else ""
+        where += f" (cp {s['cp_rank']})" if cp > 1 else ""
+        table.add_row(f"rank {r}{where}", line)
+
+
 def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelShape,
             optimizer: str = "fused", dropout: bool = False,
             data_note: str | None = None, converted: bool = False) -> Table:
@@ -382,29 +411,7 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
             share = sum(waits) / sum(r["step_time_s"] for r in rows if "data_s" in r)
             table.add_row("data wait (share of step time)",
                           f"{share:.2%} (reading each step's batch)")
-    dense = sizes[0]["dense"] if pp == 1 else \
-        sum(s["dense"] for s in sizes if s.get("tp_rank", 0) == 0 and s.get("dp_rank", 0) == 0)
-    per_param = sum(BYTES_PER_PARAM.values())
-    table.add_row("unsharded model", f"{dense:,} params; {human_bytes(dense * per_param)} "
-                  "weights + grads + AdamW (fp32)")
-    for r, s in enumerate(sizes):
-        line = (f"{s['local']:,} params ({s['local'] / dense:.1%}); "
-                f"{human_bytes(s['local'] * per_param)}")
-        if s.get("peak_memory") and shape is None:
-            line += f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} (no plan)"
-        elif s.get("peak_memory"):
-            data = s.get("data_bytes", 0)
-            planned = plan.peaks[r] + data
-            line += (f"; peak tensor memory of a step {human_bytes(s['peak_memory'])} "
-                     f"(planned {human_bytes(planned)}"
-                     + (f" with {human_bytes(data)} of token data" if data else "")
-                     + f", {planned / s['peak_memory'] - 1:+.1%})")
-        if s.get("resident_peak"):
-            line += f"; resident peak {human_bytes(s['resident_peak'])}"
-        where = f" (tp {s['tp_rank']}, dp {s['dp_rank']})" if dp > 1 else ""
-        where += f" (pp {s['pp_rank']})" if pp > 1 else ""
-        where += f" (cp {s['cp_rank']})" if cp > 1 else ""
-        table.add_row(f"rank {r}{where}", line)
+    _memory_rows(table, sizes, plan, shape is None, dp, pp, cp)
     _comm_rows(table, comm, plan, tp, sp, bool(rows))
     if step is not None:
         moe_rows(table, rows, comm, step)
