@@ -34,6 +34,9 @@ NOT_RUN = {
     "--rdzv-id job1 -m tensorpar train --tp 8 --out /shared/runs/gpt":
         "needs two machines of 8 ranks each; tests/dp/test_multinode.py runs the same two-node "
         "rendezvous on this machine (2 x 2 ranks)",
+    "tensorpar train --hf path/to/qwen3-moe --tp 2 --dp 2 --ep 4 --steps 100 --out runs/moe-ft":
+        "needs a Qwen3-MoE checkpoint; tests/hf/test_hf_moe.py trains the same layout on a tiny "
+        "Qwen3-MoE and compares it with one rank",
 }
 
 
