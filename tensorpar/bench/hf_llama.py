@@ -106,6 +106,12 @@ def setup_hf_llama_labels(work: Workload, state: dict[str, torch.Tensor],
     if lora_rank is not None:
         add_lora(model, lora_rank, 2.0 * lora_rank, seed=work.seed)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], work)
+    return labels_step(model, opt, device)
+
+
+def labels_step(model: torch.nn.Module, opt, device: torch.device) -> StepFn:
+    """A user's step with a Hugging Face model: its own loss with ``labels=``, backward,
+    ``opt``'s update, zero_grad."""
 
     def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         with mixed_precision(device):

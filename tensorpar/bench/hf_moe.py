@@ -28,7 +28,8 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from tensorpar.bench.workload import StepFn, Workload, make_optimizer, mixed_precision
+from tensorpar.bench.hf_llama import labels_step
+from tensorpar.bench.workload import StepFn, Workload, make_optimizer
 from tensorpar.runtime.groups import tp_size
 
 EXPERTS = 8
@@ -70,17 +71,7 @@ def _labels_step(model: torch.nn.Module, work: Workload, device: torch.device) -
     dtensors = [p for p in params if isinstance(p, DTensor)]
     plain = [p for p in params if not isinstance(p, DTensor)]
     opt = make_optimizer([{"params": g} for g in (dtensors, plain) if g], work)
-
-    def step(ids_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        with mixed_precision(device):
-            loss = model(input_ids=ids_BT, labels=ids_BT, shift_labels=targets_BT,
-                         use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return labels_step(model, opt, device)
 
 
 def setup_dense_moe(work: Workload, state: dict[str, torch.Tensor], group: ProcessGroup | None,
