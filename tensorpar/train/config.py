@@ -198,12 +198,9 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism with "
-                             "context parallelism is not built yet")
         # the layout part here; the experts against the model (the recipe); dp None under
         # torchrun: when the mesh is built
-        check_expert_parallel(self.ep, self.tp, self.dp, None)
+        check_expert_parallel(self.ep, self.tp, self.dp, None, self.cp)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 
