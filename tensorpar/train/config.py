@@ -26,9 +26,9 @@ class TrainConfig:
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
     ep: int = dataclasses.field(default=1, metadata={
         "help": "with --moe-experts or an --hf MoE model: expert-parallel size, the routed "
-                "experts split over N of the dp x tp ranks of a stage (consecutive; 1 or a "
-                "multiple of --tp), each expert held once in that group and replicated over the "
-                "other dp x tp / N ranks", "default": "1: every rank holds every expert (an "
+                "experts split over N of the dp x tp ranks of a stage (dp x cp x tp under --cp; "
+                "consecutive; 1 or a multiple of --tp), each expert held once in that group and "
+                "replicated over the stage's other ranks", "default": "1: every rank holds every expert (an "
                 "--hf model: the experts split over each TP group)"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
@@ -41,7 +41,8 @@ class TrainConfig:
         "help": "context-parallel size: each sequence split over N ranks (2N chunks, rank i "
                 "holding chunks i and 2N-1-i, the causal load balance), keys and values "
                 "all-gathered in attention; tp x cp x dp x pp ranks in all, the gradients "
-                "summed over dp x cp (the GPT, and --hf models of the Llama family)",
+                "summed over dp x cp (the GPT, and --hf models of the Llama family, Qwen3-MoE "
+                "and Mixtral among them)",
         "default": "1, no context parallelism"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})

@@ -78,6 +78,7 @@ def _library_body(path) -> dict:
             "aux_loss": out.aux_loss, "said": said}
 
 
+@pytest.mark.slow
 def test_router_statistics_summed_over_cp_equal_the_dense_model(ranks, qwen3_moe):
     """Each CP rank's logits are the dense logits of its chunks; the balancing loss from its
     router logits, statistics summed over CP, is the dense aux loss (measured 0: the same
