@@ -28,8 +28,9 @@ class TrainConfig:
         "help": "with --moe-experts or an --hf MoE model: expert-parallel size, the routed "
                 "experts split over N of the dp x tp ranks of a stage (dp x cp x tp under --cp; "
                 "consecutive; 1 or a multiple of --tp), each expert held once in that group and "
-                "replicated over the stage's other ranks", "default": "1: every rank holds every expert (an "
-                "--hf model: the experts split over each TP group)"})
+                "replicated over the stage's other ranks",
+        "default": "1: every rank holds every expert (an --hf model: the experts split over "
+                   "each TP group)"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
