@@ -59,9 +59,14 @@ def moe_configs() -> dict:
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     """The families' tiny random models, saved with save_pretrained (experts one by one, as
-    transformers writes them; GPT-OSS's fused)."""
+    transformers writes them; GPT-OSS's fused), and ``data.txt``, the runs' training text: 8,000
+    characters of Python's help text (every rank of a run tokenizes all of its ``--data``: the
+    whole help text takes 0.6 s a rank with the character tokenizer)."""
+    from tensorpar.data.text import default_corpus
+
     transformers.logging.set_verbosity_error()
     root = tmp_path_factory.mktemp("hf-moe")
+    (root / "data.txt").write_text(default_corpus()[:8_000])
     for family, config in moe_configs().items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -190,7 +195,9 @@ def test_verify_hf_on_qwen3_moe(ranks, moe_dirs, capsys):
     assert "all outputs, gradients and greedy tokens match" in out and "'all_to_all': 3" in out
 
 
-TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 1, "lr": 3e-3, "seed": 1, "steps": 4}
+# 2 steps: the first at the initial weights, the second after an update (AdamW's moments, the
+# clipped norm), each equal to one rank's
+TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 1, "lr": 3e-3, "seed": 1, "steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +213,7 @@ def trained(ranks, moe_dirs, tmp_path_factory):
         for lora in (False, True):
             out = root / f"tp{tp}{'-lora' if lora else ''}"
             runs[tp, lora] = out, train(ranks, moe_dirs / "qwen3_moe", out, tp, **TRAIN,
+                                        data=str(moe_dirs / "data.txt"),
                                         **({"lora_rank": 4} if lora else {}))
     return runs
 
@@ -240,12 +248,13 @@ def layouts(ranks, moe_dirs, trained, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf-moe-layouts")
     one = {"qwen3_moe": trained[1, False][1]}
+    flags = TRAIN | {"data": str(moe_dirs / "data.txt")}
     runs = {}
     for name, (family, tp, dp, ep, sp, mode) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
         if family not in one:
-            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **TRAIN)
+            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **flags)
         runs[name] = one[family], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
-                                        sequence_parallel=sp, dp_mode=mode, **TRAIN)
+                                        sequence_parallel=sp, dp_mode=mode, **flags)
     return runs
 
 
