@@ -7,7 +7,8 @@ Each model asks for its router logits, so its loss with labels includes its own
 load-balancing loss (``router_aux_loss_coef``). In place and loaded, at 2 and 4 ranks (6
 experts: 3 and 3, then 2, 2, 1, 1), the logits, that loss, the aux loss and greedy tokens equal
 the dense model's, and so does every gradient, shard by shard; a rank holds at most 1/world +
-0.15 of the parameters. One run per world size covers every family (the session's rank pool).
+0.15 of the parameters. One run per world size covers every family (the session's rank pool);
+the dense model's results are computed once per family, in this process, and handed to the ranks.
 """
 
 import re
@@ -80,12 +81,35 @@ def moe_dirs(tmp_path_factory):
     return root
 
 
-def _one(path, how: str) -> dict:
-    """One family, converted in place or loaded: the largest error of each kind, whether the
-    greedy tokens agree, and the share of the parameters this rank holds."""
+GREEDY = {"max_new_tokens": 6, "do_sample": False}
+
+
+def _dense_reference(path) -> dict:
+    """The dense model's logits, loss with labels, aux loss, greedy tokens and gradients on the
+    checks' batch, and its parameter count: computed once per family, here, with one thread as
+    a rank runs, and handed to every rank (each rank once ran it again for every way)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+        dense = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = dense(ids, labels=ids)
+        tokens = dense.generate(ids, **GREEDY)
+        ref.loss.backward()
+    finally:
+        torch.set_num_threads(threads)
+    return {"ids": ids, "logits": ref.logits.detach(), "loss": ref.loss.detach(),
+            "aux": ref.aux_loss.detach(), "tokens": tokens,
+            "grads": {name: p.grad for name, p in dense.named_parameters()},
+            "numel": sum(p.numel() for p in dense.parameters())}
+
+
+def _one(path, how: str, ref: dict) -> dict:
+    """One family, converted in place or loaded: the largest error of each kind against the
+    dense model's ``ref``, whether the greedy tokens agree, and the share of the parameters
+    this rank holds."""
     torch.manual_seed(0)
-    ids = torch.randint(1, 96, (2, 10))
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = ref["ids"]
     model = from_pretrained(path) if how == "load" else \
         parallelize(transformers.AutoModelForCausalLM.from_pretrained(path).eval())
     model.gather_logits = True
@@ -94,36 +118,38 @@ def _one(path, how: str) -> dict:
     def close(kind, actual, expected):
         errors[kind] = max(errors.get(kind, 0.0), max_rel_error(actual, expected))
 
-    ref, out = dense(ids, labels=ids), model(ids, labels=ids)
-    close("logits", out.logits, ref.logits)
-    close("loss", out.loss, ref.loss)
-    close("loss", out.aux_loss, ref.aux_loss)
-    greedy = {"max_new_tokens": 6, "do_sample": False}
-    same_tokens = torch.equal(model.generate(ids, **greedy), dense.generate(ids, **greedy))
-    ref.loss.backward()
+    out = model(ids, labels=ids)
+    close("logits", out.logits, ref["logits"])
+    close("loss", out.loss, ref["loss"])
+    close("loss", out.aux_loss, ref["aux"])
+    same_tokens = torch.equal(model.generate(ids, **GREEDY), ref["tokens"])
     out.loss.backward()
-    dense_params = dict(dense.named_parameters())
     for name, p in model.named_parameters():
-        close("grad", p.grad, dense_shard(dense_params[name].grad, p.tp_shard))
+        close("grad", p.grad, dense_shard(ref["grads"][name], p.tp_shard))
     held = sum(p.numel() for p in model.parameters())
     return {"errors": errors, "same tokens": same_tokens, "aux": out.aux_loss.item(),
-            "share": held / sum(p.numel() for p in dense.parameters())}
+            "share": held / ref["numel"]}
 
 
-def _every_family(root, hows: tuple[str, ...], families: tuple[str, ...]) -> dict:
+def _every_family(root, hows: tuple[str, ...], refs: dict) -> dict:
     transformers.logging.set_verbosity_error()
-    return {(family, how): _one(root / family, how) for family in families for how in hows}
+    return {(family, how): _one(root / family, how, ref) for family, ref in refs.items()
+            for how in hows}
 
 
 @pytest.fixture(scope="module")
 def runs(ranks, moe_dirs):
     """``runs(n, hows, families)``: each rank's results, each (world size, ways, families) run
-    once, when first asked for."""
-    done = {}
+    once, when first asked for, against each family's dense reference (computed once)."""
+    done, refs = {}, {}
 
     def get(n, hows, families=FAMILIES):
         if (n, hows, families) not in done:
-            done[n, hows, families] = ranks(n).run(_every_family, moe_dirs, hows, families)
+            for family in families:
+                if family not in refs:
+                    refs[family] = _dense_reference(moe_dirs / family)
+            done[n, hows, families] = ranks(n).run(_every_family, moe_dirs, hows,
+                                                   {f: refs[f] for f in families})
         return done[n, hows, families]
 
     return get
