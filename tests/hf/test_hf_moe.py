@@ -311,12 +311,36 @@ def test_export_of_a_tp2_run_loads_in_transformers(trained, tmp_path):
     assert max_rel_error(exported_logits(run, tmp_path / "hf", ids), expected) <= TOL["logits"]
 
 
-def _folded_body(path, folding: str) -> dict:
+FOLDED_BATCHES = torch.randint(1, 96, (2, 2, 10), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def folded_reference(moe_dirs) -> list[dict]:
+    """The dense Qwen3-MoE on each replica's batch: its logits, loss and gradients, computed
+    once here (with one thread, as a rank computes them) for every rank of both foldings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dense = transformers.AutoModelForCausalLM.from_pretrained(moe_dirs / "qwen3_moe")
+        refs = []
+        for ids in FOLDED_BATCHES:
+            dense.zero_grad()
+            ref = dense(ids, labels=ids)
+            ref.loss.backward()
+            refs.append({"logits": ref.logits.detach(), "loss": ref.loss.detach(),
+                         "grads": {n: p.grad.clone() for n, p in dense.named_parameters()}})
+    finally:
+        torch.set_num_threads(threads)
+    return refs
+
+
+def _folded_body(path, folding: str, refs: list[dict]) -> dict:
     """4 ranks as 2 data replicas (rank // 2) of TP 2, each on a batch of its own; the experts
     cut across ``ep_group``: "ep2" the ranks with the same TP rank ({0, 2}, {1, 3}: TP peers
-    hold the same experts), "ep4" all four. Largest errors against the dense model: each
-    replica's logits and loss on its batch, every gradient but the experts' as its replica's
-    dense one, the experts' as the sum of both replicas' (their tokens share the experts)."""
+    hold the same experts), "ep4" all four. Largest errors against the dense model (``refs``,
+    one per replica's batch): each replica's logits and loss on its batch, every gradient but
+    the experts' as its replica's dense one, the experts' as the sum of both replicas' (their
+    tokens share the experts)."""
     import torch.distributed as dist
 
     transformers.logging.set_verbosity_error()
@@ -325,38 +349,30 @@ def _folded_body(path, folding: str) -> dict:
     ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])] if folding == "ep2" else \
         [dist.new_group([0, 1, 2, 3])]
     ep_group = ep_groups[rank % 2] if folding == "ep2" else ep_groups[0]
-    batches = torch.randint(1, 96, (2, 2, 10), generator=torch.Generator().manual_seed(0))
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
     model = parallelize(transformers.AutoModelForCausalLM.from_pretrained(path),
                         group=tp_groups[d], ep_group=ep_group)
     model.gather_logits = True
-    out = model(batches[d], labels=batches[d])
+    out = model(FOLDED_BATCHES[d], labels=FOLDED_BATCHES[d])
     out.loss.backward()
-    grads = []
-    for ids in batches:
-        dense.zero_grad()
-        ref = dense(ids, labels=ids)
-        ref.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in dense.named_parameters()})
-        if len(grads) == d + 1:
-            errors = {"logits": max_rel_error(out.logits, ref.logits),
-                      "loss": max_rel_error(out.loss, ref.loss), "grad": 0.0}
+    errors = {"logits": max_rel_error(out.logits, refs[d]["logits"]),
+              "loss": max_rel_error(out.loss, refs[d]["loss"]), "grad": 0.0}
     for name, p in model.named_parameters():
         spec = getattr(p, "ep_shard", None)
-        expected = spec.take(grads[0][name] + grads[1][name]) if spec is not None else \
-            dense_shard(grads[d][name], p.tp_shard)
+        expected = spec.take(refs[0]["grads"][name] + refs[1]["grads"][name]) \
+            if spec is not None else dense_shard(refs[d]["grads"][name], p.tp_shard)
         errors["grad"] = max(errors["grad"], max_rel_error(p.grad, expected))
     return errors
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("folding", ["ep2", "ep4"])
-def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
+def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folded_reference, folding):
     """``parallelize(..., ep_group=)``: the experts cut across ranks of two data replicas,
     TP 2 x EP 2 (TP peers hold the same experts, their gradients summed over TP) and TP 2 in
     EP 4; each replica's logits and loss are its dense model's, the experts' gradients the
     sum over both replicas' tokens."""
-    for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding)):
+    for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding,
+                                               folded_reference)):
         for kind, err in errors.items():
             assert err <= TOL[kind], f"rank {rank}: {kind} {err:.2e}"
 
