@@ -18,6 +18,7 @@ import transformers
 from test_hf_moe import TRAIN, moe_configs
 
 from tensorpar.cli.compare import dense_shard, max_rel_error
+from tensorpar.data.text import default_corpus
 from tensorpar.hf.moe import balancing_loss
 from tensorpar.hf.pretrained import from_pretrained
 from tensorpar.parallel.context import split_to_cp
@@ -32,12 +33,14 @@ STEP_TOL = 1e-5  # each step's loss and gradient norm against one rank (measured
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory):
-    """The tiny Qwen3-MoE of ``test_hf_moe.py``, saved with its tokenizer."""
+    """The tiny Qwen3-MoE of ``test_hf_moe.py``, saved with its tokenizer, and ``data.txt``
+    beside it: the runs' training text (8,000 characters, as ``test_hf_moe.py``'s runs)."""
     transformers.logging.set_verbosity_error()
     path = tmp_path_factory.mktemp("hf-moe-cp") / "qwen3_moe"
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(moe_configs()["qwen3_moe"]).save_pretrained(path)
     char_tokenizer().save_pretrained(path)
+    (path.parent / "data.txt").write_text(default_corpus()[:8_000])
     return path
 
 
@@ -105,9 +108,10 @@ def trained(ranks, qwen3_moe, tmp_path_factory):
     from hf_runs import train
 
     root = tmp_path_factory.mktemp("hf-moe-cp-train")
-    runs = {"one": train(ranks, qwen3_moe, root / "one", 1, **TRAIN)}
+    flags = TRAIN | {"data": str(qwen3_moe.parent / "data.txt")}
+    runs = {"one": train(ranks, qwen3_moe, root / "one", 1, **flags)}
     for name, (tp, cp, ep) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
-        runs[name] = train(ranks, qwen3_moe, root / name, tp, cp=cp, ep=ep, **TRAIN)
+        runs[name] = train(ranks, qwen3_moe, root / name, tp, cp=cp, ep=ep, **flags)
     return runs
 
 
