@@ -59,6 +59,21 @@ def test_failing_rank_is_reported_and_the_others_stopped():
         pool.run(_whoami)
 
 
+def test_grace_is_at_most_the_collective_timeout(monkeypatch):
+    """With ranks whose collectives time out sooner than the pool's 10 s grace (``tensorpar
+    --timeout 2``), the pool waits that long for the others once one has failed: a rank stuck
+    in a collective with the failed one has given up by then."""
+    from tensorpar.runtime.groups import TIMEOUT_ENV
+
+    monkeypatch.setenv(TIMEOUT_ENV, "2")
+    with RankPool(2, threads=1) as pool:
+        assert pool.grace_s == 2.0
+        start = time.monotonic()
+        with pytest.raises(RankError, match="boom on rank one"):  # rank 0's timeout, or the
+            pool.run(_fail_on_rank_one_while_others_wait)  # grace, whichever comes first
+        assert time.monotonic() - start < 10, "waited the whole 10 s grace"
+
+
 def _attached_tensor():
     return torch.ones(2, requires_grad=True) * 2  # part of an autograd graph: not picklable
 
