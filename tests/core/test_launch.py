@@ -1,8 +1,6 @@
 """The launcher: results per rank, failures reported with tracebacks, no hangs."""
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -97,16 +95,32 @@ def test_dead_rank_is_reported():
         pool.run(_die)
 
 
+def _world_without_launcher(env: dict, conn) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    group = init_tensor_parallel()
+    conn.send((dist.get_world_size(group), dist.get_backend()))
+    dist.destroy_process_group()
+
+
 def test_init_single_process_without_launcher():
-    """No launcher environment: a world of one on gloo, run in a fresh interpreter."""
-    code = ("import tensorpar, torch.distributed as d; g = tensorpar.init_tensor_parallel(); "
-            "print(d.get_world_size(g), d.get_backend())")
+    """No launcher environment: a world of one on gloo, in a new process with no process group
+    yet (forked from the session's fork server, which has imported torch: a fresh interpreter
+    would spend 3-5 s on that)."""
+    from tensorpar.ranks.forkserver import rank_context
+
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "gloo"]
+    ctx = rank_context()
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_world_without_launcher, args=(env, theirs))
+    proc.start()
+    try:
+        assert mine.poll(120), f"no answer (exit code {proc.exitcode})"
+        assert mine.recv() == (1, "gloo")
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
 
 
 def test_tp_size_must_divide_world():
