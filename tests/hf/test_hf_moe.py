@@ -330,8 +330,9 @@ def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
     ({"tp": 1, "dp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage"),
     ({"tp": 2, "dp": 2, "ep": 3}, "--ep 3 does not divide the 4 ranks"),
     ({"tp": 1, "dp": 8, "ep": 8}, "--ep 8 is more than the 6 routed experts"),
-    ({"tp": 1, "cp": 2}, "--cp 2 with --hf"),
-], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "cp"])
+    ({"tp": 1, "dp": 1, "cp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage "
+                                           "(--dp 1 x --cp 2 x --tp 1)"),
+], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "ep-over-cp-ranks"])
 def test_train_hf_moe_layout_refused_in_one_line(moe_dirs, flags, says):
     """A layout the MoE model cannot take is refused before any rank starts, in one line."""
     from hf_runs import resolve
