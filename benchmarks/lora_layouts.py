@@ -7,8 +7,9 @@ outputs; o and down row layers; rank 8, batch 8 x 128 = N tokens), one thread, t
 adapter adds to a step (forward z and the update, backward dz, dB, dA and A^T dz in dx), in
 the layout ``lora.py`` and ``fused.py`` used before (z (N, r): dB = dy^T z, dz = dy B) and the
 one they use now (z^T (r, N): dB = (z^T dy)^T, dz^T = B^T dy^T). The two layouts alternate;
-prints the minimum and the median of the step totals. The values are the same; only the
-operands' memory order differs, which on CPU decides which kernel runs.
+prints the minimum and the median of the step totals, in CPU time of the process (one thread:
+its compute, without the waits for a core that a loaded machine adds). The values are the
+same; only the operands' memory order differs, which on CPU decides which kernel runs.
 """
 
 from __future__ import annotations
@@ -94,14 +95,14 @@ def main() -> None:
         fns = dict(zip(times, (tokens_first, tokens_last), strict=True))
         for i in range(args.repeats + 2):
             for name in (list(times) if i % 2 else list(times)[::-1]):
-                start = time.perf_counter()
+                start = time.process_time()
                 for _ in range(args.layers):
                     fns[name](*block)
                 if i >= 2:  # two warm-ups
-                    times[name].append(1e3 * (time.perf_counter() - start))
+                    times[name].append(1e3 * (time.process_time() - start))
         for name, ts in times.items():
             print(f"width {dim}, {name}: min {min(ts):.1f} ms, median "
-                  f"{statistics.median(ts):.1f} ms a step")
+                  f"{statistics.median(ts):.1f} ms CPU a step")
 
 
 if __name__ == "__main__":
