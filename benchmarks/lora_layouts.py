@@ -44,7 +44,7 @@ def tokens_first(cols, rows) -> None:
         a_cat = torch.cat(a)
         z = x.mm(a_cat.t())
         dz = torch.empty(N, a_cat.shape[0])
-        for j, (b_j, dy) in enumerate(zip(b, dys)):
+        for j, (b_j, dy) in enumerate(zip(b, dys, strict=True)):
             c = slice(j * R, (j + 1) * R)
             dy.addmm_(z[:, c], b_j.t(), alpha=S)  # the update (dy stands in for y)
             dz[:, c].addmm_(dy, b_j, beta=0, alpha=S)
@@ -66,7 +66,7 @@ def tokens_last(cols, rows) -> None:
         a_cat = torch.cat(a)
         zt = a_cat.mm(x.t())
         dzt = torch.empty(a_cat.shape[0], N)
-        for j, (b_j, dy) in enumerate(zip(b, dys)):
+        for j, (b_j, dy) in enumerate(zip(b, dys, strict=True)):
             c = slice(j * R, (j + 1) * R)
             dy.addmm_(zt[c].t(), b_j.t(), alpha=S)
             dzt[c].addmm_(b_j.t(), dy.t(), beta=0, alpha=S)
