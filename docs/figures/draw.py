@@ -1,5 +1,5 @@
-"""Draw the figures of docs/learn.md and docs/moe.md: `python docs/figures/draw.py [DIR]` writes
-docs/figures/*.png (or into DIR; tests/test_docs.py draws them again and compares).
+"""Draw the docs' figures (learn.md, moe.md, context-parallel.md): `python docs/figures/draw.py
+[DIR]` writes docs/figures/*.png (or into DIR; tests/test_docs.py draws them again, compares).
 
 Deterministic: no dates, no random numbers, no software version in the files. Every figure is
 7 inches wide (700 px at 100 dpi, saved at 200 dpi) and drawn in inches: the axes span the figure.
@@ -449,6 +449,43 @@ def moe_dispatch():
     save(fig, "moe_dispatch.png")
 
 
+def context_parallel():
+    """CP=2, 16 tokens in 4 chunks: each rank's causal work on the gathered keys; what it holds."""
+    fig, ax = canvas(7, 4.6)
+    text(ax, 3.5, 4.42, "CP, 2 ranks: rank r holds chunks r and 3 - r of 4", size=12, weight="bold")
+    t, cell, x0, top = 16, 0.13, 0.75, 3.75
+    rank_of = [min(k // 4, 3 - k // 4) for k in range(t)]
+    grid(ax, x0, top, t, t, cell, lambda i, j: RANK[rank_of[i]] if j <= i else "white")
+    text(ax, x0 + t * cell / 2, top + 0.17, "keys 0 .. 15 (K, V gathered)", size=9.5)
+    text(ax, 0.2, top - t * cell / 2, "queries 0 .. 15", size=9.5, rotation=90)
+    for c in range(4):  # the chunks beside their query rows
+        box(ax, 0.42, top - (c + 1) * 4 * cell + 0.02, 0.28, 4 * cell - 0.04, f"c{c}",
+            RANK[rank_of[4 * c]], color="white", size=8.5, weight="bold")
+    for r in range(2):  # the (query, key) pairs of each of its chunks
+        parts = [sum(range(4 * c + 1, 4 * c + 5)) for c in (r, 3 - r)]
+        text(ax, 0.2, 1.28 - r * 0.27, f"rank {r}: {parts[0]} + {parts[1]} = {sum(parts)} "
+             "(query, key) pairs", size=9.5, color=RANK[r], ha="left", weight="bold")
+    text(ax, 3.3, 3.95, "what a rank holds", ha="left", style="italic", color="#444444")
+    for r, k in ((r, k) for r in range(2) for k in range(2)):  # k 1: the gathered K, V
+        y = 3.17 - r * 1.2 - k * 0.33
+        text(ax, 3.3, 3.55 - r * 1.2, f"rank {r}", color=RANK[r], ha="left", weight="bold")
+        text(ax, 3.3, y + 0.06, ("its T/N tokens", "K, V: all T")[k], size=9, ha="left")
+        for i in range(t):  # its own tokens in its colour, the gathered ones light
+            own = rank_of[i] == r
+            ax.add_patch(Rectangle((4.55 + i * cell, y), cell, cell, lw=0.6,
+                                   facecolor=RANK[r] if own else
+                                   (LIGHT[rank_of[i]] if k else "white"),
+                                   edgecolor=INK if own or k else "#AAAAAA",
+                                   ls="-" if own or k else "--"))
+    text(ax, 3.3, 1.28, "activations, norms, MLP, loss: T/N tokens a rank", size=9, ha="left")
+    text(ax, 3.3, 1.01, "K, V: all-gather forward, reduce-scatter backward", size=9,
+         ha="left", color=COMM)
+    text(ax, 0.2, 0.47, "Sequence parallelism splits norms and dropout, but every rank's "
+         "attention still reads all T queries\n(T x T scores a head). CP splits the queries: "
+         "(T/N) x T a rank, and the causal work is even.", size=9.5, ha="left", linespacing=1.8)
+    save(fig, "context_parallel.png")
+
+
 if __name__ == "__main__":
     column_split()
     row_split()
@@ -460,3 +497,4 @@ if __name__ == "__main__":
     layout()
     bubble()
     moe_dispatch()
+    context_parallel()

@@ -30,11 +30,16 @@ The attention function is registered once in transformers' ``AttentionInterface`
 add an attention kernel, a constant name -> function entry) and the model's config names it; it
 keeps no state: the group and the sequence come with each call.
 
+An MoE family's router logits (``output_router_logits``) come back as this rank's tokens' rows,
+(B x T_i, E) a layer, and the model's own ``aux_loss`` is left out (None): from one rank's chunks
+it is not the whole rows' load-balancing loss, which ``hf/moe.py``'s ``balancing_loss(
+out.router_logits, E, k, cp_group)`` computes (its statistics summed over the group: the loss of
+one rank holding every token; the trainer sums them over dp x cp).
+
 For training and scoring: no KV cache (``generate()`` needs a model converted without CP), no
-padding ``attention_mask`` (pad with labels -100, or pack), no router logits (an MoE family's
-``output_router_logits``: transformers would add each rank's own load-balancing loss, from its
-chunks' statistics, to the loss summed over the group), and not with sequence parallelism or
-dropout yet.
+padding ``attention_mask`` (pad with labels -100, or pack), no router logits with ``labels=``
+(transformers would add each rank's own load-balancing loss to the loss summed over the group),
+and not with sequence parallelism or dropout yet.
 """
 
 from __future__ import annotations
@@ -125,13 +130,11 @@ def _split_call(kwargs: dict, group: ProcessGroup, config) -> dict:
     """The forward's keyword arguments with the whole rows replaced by this rank's chunks, the
     sequence passed on as ``CP_KWARG``; refusals in one line, before any collective."""
     what = "context parallelism"
-    router = kwargs.get("output_router_logits")
-    if router is None:
-        router = getattr(config, "output_router_logits", False)
-    if router:
-        raise ValueError(f"{what} does not return router logits (output_router_logits): "
-                         "the load-balancing loss would count each rank's chunks alone; pass "
-                         "output_router_logits=False (or set it so in the config)")
+    if kwargs.get("labels") is not None and _router_logits(kwargs, config):
+        raise ValueError(f"{what}: labels= with router logits (output_router_logits) would "
+                         "add each rank's load-balancing loss, from its chunks alone; pass "
+                         "output_router_logits=False, or leave out labels= and add "
+                         "tensorpar.hf.moe.balancing_loss(out.router_logits, ..., cp_group)")
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{what} takes no KV cache: it is for training and scoring; "
@@ -172,6 +175,12 @@ def _split_call(kwargs: dict, group: ProcessGroup, config) -> dict:
     return out
 
 
+def _router_logits(kwargs: dict, config) -> bool:
+    """Whether a call returns an MoE model's router logits (asked by the call or its config)."""
+    router = kwargs.get("output_router_logits")
+    return bool(getattr(config, "output_router_logits", False) if router is None else router)
+
+
 def _attention_in_own_config(model: nn.Module) -> None:
     """Name ``CP_ATTENTION`` in a copy of the model's config that its modules then hold (a config
     object may be shared with other models: a dense reference built from it keeps its own)."""
@@ -210,6 +219,8 @@ def install_context_parallel(model: nn.Module, group: ProcessGroup) -> None:
             # g operator; parallel/ has no CP-named copy): each rank's loss is its tokens' share,
             # so the sum is the whole rows' loss and each rank's gradient stays its share
             out.loss = reduce_from_tp(out.loss, group)
+        if getattr(out, "aux_loss", None) is not None:  # this rank's chunks' alone: not the
+            out.aux_loss = None  # rows' (balancing_loss over the group is; module docstring)
         return out
 
     model.register_forward_pre_hook(split, with_kwargs=True)

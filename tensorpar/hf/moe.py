@@ -19,9 +19,10 @@ on every rank), sends each row to the rank holding its expert (``routed_experts`
 dispatch), and the shares are all-gathered after (``gather_tokens``). Under sequence
 parallelism (``sequence.py``) each TP rank holds and routes its own shard: its rows go to their
 experts as they are. ``balancing_loss`` is the models' load-balancing loss with its statistics
-summed over the ranks holding different tokens (``train --hf`` with ``--dp``). The weights keep the
-model's names and layout (GPT-OSS's transposed (E, D, 2H) and its biases too), sliced on the
-expert dimension, so a checkpoint or an export finds them under the model's own names.
+summed over the ranks holding different tokens (``train --hf`` with ``--dp`` or ``--cp``). The
+weights keep the model's names and layout (GPT-OSS's transposed (E, D, 2H) and its biases too),
+sliced on the expert dimension, so a checkpoint or an export finds them under the model's own
+names.
 """
 
 from __future__ import annotations

@@ -13,11 +13,16 @@ So a TP group is inside one EP group (``--ep`` a multiple of ``--tp``), or at ``
 its ranks is in another (the experts then replicated, their gradients summed over TP by the layer
 and over dp like every dense weight). Attention, embeddings and norms keep their TP and DP.
 
+Under context parallelism (``--cp``) the CP ranks hold different tokens, as the dp ranks do: a
+stage's ranks are then its dp x cp x tp ranks in (dp, cp, tp) row-major order, and everything
+above reads "dp x cp" for "dp" (an EP group may span CP ranks; the expert-data ranks and the
+router statistics cover them).
+
 Above ``--ep 1`` the routed experts are held once across the EP group and replicated over the
 "expert-data" ranks (dp x tp / ep of them, the same expert range each): FSDP2 and DDP leave them
 out (``ignored``), and :func:`reduce_expert_grads` sums their gradients over the expert-data
-ranks once a step, divided by dp (each rank's loss is scaled by dp, as data parallelism's
-average expects). The router statistics of a pass count every token of the stage
+ranks once a step, divided by dp (x cp: each rank's loss is scaled by that, as the gradients'
+average over the replicas expects). The router statistics of a pass count every token of the stage
 (``stats``: all its dp x tp ranks), so any layout equals one rank taking the same passes.
 """
 
@@ -30,18 +35,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tensorpar.mesh.mesh import cp_size
 from tensorpar.parallel.sharding import check_expert_parallel, is_expert_split
 from tensorpar.transformer.expert_groups import ExpertGroups
 
 
 def stage_ranks(mesh, run_group: ProcessGroup | None) -> list[list[int]]:
-    """Each pipeline stage's ranks in (dp, tp) row-major order (one list without a pipeline),
-    the dims found by the mesh's names: one list per index of every other dim ("pp", "cp")."""
+    """Each pipeline stage's ranks in (dp, cp, tp) row-major order (one list without a
+    pipeline), the dims found by the mesh's names: one list per index of "pp"."""
     if mesh is None:
         return [dist.get_process_group_ranks(run_group or dist.group.WORLD)
                 if dist.is_initialized() else [0]]
     names = list(mesh.mesh_dim_names)
-    inner = [n for n in ("dp", "tp") if n in names]
+    inner = [n for n in ("dp", "cp", "tp") if n in names]
     outer = [n for n in names if n not in inner]
     grid = mesh.mesh.permute(*(names.index(n) for n in outer + inner))  # (..outer, dp, tp)
     width = math.prod(mesh.mesh.shape[names.index(n)] for n in inner)
@@ -51,10 +57,12 @@ def stage_ranks(mesh, run_group: ProcessGroup | None) -> list[list[int]]:
 def expert_groups(ep: int, tp: int, dp: int, mesh=None,
                   run_group: ProcessGroup | None = None) -> ExpertGroups:
     """This rank's ``ExpertGroups`` for ``--ep ep`` (collective: every rank creates every group,
-    in the same order, as ``new_group`` requires)."""
-    check_expert_parallel(ep, tp, dp, None)  # the experts: the recipe checks them
+    in the same order, as ``new_group`` requires); with a "cp" dim in ``mesh`` the CP ranks count
+    as data replicas (``ExpertGroups.dp`` is then dp x cp)."""
+    cp = cp_size(mesh)
+    check_expert_parallel(ep, tp, dp, None, cp)  # the experts: the recipe checks them
     if not dist.is_initialized():
-        return ExpertGroups(None, None, None, dp, ep)
+        return ExpertGroups(None, None, None, dp * cp, ep)
     me = dist.get_rank()
     stages = stage_ranks(mesh, run_group)
 
@@ -72,7 +80,7 @@ def expert_groups(ep: int, tp: int, dp: int, mesh=None,
     width = len(stages[0]) // ep
     data_lists = [s[j::ep] for s in stages for j in range(ep)] if width > 1 else []
     expert_data = mine(data_lists) if data_lists else None
-    return ExpertGroups(ep_group, stats, expert_data, dp, ep)
+    return ExpertGroups(ep_group, stats, expert_data, dp * cp, ep)
 
 
 def split_expert_params(model: nn.Module) -> list[nn.Parameter]:

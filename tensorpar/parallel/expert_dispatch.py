@@ -7,6 +7,7 @@ Tokens are rows of a flat (N, D) tensor. The pairs::
     combine_from_experts  forward: all-to-all        backward: all-to-all (reverse)
     split_tokens          forward: split (rows)      backward: all-gather (rows)
     gather_tokens         forward: all-gather (rows) backward: split (rows)
+    permute_rows          forward: rows reordered    backward: the gradient's rows put back
 
 A rank sends ``send_sizes[s]`` rows to rank s and receives ``recv_sizes[s]`` from it; the sizes
 differ from rank to rank (the router decides them), so every rank learns what it will receive
@@ -40,6 +41,21 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_sizes, recv_sizes = ctx.sizes
         return all_to_all(grad, recv_sizes, send_sizes, ctx.group), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """forward: y[i] = x[perm[i]], backward: g_x[perm[i]] = g_y[i] (no collective)."""
+
+    @staticmethod
+    def forward(ctx, x, perm):
+        ctx.save_for_backward(perm)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (perm,) = ctx.saved_tensors
+        # a permutation writes every row once: no zero fill, no accumulation
+        return torch.empty_like(grad).index_copy_(0, perm, grad), None
 
 
 class _SplitTokens(torch.autograd.Function):
@@ -97,6 +113,19 @@ def exchange_expert_counts(counts: torch.Tensor, experts_per_rank: list[int],
         return counts.view(1, -1)
     received = all_to_all(counts, experts_per_rank, [mine] * n, group)
     return received.view(n, mine)
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """(M, ...) rows reordered by ``perm``, a permutation of range(M): row i of the result is
+    row ``perm[i]`` of x. Its gradient is the reverse reordering (one copy, where indexing's
+    would fill zeros and accumulate)."""
+    return _PermuteRows.apply(x, perm)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``perm``: ``permute_rows(permute_rows(x, perm), inv)`` is x."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(),
+                                                                  device=perm.device))
 
 
 def split_tokens(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:

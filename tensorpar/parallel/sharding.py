@@ -135,16 +135,18 @@ def local_parameter(local: torch.Tensor, spec: ShardSpec, requires_grad: bool = 
     return p
 
 
-def check_expert_parallel(ep: int, tp: int, dp: int | None, experts: int | None) -> None:
+def check_expert_parallel(ep: int, tp: int, dp: int | None, experts: int | None,
+                          cp: int = 1) -> None:
     """Parallel folding (Megatron-core's name): the expert-parallel ranks of an MoE model are
-    taken from the dp x tp ranks of a pipeline stage, so attention keeps its TP and DP while the
-    routed experts are split over ``ep`` ranks as ``tensor_split`` splits them (6 over 4: 2, 2,
-    1, 1). The one rule for the trainer, the planner, the mesh and ``verify``: ValueError,
-    naming ``--ep`` and the numbers, unless ``ep`` ranks fold into the ``dp`` x ``tp`` ranks of
-    a stage (``ep`` divides dp·tp), an EP group holds whole TP groups (``ep`` 1 or a multiple of
-    ``tp``), and every EP rank holds at least one of the ``experts`` routed experts (0: a dense
-    model, which takes only ``ep`` 1). ``dp`` or ``experts`` None: not known to this caller (dp
-    under torchrun until the mesh is built; the experts where only the layout is), not checked."""
+    taken from the dp x cp x tp ranks of a pipeline stage (``cp`` 1: dp x tp), so attention
+    keeps its TP, CP and DP while the routed experts are split over ``ep`` ranks as
+    ``tensor_split`` splits them (6 over 4: 2, 2, 1, 1). The one rule for the trainer, the
+    planner, the mesh and ``verify``: ValueError, naming ``--ep`` and the numbers, unless ``ep``
+    ranks fold into the ranks of a stage (``ep`` divides dp·cp·tp), an EP group holds whole TP
+    groups (``ep`` 1 or a multiple of ``tp``), and every EP rank holds at least one of the
+    ``experts`` routed experts (0: a dense model, which takes only ``ep`` 1). ``dp`` or
+    ``experts`` None: not known to this caller (dp under torchrun until the mesh is built; the
+    experts where only the layout is), not checked."""
     if ep < 1:
         raise ValueError(f"--ep {ep} must be >= 1")
     if ep == 1:
@@ -152,9 +154,10 @@ def check_expert_parallel(ep: int, tp: int, dp: int | None, experts: int | None)
     if experts == 0:
         raise ValueError(f"--ep {ep}: the model has no experts; expert parallelism needs an "
                          "MoE model")
-    if dp is not None and (dp * tp) % ep:
-        raise ValueError(f"--ep {ep} does not divide the {dp * tp} ranks of a stage "
-                         f"(--dp {dp} x --tp {tp})")
+    if dp is not None and (dp * cp * tp) % ep:
+        layout = f"--dp {dp}" + (f" x --cp {cp}" if cp > 1 else "") + f" x --tp {tp}"
+        raise ValueError(f"--ep {ep} does not divide the {dp * cp * tp} ranks of a stage "
+                         f"({layout})")
     if ep % tp:
         raise ValueError(f"--ep {ep} with --tp {tp}: an EP group holds whole TP groups, so --ep "
                          "must be 1 or a multiple of --tp")

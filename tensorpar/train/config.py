@@ -26,10 +26,11 @@ class TrainConfig:
                 "or ddp (DistributedDataParallel: replicated, gradients all-reduced)"})
     ep: int = dataclasses.field(default=1, metadata={
         "help": "with --moe-experts or an --hf MoE model: expert-parallel size, the routed "
-                "experts split over N of the dp x tp ranks of a stage (consecutive; 1 or a "
-                "multiple of --tp), each expert held once in that group and replicated over the "
-                "other dp x tp / N ranks", "default": "1: every rank holds every expert (an "
-                "--hf model: the experts split over each TP group)"})
+                "experts split over N of the dp x tp ranks of a stage (dp x cp x tp under --cp; "
+                "consecutive; 1 or a multiple of --tp), each expert held once in that group and "
+                "replicated over the stage's other ranks",
+        "default": "1: every rank holds every expert (an --hf model: the experts split over "
+                   "each TP group)"})
     pp: int = dataclasses.field(default=1, metadata={
         "help": "pipeline stages: the GPT's blocks cut into N stages over N ranks (tp x dp x pp "
                 "ranks in all), run by torch.distributed.pipelining's 1F1B schedule on the "
@@ -41,7 +42,8 @@ class TrainConfig:
         "help": "context-parallel size: each sequence split over N ranks (2N chunks, rank i "
                 "holding chunks i and 2N-1-i, the causal load balance), keys and values "
                 "all-gathered in attention; tp x cp x dp x pp ranks in all, the gradients "
-                "summed over dp x cp (the GPT, and --hf models of the Llama family)",
+                "summed over dp x cp (the GPT, and --hf models of the Llama family, Qwen3-MoE "
+                "and Mixtral among them)",
         "default": "1, no context parallelism"})
     sequence_parallel: bool = dataclasses.field(default=False, metadata={
         "help": "shard norms and the residual stream over the sequence"})
@@ -198,12 +200,9 @@ class TrainConfig:
                              f"(--batch-size {self.batch_size} over --dp {dp})")
         if self.pp > 1 or self.pp_virtual > 1:
             check_pipeline_flags(self)
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism with "
-                             "context parallelism is not built yet")
         # the layout part here; the experts against the model (the recipe); dp None under
         # torchrun: when the mesh is built
-        check_expert_parallel(self.ep, self.tp, self.dp, None)
+        check_expert_parallel(self.ep, self.tp, self.dp, None, self.cp)
         if self.tensorboard:  # importable, or one line before any rank starts
             from tensorpar.train.report import summary_writer  # report imports rich: only then
 

@@ -32,11 +32,14 @@ and --compile with --recompute for a model with dropout (not supported here yet)
 A Mixture-of-Experts model (``hf/moe.py``) takes ``--dp`` and ``--ep N``: the EP groups folded
 from the dp x tp ranks as the GPT's (``mesh/experts.py``; at ``--ep 1`` each TP group), the
 experts' gradients reduced by the trainer as the GPT's, and the model's balancing loss over each
-pass's tokens on every dp rank (:func:`_aux_term`); not ``--cp`` yet.
+pass's tokens on every dp rank (:func:`_aux_term`); under ``--cp`` the CP ranks count as data
+replicas there (the EP groups fold from the dp x cp x tp ranks, the balancing loss's statistics
+sum over dp x cp).
 
-``--cp N`` (the Llama family, ``hf/context.py``): every CP rank is given the same whole rows, the
-model keeps its load-balanced chunks of them, and the loss reads the targets of those chunks
-(the trainer averages the gradients over dp x cp and divides the loss by the step's tokens).
+``--cp N`` (the Llama family and the MoE models whose attention is Llama's, ``hf/context.py``):
+every CP rank is given the same whole rows, the model keeps its load-balanced chunks of them,
+and the loss reads the targets of those chunks (the trainer averages the gradients over dp x cp
+and divides the loss by the step's tokens).
 
 ``--compile`` compiles the converted model as the GPT's (``train/compute.py``): one graph, no
 break, with and without sequence parallelism, the loss outside it. A model that drops breaks the
@@ -80,6 +83,7 @@ from tensorpar.hf.moe import balancing_loss
 from tensorpar.hf.parallelize import check_plan_fits, has_dropout
 from tensorpar.hf.plans import plan_for
 from tensorpar.mesh.experts import expert_groups
+from tensorpar.mesh.mesh import replica_group
 from tensorpar.parallel.context import split_to_cp
 from tensorpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.parallel.sharding import check_expert_parallel
@@ -145,7 +149,8 @@ class HFRecipe:
                              "stage forward, which tensorpar does not have yet")
         # --ep against the model's routed experts (none: a dense model), the one rule
         check_expert_parallel(cfg.ep, cfg.tp, cfg.dp,
-                              getattr(self.meta_model(), "num_experts", 0) if self.moe else 0)
+                              getattr(self.meta_model(), "num_experts", 0) if self.moe else 0,
+                              cfg.cp)
         if not cfg.fused:
             raise ValueError("--no-fused is not supported with --hf yet (the converted blocks "
                              "always run the fused ops)")
@@ -154,9 +159,6 @@ class HFRecipe:
                              f"that drops (dropout in {self.origin}'s config) yet: the recomputed "
                              "layer replays its TP regions' masks through checkpoint contexts, "
                              "which torch.compile does not trace")
-        if self.moe and cfg.cp > 1:
-            raise ValueError(f"--cp {cfg.cp} with --hf {self.origin} (Mixture of Experts) is not "
-                             "supported yet")
         if cfg.cp > 1 and cfg.lora_dropout > 0:
             raise ValueError(f"--lora-dropout {cfg.lora_dropout} with --cp {cfg.cp} is not "
                              "supported yet (the adapters' masks are drawn per TP rank, not per "
@@ -185,14 +187,15 @@ class HFRecipe:
         dp x tp ranks as the GPT's (``mesh/experts.py``; collective); the trainer reduces their
         gradients over ``expert_data`` and counts them once over ``ep`` in the gradient norm.
         The router statistics cover the tokens of the ranks that hold different ones: every TP
-        rank routes all of its group's tokens, so ``stats`` is the data-parallel group; under
-        --sequence-parallel each routes its shard, so it stays the stage's dp x tp ranks."""
+        rank routes all of its group's tokens, so ``stats`` is the data-parallel group, under
+        --cp the ("dp", "cp") one (each CP rank routes its chunks); under --sequence-parallel
+        each routes its shard, so it stays the stage's dp x tp ranks."""
         if not self.moe:
             return None
         groups = expert_groups(self.ep_size(cfg), cfg.tp, cfg.dp or 1, mesh, run_group)
         if cfg.sequence_parallel:
             return groups
-        return replace(groups, stats=mesh["dp"].get_group() if (cfg.dp or 1) > 1 else None)
+        return replace(groups, stats=replica_group(mesh) if groups.dp > 1 else None)
 
     def tokenizer(self) -> HFTokenizer:
         return HFTokenizer(self.source, self.config["vocab_size"], "--hf")
@@ -300,9 +303,10 @@ def _aux_term(model: nn.Module, cfg: TrainConfig, coef: float,
     loss over the pass's tokens on every rank of ``stats`` (``hf/moe.py``), divided by the
     step's passes. Its value is the same on every dp rank (so the step's reported loss, the
     dp ranks' mean, counts it once); its gradient counts dp times, each rank's gradient being
-    its tokens' share and data parallelism averaging the shares over dp."""
+    its tokens' share and data parallelism averaging the shares over dp (dp x cp under --cp: the
+    CP ranks route their own chunks, and the gradients are averaged over them too)."""
     inner = getattr(model, "module", model)  # through a DDP wrapper
-    weight, dp = coef / passes(cfg), cfg.dp or 1
+    weight, dp = coef / passes(cfg), (cfg.dp or 1) * cfg.cp
 
     def term(router_logits: tuple) -> torch.Tensor:
         loss = balancing_loss(router_logits, inner.num_experts, inner.num_experts_per_tok, stats)

@@ -366,13 +366,15 @@ def summary(rows: list[dict], sizes: list[dict], comm: dict, cfg, shape: ModelSh
     # the step as the planner sees it (each pass's activations; a step makes each pass's
     # collectives), and its numbers for the ranks measured, asked once
     cp = getattr(cfg, "cp", 1)
-    step = Step.from_train_config(without_cp(cfg), shape, optimizer, dropout,
-                                  sizes[0].get("device", "cpu") if sizes else "cpu",
-                                  converted or None) \
-        if shape is not None else None
-    plan = None if step is None else plan_run(step, [
-        RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0) * cp + s.get("cp_rank", 0),
-                  s.get("pp_rank", 0)) for r, s in enumerate(sizes)])
+    device = sizes[0].get("device", "cpu") if sizes else "cpu"
+    places = [RankPlace(s.get("tp_rank", r), s.get("dp_rank", 0) * cp + s.get("cp_rank", 0),
+                        s.get("pp_rank", 0)) for r, s in enumerate(sizes)]
+    step = None if shape is None else Step.from_train_config(
+        without_cp(cfg), shape, optimizer, dropout, device, converted or None)
+    plan = None if step is None else plan_run(step, places)
+    if plan is not None and cp > 1:  # a CP rank's memory: its tokens and the gathered K/V
+        plan = dataclasses.replace(plan, peaks=plan_run(Step.from_train_config(
+            cfg, shape, optimizer, dropout, device, converted or None), places).peaks)
     dp, pp, virtual = cfg.dp or 1, cfg.pp, cfg.pp_virtual
     micro = cfg.micro_batch_size or cfg.batch_size // dp
     n = cfg.batch_size // dp // micro
@@ -427,7 +429,8 @@ def without_cp(cfg):
     """The run as a planner without context parallelism sees CP rank 0's part of it (what the
     summary plans its TP and dp collectives from): each of the dp x cp ranks runs the step's
     rows of a dp rank, at that rank's token count, and the gradients are averaged over all of
-    them. ``cfg`` itself without --cp. (The gathered K/V are not in its memory plan.)"""
+    them. ``cfg`` itself without --cp. (Its memory plan is ``cfg``'s own, with --cp: the
+    gathered K/V and, for packed rows, the mask, as ``tensorpar plan --cp`` counts them.)"""
     if cfg.cp == 1:
         return cfg
     return dataclasses.replace(cfg, cp=1, seq_len=cp_sizes(cfg.seq_len, cfg.cp)[0],

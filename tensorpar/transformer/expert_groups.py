@@ -15,9 +15,11 @@ class ExpertGroups:
     ep: the ranks the routed experts are split across. stats: the ranks whose tokens make one
     pass of the router statistics: those holding different tokens (a stage's dp x tp ranks for
     the GPT, whose MoE layers route a TP rank's share; the dp ranks for a Hugging Face model,
-    whose TP ranks each route all of their group's tokens). expert_data: the ranks holding the
+    whose TP ranks each route all of their group's tokens; under context parallelism the CP
+    ranks too). expert_data: the ranks holding the
     same experts as this one (None: only this one), whose gradients are summed. dp: the
-    data-parallel size each rank's loss is scaled by. ep_size: the size of ``ep``.
+    number of data replicas each rank's loss is scaled by (dp, or dp x cp under context
+    parallelism). ep_size: the size of ``ep``.
     """
 
     ep: ProcessGroup | None

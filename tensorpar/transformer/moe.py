@@ -44,6 +44,8 @@ from tensorpar.parallel.expert_dispatch import (
     dispatch_to_experts,
     exchange_expert_counts,
     gather_tokens,
+    inverse_permutation,
+    permute_rows,
     split_tokens,
 )
 from tensorpar.parallel.mappings import reduce_from_tp, sum_grads_in_backward
@@ -409,7 +411,8 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     n, k = experts.shape
     chosen = experts.reshape(-1)  # (n k,): token t's choices at t k .. t k + k - 1
     order = torch.argsort(chosen, stable=True)  # grouped by expert, so by EP rank too
-    rows = x[order // k]  # (n k, D)
+    token = order // k  # (n k,): the token of each sorted row
+    rows = x.index_select(0, token)  # (n k, D)
     counts = torch.bincount(chosen, minlength=sum(experts_per_rank))  # (E,)
     if tp_size(ep_group) == 1:
         out = run(rows, counts)
@@ -419,11 +422,13 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
         recv_sizes = recv.sum(1).tolist()
         arrived = dispatch_to_experts(rows, send_sizes, recv_sizes, ep_group)
         perm = _expert_major(recv)
-        done = run(arrived[perm], recv.sum(0))
-        back = done[torch.argsort(perm)]  # grouped by source again
+        done = run(permute_rows(arrived, perm), recv.sum(0))
+        back = permute_rows(done, inverse_permutation(perm))  # grouped by source again
         out = combine_from_experts(back, send_sizes, recv_sizes, ep_group)
-    per_choice = out[torch.argsort(order)].view(n, k, x.shape[-1])  # (n, k, D), choice order
-    return (per_choice * weights.unsqueeze(-1)).sum(1)
+    # each sorted row weighted and added to its token: token t's k rows in expert order, the
+    # order of the dense model's loop over experts
+    weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)  # (n k, D)
+    return x.new_zeros(n, x.shape[-1]).index_add(0, token, weighted)
 
 
 def moe_collective_counts(tp: int, ep: int, stats: int, shared: bool,

@@ -7,7 +7,8 @@ Each model asks for its router logits, so its loss with labels includes its own
 load-balancing loss (``router_aux_loss_coef``). In place and loaded, at 2 and 4 ranks (6
 experts: 3 and 3, then 2, 2, 1, 1), the logits, that loss, the aux loss and greedy tokens equal
 the dense model's, and so does every gradient, shard by shard; a rank holds at most 1/world +
-0.15 of the parameters. One run per world size covers every family (the session's rank pool).
+0.15 of the parameters. One run per world size covers every family (the session's rank pool);
+the dense model's results are computed once per family, in this process, and handed to the ranks.
 """
 
 import re
@@ -59,9 +60,14 @@ def moe_configs() -> dict:
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     """The families' tiny random models, saved with save_pretrained (experts one by one, as
-    transformers writes them; GPT-OSS's fused)."""
+    transformers writes them; GPT-OSS's fused), and ``data.txt``, the runs' training text: 8,000
+    characters of Python's help text (every rank of a run tokenizes all of its ``--data``: the
+    whole help text takes 0.6 s a rank with the character tokenizer)."""
+    from tensorpar.data.text import default_corpus
+
     transformers.logging.set_verbosity_error()
     root = tmp_path_factory.mktemp("hf-moe")
+    (root / "data.txt").write_text(default_corpus()[:8_000])
     for family, config in moe_configs().items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -75,12 +81,35 @@ def moe_dirs(tmp_path_factory):
     return root
 
 
-def _one(path, how: str) -> dict:
-    """One family, converted in place or loaded: the largest error of each kind, whether the
-    greedy tokens agree, and the share of the parameters this rank holds."""
+GREEDY = {"max_new_tokens": 6, "do_sample": False}
+
+
+def _dense_reference(path) -> dict:
+    """The dense model's logits, loss with labels, aux loss, greedy tokens and gradients on the
+    checks' batch, and its parameter count: computed once per family, here, with one thread as
+    a rank runs, and handed to every rank (each rank once ran it again for every way)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+        dense = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = dense(ids, labels=ids)
+        tokens = dense.generate(ids, **GREEDY)
+        ref.loss.backward()
+    finally:
+        torch.set_num_threads(threads)
+    return {"ids": ids, "logits": ref.logits.detach(), "loss": ref.loss.detach(),
+            "aux": ref.aux_loss.detach(), "tokens": tokens,
+            "grads": {name: p.grad for name, p in dense.named_parameters()},
+            "numel": sum(p.numel() for p in dense.parameters())}
+
+
+def _one(path, how: str, ref: dict) -> dict:
+    """One family, converted in place or loaded: the largest error of each kind against the
+    dense model's ``ref``, whether the greedy tokens agree, and the share of the parameters
+    this rank holds."""
     torch.manual_seed(0)
-    ids = torch.randint(1, 96, (2, 10))
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = ref["ids"]
     model = from_pretrained(path) if how == "load" else \
         parallelize(transformers.AutoModelForCausalLM.from_pretrained(path).eval())
     model.gather_logits = True
@@ -89,36 +118,38 @@ def _one(path, how: str) -> dict:
     def close(kind, actual, expected):
         errors[kind] = max(errors.get(kind, 0.0), max_rel_error(actual, expected))
 
-    ref, out = dense(ids, labels=ids), model(ids, labels=ids)
-    close("logits", out.logits, ref.logits)
-    close("loss", out.loss, ref.loss)
-    close("loss", out.aux_loss, ref.aux_loss)
-    greedy = {"max_new_tokens": 6, "do_sample": False}
-    same_tokens = torch.equal(model.generate(ids, **greedy), dense.generate(ids, **greedy))
-    ref.loss.backward()
+    out = model(ids, labels=ids)
+    close("logits", out.logits, ref["logits"])
+    close("loss", out.loss, ref["loss"])
+    close("loss", out.aux_loss, ref["aux"])
+    same_tokens = torch.equal(model.generate(ids, **GREEDY), ref["tokens"])
     out.loss.backward()
-    dense_params = dict(dense.named_parameters())
     for name, p in model.named_parameters():
-        close("grad", p.grad, dense_shard(dense_params[name].grad, p.tp_shard))
+        close("grad", p.grad, dense_shard(ref["grads"][name], p.tp_shard))
     held = sum(p.numel() for p in model.parameters())
     return {"errors": errors, "same tokens": same_tokens, "aux": out.aux_loss.item(),
-            "share": held / sum(p.numel() for p in dense.parameters())}
+            "share": held / ref["numel"]}
 
 
-def _every_family(root, hows: tuple[str, ...], families: tuple[str, ...]) -> dict:
+def _every_family(root, hows: tuple[str, ...], refs: dict) -> dict:
     transformers.logging.set_verbosity_error()
-    return {(family, how): _one(root / family, how) for family in families for how in hows}
+    return {(family, how): _one(root / family, how, ref) for family, ref in refs.items()
+            for how in hows}
 
 
 @pytest.fixture(scope="module")
 def runs(ranks, moe_dirs):
     """``runs(n, hows, families)``: each rank's results, each (world size, ways, families) run
-    once, when first asked for."""
-    done = {}
+    once, when first asked for, against each family's dense reference (computed once)."""
+    done, refs = {}, {}
 
     def get(n, hows, families=FAMILIES):
         if (n, hows, families) not in done:
-            done[n, hows, families] = ranks(n).run(_every_family, moe_dirs, hows, families)
+            for family in families:
+                if family not in refs:
+                    refs[family] = _dense_reference(moe_dirs / family)
+            done[n, hows, families] = ranks(n).run(_every_family, moe_dirs, hows,
+                                                   {f: refs[f] for f in families})
         return done[n, hows, families]
 
     return get
@@ -190,7 +221,9 @@ def test_verify_hf_on_qwen3_moe(ranks, moe_dirs, capsys):
     assert "all outputs, gradients and greedy tokens match" in out and "'all_to_all': 3" in out
 
 
-TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 1, "lr": 3e-3, "seed": 1, "steps": 4}
+# 2 steps: the first at the initial weights, the second after an update (AdamW's moments, the
+# clipped norm), each equal to one rank's
+TRAIN = {"batch_size": 4, "seq_len": 16, "warmup_steps": 1, "lr": 3e-3, "seed": 1, "steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +239,7 @@ def trained(ranks, moe_dirs, tmp_path_factory):
         for lora in (False, True):
             out = root / f"tp{tp}{'-lora' if lora else ''}"
             runs[tp, lora] = out, train(ranks, moe_dirs / "qwen3_moe", out, tp, **TRAIN,
+                                        data=str(moe_dirs / "data.txt"),
                                         **({"lora_rank": 4} if lora else {}))
     return runs
 
@@ -240,12 +274,13 @@ def layouts(ranks, moe_dirs, trained, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf-moe-layouts")
     one = {"qwen3_moe": trained[1, False][1]}
+    flags = TRAIN | {"data": str(moe_dirs / "data.txt")}
     runs = {}
     for name, (family, tp, dp, ep, sp, mode) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
         if family not in one:
-            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **TRAIN)
+            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **flags)
         runs[name] = one[family], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
-                                        sequence_parallel=sp, dp_mode=mode, **TRAIN)
+                                        sequence_parallel=sp, dp_mode=mode, **flags)
     return runs
 
 
@@ -276,12 +311,36 @@ def test_export_of_a_tp2_run_loads_in_transformers(trained, tmp_path):
     assert max_rel_error(exported_logits(run, tmp_path / "hf", ids), expected) <= TOL["logits"]
 
 
-def _folded_body(path, folding: str) -> dict:
+FOLDED_BATCHES = torch.randint(1, 96, (2, 2, 10), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def folded_reference(moe_dirs) -> list[dict]:
+    """The dense Qwen3-MoE on each replica's batch: its logits, loss and gradients, computed
+    once here (with one thread, as a rank computes them) for every rank of both foldings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dense = transformers.AutoModelForCausalLM.from_pretrained(moe_dirs / "qwen3_moe")
+        refs = []
+        for ids in FOLDED_BATCHES:
+            dense.zero_grad()
+            ref = dense(ids, labels=ids)
+            ref.loss.backward()
+            refs.append({"logits": ref.logits.detach(), "loss": ref.loss.detach(),
+                         "grads": {n: p.grad.clone() for n, p in dense.named_parameters()}})
+    finally:
+        torch.set_num_threads(threads)
+    return refs
+
+
+def _folded_body(path, folding: str, refs: list[dict]) -> dict:
     """4 ranks as 2 data replicas (rank // 2) of TP 2, each on a batch of its own; the experts
     cut across ``ep_group``: "ep2" the ranks with the same TP rank ({0, 2}, {1, 3}: TP peers
-    hold the same experts), "ep4" all four. Largest errors against the dense model: each
-    replica's logits and loss on its batch, every gradient but the experts' as its replica's
-    dense one, the experts' as the sum of both replicas' (their tokens share the experts)."""
+    hold the same experts), "ep4" all four. Largest errors against the dense model (``refs``,
+    one per replica's batch): each replica's logits and loss on its batch, every gradient but
+    the experts' as its replica's dense one, the experts' as the sum of both replicas' (their
+    tokens share the experts)."""
     import torch.distributed as dist
 
     transformers.logging.set_verbosity_error()
@@ -290,38 +349,30 @@ def _folded_body(path, folding: str) -> dict:
     ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])] if folding == "ep2" else \
         [dist.new_group([0, 1, 2, 3])]
     ep_group = ep_groups[rank % 2] if folding == "ep2" else ep_groups[0]
-    batches = torch.randint(1, 96, (2, 2, 10), generator=torch.Generator().manual_seed(0))
-    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
     model = parallelize(transformers.AutoModelForCausalLM.from_pretrained(path),
                         group=tp_groups[d], ep_group=ep_group)
     model.gather_logits = True
-    out = model(batches[d], labels=batches[d])
+    out = model(FOLDED_BATCHES[d], labels=FOLDED_BATCHES[d])
     out.loss.backward()
-    grads = []
-    for ids in batches:
-        dense.zero_grad()
-        ref = dense(ids, labels=ids)
-        ref.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in dense.named_parameters()})
-        if len(grads) == d + 1:
-            errors = {"logits": max_rel_error(out.logits, ref.logits),
-                      "loss": max_rel_error(out.loss, ref.loss), "grad": 0.0}
+    errors = {"logits": max_rel_error(out.logits, refs[d]["logits"]),
+              "loss": max_rel_error(out.loss, refs[d]["loss"]), "grad": 0.0}
     for name, p in model.named_parameters():
         spec = getattr(p, "ep_shard", None)
-        expected = spec.take(grads[0][name] + grads[1][name]) if spec is not None else \
-            dense_shard(grads[d][name], p.tp_shard)
+        expected = spec.take(refs[0]["grads"][name] + refs[1]["grads"][name]) \
+            if spec is not None else dense_shard(refs[d]["grads"][name], p.tp_shard)
         errors["grad"] = max(errors["grad"], max_rel_error(p.grad, expected))
     return errors
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("folding", ["ep2", "ep4"])
-def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
+def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folded_reference, folding):
     """``parallelize(..., ep_group=)``: the experts cut across ranks of two data replicas,
     TP 2 x EP 2 (TP peers hold the same experts, their gradients summed over TP) and TP 2 in
     EP 4; each replica's logits and loss are its dense model's, the experts' gradients the
     sum over both replicas' tokens."""
-    for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding)):
+    for rank, errors in enumerate(ranks(4).run(_folded_body, moe_dirs / "qwen3_moe", folding,
+                                               folded_reference)):
         for kind, err in errors.items():
             assert err <= TOL[kind], f"rank {rank}: {kind} {err:.2e}"
 
@@ -330,8 +381,9 @@ def test_ep_group_folded_across_data_replicas(ranks, moe_dirs, folding):
     ({"tp": 1, "dp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage"),
     ({"tp": 2, "dp": 2, "ep": 3}, "--ep 3 does not divide the 4 ranks"),
     ({"tp": 1, "dp": 8, "ep": 8}, "--ep 8 is more than the 6 routed experts"),
-    ({"tp": 1, "cp": 2}, "--cp 2 with --hf"),
-], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "cp"])
+    ({"tp": 1, "dp": 1, "cp": 2, "ep": 4}, "--ep 4 does not divide the 2 ranks of a stage "
+                                           "(--dp 1 x --cp 2 x --tp 1)"),
+], ids=["ep-over-ranks", "ep-not-dividing", "ep-over-experts", "ep-over-cp-ranks"])
 def test_train_hf_moe_layout_refused_in_one_line(moe_dirs, flags, says):
     """A layout the MoE model cannot take is refused before any rank starts, in one line."""
     from hf_runs import resolve
