@@ -1,28 +1,23 @@
-"""``tensorpar verify`` end to end, as a user runs it: spawned ranks and torchrun; and the help
-of every subcommand."""
+"""``tensorpar verify`` end to end, as a user runs it: spawned ranks and torchrun's; and the
+help of every subcommand. The commands go through their entry in this process
+(``tensorpar_here``), their ranks forked from the session's fork server, under torchrun too
+(``docs_torchrun.torchrun_here``: ranks with torchrun's environment): a new interpreter imports
+torch for 3-5 s. ``python -m tensorpar`` as a process, and torchrun itself, are tested with
+training (tests/train/test_stop_resume.py, test_torchrun_train.py)."""
 
 import argparse
-import os
-import subprocess
-import sys
 
 import pytest
+from docs_torchrun import torchrun_here
 
-from tests_common import tensorpar_here
-
-
-def _run(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_"))}
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+from tests_common import cli_env, tensorpar_here
 
 
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "3", "--sequence-parallel"]])
 def test_verify_passes(flags):
     """The table lists logits, loss and every gradient, all within 1e-5, and the collective
-    counts match the scheme; exit code 0. At TP=2 as a new process, as a user runs it; at TP=3
-    through the same entry in this process (``tensorpar_here``: 5 s less)."""
-    out = _run(sys.executable, "-m", "tensorpar", "verify", *flags) if flags[1] == "2" else \
-        tensorpar_here("verify", *flags)
+    counts match the scheme; exit code 0."""
+    out = tensorpar_here("verify", *flags)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all outputs, gradients and collective counts match" in out.stdout
     for name in ("logits", "loss", "grad attn.k_proj.weight", "grad mlp.gate.weight",
@@ -31,11 +26,11 @@ def test_verify_passes(flags):
     assert "MISMATCH" not in out.stdout
 
 
-def test_verify_under_torchrun():
-    """The same command as one of torchrun's ranks (torchrun's rendezvous instead of our spawn):
-    every rank judges, rank 0 alone prints the tables."""
-    out = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--standalone", "-m", "tensorpar", "verify", "--tp", "2", timeout=180)
+def test_verify_under_torchrun(tmp_path):
+    """The same command as one of torchrun's ranks (the ranks meet through torchrun's
+    environment instead of our spawn): every rank judges, rank 0 alone prints the tables."""
+    out = torchrun_here(2, ["-m", "tensorpar", "verify", "--tp", "2"], tmp_path, cli_env(),
+                        timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("all outputs, gradients and collective counts match") == 1, out.stdout
     assert out.stdout.count("tensorpar verify: TP=2") == 1, out.stdout

@@ -9,7 +9,8 @@ Failure handling, so that nothing hangs:
 - a function that raises on a rank comes back as :class:`RankError` with that rank's traceback
   and what it was (``failures``: an expected error in one line, or a bug; ``failures.py``);
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
-  ``grace_s`` seconds, then stops every rank and is closed (a later ``run`` raises);
+  ``grace_s`` seconds (10, or the collective timeout when shorter: by then a stuck collective
+  has failed and said so), then stops every rank and is closed (a later ``run`` raises);
 - a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool; the
   error names the rank and the signal; an abort (gloo's answer to ranks that fed a collective
   different shapes; its message is on the launcher's stderr) comes with the hint to turn the
@@ -40,10 +41,17 @@ from tensorpar.ranks.checking import CHECK_HINT
 from tensorpar.ranks.failures import EXPECTED, RankError, RankFailure, collective_failure
 from tensorpar.ranks.forkserver import exit_with_launcher, start_server
 from tensorpar.ranks.signals import forwarding, ignoring, rank_defaults, signal_name
-from tensorpar.runtime.groups import DEVICE_ENV, check_device, checks_wanted, collectives_checked
+from tensorpar.runtime.groups import (
+    DEVICE_ENV,
+    check_device,
+    checks_wanted,
+    collective_timeout_s,
+    collectives_checked,
+)
 from tensorpar.runtime.torchrun import under_torchrun
 
 PORT_TRIES = 3  # starts of a pool's ranks, each on a new port, when its port was taken
+GRACE_S = 10.0  # the longest a pool waits for the other ranks once one has failed
 
 
 def free_port() -> int:
@@ -135,7 +143,9 @@ class RankPool:
         is asked for), else gloo.
     threads: torch threads per rank; default: the machine's cores divided among the ranks.
     timeout_s: longest one ``run`` may take before the pool is stopped (None: no limit).
-    grace_s: how long to wait for the other ranks once one has failed.
+    grace_s: how long to wait for the other ranks once one has failed; default ``GRACE_S``,
+        or the ranks' collective timeout (``tensorpar --timeout``) when that is shorter: a rank
+        stuck in a collective with the failed one has given up by then.
     check_collectives: compare each collective across ranks first (``checking.py``); default
         ``TENSORPAR_CHECK_COLLECTIVES`` from the environment.
     device: "cpu", or "cuda": every rank on a GPU over gloo, n ranks on one GPU too (a test mode,
@@ -143,12 +153,13 @@ class RankPool:
     """
 
     def __init__(self, nprocs: int, backend: str | None = None, threads: int | None = None,
-                 timeout_s: float | None = 600.0, grace_s: float = 10.0,
+                 timeout_s: float | None = 600.0, grace_s: float | None = None,
                  check_collectives: bool | None = None, device: str | None = None):
         if nprocs < 1:
             raise ValueError(f"nprocs={nprocs} must be >= 1")
         check_device(device)  # before any rank is spawned; the environment's, in each rank
-        self.nprocs, self.timeout_s, self.grace_s = nprocs, timeout_s, grace_s
+        self.nprocs, self.timeout_s = nprocs, timeout_s
+        self.grace_s = min(GRACE_S, collective_timeout_s()) if grace_s is None else grace_s
         self.checked = (checks_wanted(check_collectives)
                         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)

@@ -117,6 +117,12 @@ def collectives_checked(group: ProcessGroup | None = None) -> bool:
 TIMEOUT_ENV = "TENSORPAR_TIMEOUT"
 
 
+def collective_timeout_s() -> float:
+    """How long a collective of a rank started from this environment waits for the others:
+    ``TENSORPAR_TIMEOUT`` seconds, else torch's 10 minutes."""
+    return float(os.environ.get(TIMEOUT_ENV, 600))
+
+
 def init_tensor_parallel(
     tp_size: int | None = None,
     backend: str | None = None,
@@ -169,7 +175,7 @@ def start_process_group(backend: str | None = None, timeout: timedelta | None = 
     already started, except that asking for the check mode then is refused). The arguments are
     ``init_tensor_parallel``'s."""
     if timeout is None:
-        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 600)))
+        timeout = timedelta(seconds=collective_timeout_s())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,8 +1,6 @@
 """The launcher: results per rank, failures reported with tracebacks, no hangs."""
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -59,6 +57,21 @@ def test_failing_rank_is_reported_and_the_others_stopped():
         pool.run(_whoami)
 
 
+def test_grace_is_at_most_the_collective_timeout(monkeypatch):
+    """With ranks whose collectives time out sooner than the pool's 10 s grace (``tensorpar
+    --timeout 2``), the pool waits that long for the others once one has failed: a rank stuck
+    in a collective with the failed one has given up by then."""
+    from tensorpar.runtime.groups import TIMEOUT_ENV
+
+    monkeypatch.setenv(TIMEOUT_ENV, "2")
+    with RankPool(2, threads=1) as pool:
+        assert pool.grace_s == 2.0
+        start = time.monotonic()
+        with pytest.raises(RankError, match="boom on rank one"):  # rank 0's timeout, or the
+            pool.run(_fail_on_rank_one_while_others_wait)  # grace, whichever comes first
+        assert time.monotonic() - start < 10, "waited the whole 10 s grace"
+
+
 def _attached_tensor():
     return torch.ones(2, requires_grad=True) * 2  # part of an autograd graph: not picklable
 
@@ -82,16 +95,32 @@ def test_dead_rank_is_reported():
         pool.run(_die)
 
 
+def _world_without_launcher(env: dict, conn) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    group = init_tensor_parallel()
+    conn.send((dist.get_world_size(group), dist.get_backend()))
+    dist.destroy_process_group()
+
+
 def test_init_single_process_without_launcher():
-    """No launcher environment: a world of one on gloo, run in a fresh interpreter."""
-    code = ("import tensorpar, torch.distributed as d; g = tensorpar.init_tensor_parallel(); "
-            "print(d.get_world_size(g), d.get_backend())")
+    """No launcher environment: a world of one on gloo, in a new process with no process group
+    yet (forked from the session's fork server, which has imported torch: a fresh interpreter
+    would spend 3-5 s on that)."""
+    from tensorpar.ranks.forkserver import rank_context
+
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "gloo"]
+    ctx = rank_context()
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_world_without_launcher, args=(env, theirs))
+    proc.start()
+    try:
+        assert mine.poll(120), f"no answer (exit code {proc.exitcode})"
+        assert mine.recv() == (1, "gloo")
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
 
 
 def test_tp_size_must_divide_world():

@@ -198,19 +198,20 @@ def test_cli_refusals(hf_dirs):
     assert bad.returncode == 2 and "not a Hugging Face model directory" in bad.stderr
 
 
-def test_cli_generate_under_torchrun(hf_dirs):
+def test_cli_generate_under_torchrun(hf_dirs, tmp_path):
     """``generate --hf`` as torchrun's 2 ranks: each rank loads its shard of the model from the
     folder and exits alike, and rank 0 alone prints the token ids. (``verify --hf`` takes the
     same path, ``run_ranks`` and rank 0's ``say``, which ``tests/test_cli.py`` runs under
-    torchrun for ``verify``.)"""
-    import subprocess
-    import sys
+    torchrun for ``verify``.) The ranks are forked from the session's fork server with
+    torchrun's environment (``docs_torchrun.torchrun_here``): each new interpreter of a real
+    torchrun imports torch and transformers again; torchrun itself is tested with training
+    (tests/train/test_torchrun_train.py)."""
+    from docs_torchrun import torchrun_here
 
     from tests_common import cli_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "tensorpar", "generate", "--hf", str(hf_dirs / "gpt2"), "--tp", "2",
-           "--prompt-ids", "5,6,7", "--max-new-tokens", "4"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env())
+    out = torchrun_here(2, ["-m", "tensorpar", "generate", "--hf", str(hf_dirs / "gpt2"), "--tp",
+                            "2", "--prompt-ids", "5,6,7", "--max-new-tokens", "4"], tmp_path,
+                        cli_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("5 6 7 ") == 1 and out.stdout.startswith("5 6 7 "), out.stdout

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from docs_torchrun import torchrun_here
 
 from tensorpar.checkpoint.format import find_checkpoint
 from tensorpar.checkpoint.load import CheckpointReader
@@ -114,16 +115,25 @@ def test_file_too_large_save(saved, tmp_path):
     CheckpointReader(run / "step-00000002").verify()  # (resuming from it: test_stop_resume.py)
 
 
+# a torchrun rank under ``ulimit -f LIMIT``: ``python -m tensorpar ARGV``
+LIMITED_RANK = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
+sys.argv = ["tensorpar", *{argv!r}]
+runpy.run_module("tensorpar", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_file_too_large_under_torchrun(saved, tmp_path):
     """The same under torchrun: each rank says its line (``rank R: File too large: ...``) and
-    exits 1; no traceback of ours (torchrun adds its own report); the checkpoint is kept."""
+    exits 1; no traceback of ours; the checkpoint is kept. The ranks are forked from the
+    session's fork server with torchrun's environment (``docs_torchrun.torchrun_here``: no new
+    interpreter importing torch per rank; torchrun itself: tests/train/test_torchrun_train.py)."""
     run = tmp_path / "run"
     shutil.copytree(saved[0], run)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "tensorpar", "train", "--tp", "2",
-                          "--resume", "--steps", "4", "--out", str(run)],
-                         capture_output=True, text=True, timeout=120, env=cli_env(),
-                         preexec_fn=_limit_file_size(saved[1]))
+    argv = ["train", "--tp", "2", "--resume", "--steps", "4", "--out", str(run)]
+    (tmp_path / "rank.py").write_text(LIMITED_RANK.format(limit=saved[1], argv=argv))
+    out = torchrun_here(2, ["rank.py"], tmp_path, cli_env(), timeout=120)
     assert out.returncode == 1, out.stderr
     for rank in (0, 1):
         assert (f"tensorpar train: rank {rank}: File too large: '{run}/.step-00000004.tmp/"

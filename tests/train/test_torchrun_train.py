@@ -1,12 +1,17 @@
 """``tensorpar train`` as torchrun's ranks: every rank ends a run the same way (a stop signal
 that reaches one rank stops them all, and each exits 128 + the signal), and a wrong world size
-is said once. Real torchrun, real signals."""
+is said once. Real torchrun, real signals; the wrong size on ranks forked from the session's
+fork server with torchrun's environment (``docs_torchrun.torchrun_here``: no new interpreter
+to import torch per rank; the command's path is the same, torchrun itself is the stop
+test's)."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from docs_torchrun import torchrun_here
 
 from tests_common import TINY_GPT, child_pids, cli_env, read_metrics
 
@@ -51,8 +56,8 @@ def test_a_stop_under_torchrun_ends_every_rank_alike(tmp_path):
 
 
 def test_torchrun_with_the_wrong_size_says_so_once(tmp_path):
-    run = subprocess.run([*TORCHRUN, "--tp", "4", "--steps", "2", "--out", str(tmp_path),
-                          *TINY_GPT], capture_output=True, text=True, timeout=180, env=cli_env())
+    run = torchrun_here(2, ["-m", "tensorpar", "train", "--tp", "4", "--steps", "2", "--out",
+                            str(tmp_path / "run"), *TINY_GPT], tmp_path, cli_env(), timeout=180)
     assert run.returncode != 0
     line = "torchrun started 2 processes, which --tp 4 does not divide: start a multiple of 4 " \
            "in all (--nnodes x --nproc-per-node), or pass a --tp that divides 2"

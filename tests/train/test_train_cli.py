@@ -1,7 +1,8 @@
 """``tensorpar train``, ``generate`` and ``export`` end to end, as a user runs them: spawned
-ranks and torchrun, a real kill and ``--resume``, resharding, clear errors. The first run is a
-new process; runs that only compare with it (TP=1, the resume after the kill, generate, the
-dense export) go through the same entry in this process (``tensorpar_here``), 5 s less each.
+ranks and torchrun, a real kill and ``--resume``, resharding, clear errors. The first run is
+a new process (rank 0 prints its summary on the process's stdout), and so is the run that is
+killed; runs that only compare with them (TP=1, the resume after the kill, generate, the dense
+export) go through the same entry in this process (``tensorpar_here``), 5 s less each.
 Training under torchrun: tests/train/test_torchrun_train.py and tests/dp/test_multinode.py."""
 
 import json
@@ -15,15 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests_common import TINY_GPT, cli_env, rank_pids, read_metrics, tensorpar_here
-from tests_common import tensorpar_cli as _tensorpar
+from tests_common import TINY_GPT, cli_env, rank_pids, read_metrics, tensorpar_cli, tensorpar_here
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A TP=2 run of 20 steps (checkpoints every 5)."""
     run = tmp_path_factory.mktemp("tp2")
-    out = _tensorpar("train", "--tp", 2, "--steps", 20, "--save-every", 5, "--out", run, *TINY_GPT)
+    out = tensorpar_cli("train", "--tp", 2, "--steps", 20, "--save-every", 5, "--out", run,
+                        *TINY_GPT)
     assert out.returncode == 0, out.stdout + out.stderr
     return run, out.stdout
 
@@ -55,19 +56,41 @@ def test_tp1_equals_tp2_step_by_step(trained, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (neither gone nor a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_kill_then_resume(trained, tmp_path):
-    """SIGKILL a TP=2 run after its step-5 checkpoint, then ``--resume`` at TP=4 with no other
-    flag: the run finishes at step 20 and its metrics equal the uninterrupted run's."""
+    """SIGKILL to the launcher alone of a TP=2 run (``kill -9 PID``, not its group) after its
+    step-5 checkpoint: its ranks exit too. Then ``--resume`` at TP=4 with no other flag: the run
+    finishes at step 20 and its metrics equal the uninterrupted run's."""
     cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", "20",
            "--save-every", "5", "--out", str(tmp_path), *TINY_GPT]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=cli_env(), start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "step-00000005" / "manifest.json").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "step-00000005" / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(r) for r in ranks):
+            assert time.monotonic() < deadline, "ranks still running after their launcher died"
+            time.sleep(0.05)
+    finally:  # nothing left behind, whatever happened
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     out = tensorpar_here("train", "--resume", "--tp", 4, "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming from" in out.stderr
@@ -79,7 +102,7 @@ def test_kill_then_resume(trained, tmp_path):
 def test_generate_same_text_at_any_tp(trained):
     """Sampled text from the TP=2 checkpoint is identical at TP=1 and 2 as the CLI prints it
     (greedy, top-k, top-p and batches at TP=1 to 4: tests/gpt/test_generate.py); the prompt
-    comes first on stdout. (A new process runs generate in tests/hf/test_hf_generate.py.)"""
+    comes first on stdout. (A new process runs generate in tests/hf/test_hf_export.py.)"""
     temperature = "0.8"
     texts = []
     for tp in (1, 2):
@@ -142,24 +165,3 @@ def test_short_data_and_bad_generate_flags(trained, tmp_path):
                            (["--temperature", "nan"], "--temperature nan >= 0")):
         out = tensorpar_here("generate", "--ckpt", trained[0], "--prompt", "x", *flags)
         assert out.returncode == 2 and message in out.stderr, out.stderr
-
-
-def test_ranks_exit_with_the_launcher(tmp_path):
-    """``kill PID`` of the tensorpar process alone (not its group): its ranks exit too, and stop
-    writing to the run directory."""
-    cmd = [sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--steps", "100000",
-           "--out", str(tmp_path), *TINY_GPT]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=cli_env())
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists() or len(rank_pids(proc.pid)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    ranks = rank_pids(proc.pid)
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 20
-    while any(os.path.exists(f"/proc/{r}") and open(f"/proc/{r}/stat").read().rsplit(")", 1)[1]
-              .split()[0] != "Z" for r in ranks):
-        assert time.monotonic() < deadline, "ranks still running after their launcher died"
-        time.sleep(0.2)
