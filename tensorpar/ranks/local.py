@@ -9,8 +9,9 @@ Failure handling, so that nothing hangs:
 - a function that raises on a rank comes back as :class:`RankError` with that rank's traceback
   and what it was (``failures``: an expected error in one line, or a bug; ``failures.py``);
 - if some ranks raised and the others are stuck in a collective waiting for them, the pool waits
-  ``grace_s`` seconds (10, or the collective timeout when shorter: by then a stuck collective
-  has failed and said so), then stops every rank and is closed (a later ``run`` raises);
+  ``grace_s`` seconds (10, or the collective timeout when shorter: by then a collective
+  already waiting for the failed rank has failed and said so), then stops every rank and is
+  closed (a later ``run`` raises);
 - a rank that dies (segfault, abort) or a job past ``timeout_s`` also stops the whole pool; the
   error names the rank and the signal; an abort (gloo's answer to ranks that fed a collective
   different shapes; its message is on the launcher's stderr) comes with the hint to turn the
@@ -145,7 +146,8 @@ class RankPool:
     timeout_s: longest one ``run`` may take before the pool is stopped (None: no limit).
     grace_s: how long to wait for the other ranks once one has failed; default ``GRACE_S``,
         or the ranks' collective timeout (``tensorpar --timeout``) when that is shorter: a rank
-        stuck in a collective with the failed one has given up by then.
+        already waiting in a collective for the failed one has given up by then (one that
+        enters a collective later may still be waiting, and is stopped).
     check_collectives: compare each collective across ranks first (``checking.py``); default
         ``TENSORPAR_CHECK_COLLECTIVES`` from the environment.
     device: "cpu", or "cuda": every rank on a GPU over gloo, n ranks on one GPU too (a test mode,

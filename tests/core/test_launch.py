@@ -120,6 +120,9 @@ def test_init_single_process_without_launcher():
         assert mine.recv() == (1, "gloo")
     finally:
         proc.join(30)
+        if proc.is_alive():  # stuck: nothing left behind
+            proc.kill()
+            proc.join()
     assert proc.exitcode == 0
 
 

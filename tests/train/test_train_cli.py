@@ -91,6 +91,9 @@ def test_kill_then_resume(trained, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # the kill came mid-run (the ranks did not simply finish), so the resume has steps to take
+    assert not (tmp_path / "step-00000020").exists()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) < 20
     out = tensorpar_here("train", "--resume", "--tp", 4, "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming from" in out.stderr
