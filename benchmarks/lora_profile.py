@@ -9,7 +9,8 @@ converted by ``tensorpar.parallelize`` and trained as a user's loop does (``labe
 the bench's ``hf-llama-labels`` step), every weight trained ("full") or LoRA adapters of rank 8
 on every block projection, no adapter dropout ("lora"), on batches of 8 x 128 tokens. After 2
 warm-up steps each, ``--rounds`` rounds time one step of each, their order alternating, every
-step between two barriers; then ``--profile-steps`` steps of each under ``torch.profiler``
+step between two barriers (its wall time, and the rank's CPU time: what a loaded machine
+stretches least); then ``--profile-steps`` steps of each under ``torch.profiler``
 (per-op self CPU time on rank 0, the bench's categories) and one step of each under
 ``CollectiveCounter``. Prints the medians, IQRs and the ratio, the categories and the ops whose
 time differs most; ``--out`` writes it all as JSON.
@@ -61,14 +62,16 @@ def _rank(args) -> dict:
         for fn in steps.values():
             fn(ids, targets)
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}  # this rank's CPU time, all threads
     for r in range(args.rounds):
         for name in (("full", "lora") if r % 2 == 0 else ("lora", "full")):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             steps[name](ids, targets)
+            cpu[name].append(1e3 * (time.process_time() - cpu_start))
             dist.barrier()
             times[name].append(1e3 * (time.perf_counter() - start))
-    result = {"times_ms": times, "profile": {}, "ops": {}, "collectives": {}}
+    result = {"times_ms": times, "cpu_ms": cpu, "profile": {}, "ops": {}, "collectives": {}}
     for name, fn in steps.items():
         if args.profile_steps:
             dist.barrier()
@@ -96,6 +99,9 @@ def _report(res: dict, args) -> None:
                                     strict=True)]
     print(f"  lora / full: {q['lora'][1] / q['full'][1]:.3f} of medians; per round median "
           f"{statistics.median(ratios):.3f}")
+    cpu = {k: statistics.median(v) for k, v in res["cpu_ms"].items()}
+    print(f"  CPU time a step (rank 0, its threads; robust to a loaded machine): full "
+          f"{cpu['full']:.1f} ms, lora {cpu['lora']:.1f} ms, {cpu['lora'] / cpu['full']:.3f}")
     for k, c in res["collectives"].items():
         print(f"  {k} collectives: " + ", ".join(f"{kind} {n} ({b / 2**20:.2f} MiB)"
                                                 for kind, (n, b) in sorted(c.items())))

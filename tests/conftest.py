@@ -20,7 +20,7 @@ import signal
 
 import pytest
 
-from tensorpar.ranks.forkserver import COMMAND_MODULES, HF_MODULES, start_server
+from tensorpar.ranks.forkserver import COMMAND_MODULES, COMPILE_MODULES, HF_MODULES, start_server
 from tensorpar.ranks.local import RankPool
 
 from tests_common import WORLD_SIZES, pools_checked  # noqa: F401
@@ -34,10 +34,10 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # Every rank this session forks, the pools' and those of commands run in this process
 # (tests_common.tensorpar_here), comes from one fork server that imports, once, what the
 # commands' ranks import (torch._dynamo and matplotlib: 3 s a rank otherwise; transformers' model
-# code for --hf: 4 s). With transformers in every rank a MemoryMeter's scan of the live objects
-# at entry takes 0.42 s instead of 0.33.
+# code for --hf: 4 s; torch.compile's AOT autograd for --compile: 1 s). With transformers in
+# every rank a MemoryMeter's scan of the live objects at entry takes 0.42 s instead of 0.33.
 start_server(sorted({module for modules in COMMAND_MODULES.values() for module in modules}
-                    | set(HF_MODULES)))
+                    | set(HF_MODULES) | set(COMPILE_MODULES)))
 
 
 # The fast tier (``make test-fast``: ``-m "not slow"``) is every package's core behaviour, under

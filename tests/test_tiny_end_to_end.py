@@ -96,3 +96,17 @@ def test_compiled_training_follows_eager(run, tmp_path):
     for a, b in zip(read_metrics(out), read_metrics(run), strict=True):
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a, b)
+
+
+def test_compile_preloads_what_the_first_compile_imports():
+    """``train --compile`` has the ranks' fork server import torch.compile's own modules (AOT
+    autograd, the partitioner: 1 s a rank), ``--hf`` transformers' model code, and neither for a
+    plain run; every module named exists in this torch (the server skips a name that fails)."""
+    import importlib.util
+
+    from tensorpar.ranks.forkserver import COMMAND_MODULES, COMPILE_MODULES, HF_MODULES, preload_for
+
+    assert preload_for("train", ["train", "--tp", "2"]) == COMMAND_MODULES["train"]
+    assert preload_for("train", ["train", "--compile", "--hf", "m"]) == \
+        COMMAND_MODULES["train"] + HF_MODULES + COMPILE_MODULES
+    assert all(importlib.util.find_spec(name) is not None for name in COMPILE_MODULES)

@@ -59,8 +59,14 @@ def tensorpar_here(*args, cwd=None):
     3-5 s a new Python spends importing torch; in ``cwd`` if given. For requests refused before
     any rank starts, and for runs beside a real process's run of the same command: their ranks
     fork from the session's server (conftest.py). The environment and the signal handlers that
-    ``main`` sets are put back. A CompletedProcess, as ``tensorpar_cli`` returns."""
+    ``main`` sets are put back. A CompletedProcess, as ``tensorpar_cli`` returns.
+
+    As the script does (``tensorpar/__main__.py``), what this process holds before the command
+    is frozen out of the garbage collections while it runs (``gc.freeze``): ``main``'s last
+    collection (and Python's own) then walks only what the command made, in place of the
+    session's 400,000 or more objects, 0.2-0.6 s a command here."""
     import contextlib
+    import gc
     import io
     import os
     import signal
@@ -73,6 +79,7 @@ def tensorpar_here(*args, cwd=None):
     signums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
     env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in signums}
     out, err = io.StringIO(), io.StringIO()
+    gc.freeze()
     try:
         os.environ.pop(CHECK_ENV, None)  # the suite's switch is not the command's
         with (contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out),
@@ -82,6 +89,7 @@ def tensorpar_here(*args, cwd=None):
             except SystemExit as e:  # argparse: a bad flag (2) or --help (0)
                 code = e.code if isinstance(e.code, int) else 1
     finally:
+        gc.unfreeze()
         os.environ.clear()
         os.environ.update(env)
         for s, handler in handlers.items():

@@ -66,17 +66,17 @@ def step_seconds(flops_per_device: float, bubble_fraction: float, tp: int, pp: i
     return seconds
 
 
-def expert_sizes(shape: ModelShape, tp: int, dp: int) -> list[int]:
-    """The EP sizes a search tries at (tp, dp): those ``check_expert_parallel`` takes (the
+def expert_sizes(shape: ModelShape, tp: int, dp: int, cp: int = 1) -> list[int]:
+    """The EP sizes a search tries at (tp, dp, cp): those ``check_expert_parallel`` takes (the
     trainer's rule); 1 for a dense model."""
     if shape.moe is None:
         return [1]
-    return [e for e in range(1, dp * tp + 1) if _folds(e, tp, dp, shape.moe.experts)]
+    return [e for e in range(1, dp * cp * tp + 1) if _folds(e, tp, dp, cp, shape.moe.experts)]
 
 
-def _folds(ep: int, tp: int, dp: int, experts: int) -> bool:
+def _folds(ep: int, tp: int, dp: int, cp: int, experts: int) -> bool:
     try:
-        check_expert_parallel(ep, tp, dp, experts)
+        check_expert_parallel(ep, tp, dp, experts, cp)
     except ValueError:
         return False
     return True
@@ -159,7 +159,7 @@ def search_layouts(step: Step, devices: int, device_memory: float, reserve: floa
                 for pp in (p for p in range(1, rest + 1) if rest % p == 0):
                     if pps is not None and pp not in pps:
                         continue
-                    for ep in expert_sizes(shape, tp, rest // pp):
+                    for ep in expert_sizes(shape, tp, rest // pp, cp):
                         layout = {"tp": tp, "cp": cp, "pp": pp, "dp": rest // pp,
                                   "virtual": step.virtual if pp > 1 else 1}
                         if shape.moe is not None:

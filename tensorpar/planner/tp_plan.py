@@ -22,7 +22,7 @@ def check_step(step: Step) -> None:
         raise ValueError(f"recompute {step.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     check_dp(step.dp, step.dp_mode)
     check_expert_parallel(step.ep, step.tp, step.dp, 0 if step.shape.moe is None
-                          else step.shape.moe.experts)
+                          else step.shape.moe.experts, step.cp)
     if step.batch % step.dp:
         raise ValueError(f"--batch {step.batch} does not split over --dp {step.dp}: each copy "
                          "takes batch/dp sequences")

@@ -44,6 +44,9 @@ COMMAND_MODULES = {
 }
 # and with --hf PATH: transformers' model and generation code (4 s), the HF trainer
 HF_MODULES = ["transformers.modeling_utils", "transformers.generation", "tensorpar.train.hf_recipe"]
+# and with --compile: what torch.compile's first call imports besides torch._dynamo (AOT
+# autograd, its partitioner, inductor's graph code, even for aot_eager): 1 s of CPU a rank
+COMPILE_MODULES = ["functorch.compile", "torch._inductor.compile_fx"]
 
 
 def rank_context(preload: list[str] | tuple[str, ...] = ()) -> mp.context.BaseContext:
@@ -75,7 +78,13 @@ def start_early(argv: list[str]) -> None:
         return
     command = next((word for word in argv if word in COMMAND_MODULES), None)
     if command is not None:
-        start_server(COMMAND_MODULES[command] + (HF_MODULES if "--hf" in argv else []))
+        start_server(preload_for(command, argv))
+
+
+def preload_for(command: str, argv: list[str]) -> list[str]:
+    """What the server imports for ``command``'s ranks, given the command line's words."""
+    return (COMMAND_MODULES[command] + (HF_MODULES if "--hf" in argv else [])
+            + (COMPILE_MODULES if "--compile" in argv else []))
 
 
 def exit_with_launcher(launcher: int) -> None:

@@ -428,7 +428,8 @@ def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     # each sorted row weighted and added to its token: token t's k rows in expert order, the
     # order of the dense model's loop over experts
     weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)  # (n k, D)
-    return x.new_zeros(n, x.shape[-1]).index_add(0, token, weighted)
+    # in the product's dtype (fp32 tokens with bf16 router weights under autocast: fp32)
+    return x.new_zeros(n, x.shape[-1], dtype=weighted.dtype).index_add(0, token, weighted)
 
 
 def moe_collective_counts(tp: int, ep: int, stats: int, shared: bool,

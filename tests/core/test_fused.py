@@ -315,9 +315,9 @@ def _opcheck_body():
     torch.manual_seed(0)
     dys = [torch.randn(2, 5, o, dtype=torch.bfloat16) for o in (7, 5)]
     x, ws = torch.randn(2, 5, 8, dtype=torch.bfloat16), [torch.randn(o, 8) for o in (7, 5)]
-    # a LoRA adapter (rank 3) on the second output: A, B and z = x A^T as forward made them
+    # a LoRA adapter (rank 3) on the second output: A, B and z^T = A x^T as forward made them
     a, b = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
-    adapter = ([a], [b], torch.randn(10, 3, dtype=torch.bfloat16), [1], [0.5])
+    adapter = ([a], [b], torch.randn(3, 10, dtype=torch.bfloat16), [1], [0.5])
     for sizes, regather, need_dx, need, lora in (
             ([], False, True, [True, True], None),  # without SP
             ([], False, True, [False, False, True, True], (*adapter, True)),  # partial sums

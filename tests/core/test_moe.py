@@ -321,3 +321,25 @@ def test_fewer_tokens_than_tp_ranks(ranks):
     """One token at TP 2 = EP 2: one rank routes it, the other routes none and still joins
     every collective."""
     ranks(2).run(_one_token_body)
+
+
+def test_routed_experts_take_weights_of_another_dtype():
+    """fp32 tokens, bf16 experts' outputs and router weights (under autocast; GPT-OSS's softmax
+    in the top values' dtype): the k outputs weighted and summed in the product's dtype, as the
+    loop over choices gives, not refused by ``index_add``."""
+    from tensorpar.transformer.moe import routed_experts
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    experts = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights = torch.rand(5, 2).to(torch.bfloat16)
+    scale = torch.tensor([1.0, 2.0, 3.0])  # expert e multiplies its rows by e + 1
+
+    def run(rows, counts):
+        return (rows * scale.repeat_interleave(counts).unsqueeze(-1)).to(torch.bfloat16)
+
+    y = routed_experts(x, experts, weights, [3], None, run)
+    outs = [(x * scale[experts[:, j]].unsqueeze(-1)).to(torch.bfloat16) for j in range(2)]
+    want = sum(outs[j].float() * weights[:, j:j + 1].float() for j in range(2))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)

@@ -20,6 +20,9 @@ TINY = {"vocab_size": 50, "n_layer": 2, "dim": 32, "n_head": 4, "n_kv_head": 2, 
 # (2026-11-27, torch 2.13 CPU)
 LOSS_TOL = 2e-6  # measured 1.8e-7 (aot_eager, TP=2, step 1)
 GRAD_TOL = 6e-6  # measured 5.3e-7 (q_proj's gradient, dropout, TP=2)
+# the compiled runs: (n, sp) of the model alone, (n, sp, recompute) with dropout
+COMPILED = [(1, False), (2, False), (2, True)]
+DROPPED = [(1, False, True), (2, False, False), (2, True, True)]
 
 
 def _batch(T=13, seed=0):
@@ -27,41 +30,80 @@ def _batch(T=13, seed=0):
     return torch.randint(0, 50, (2, T), generator=g), torch.randint(0, 50, (2, T), generator=g)
 
 
-def _breaks_body(modes):
-    """(graphs, breaks, reasons) of the forward and loss, per (sp, fused, recompute, dropout)."""
-    out = {}
+def _breaks_body(sp, fused, recompute, dropout):
+    """(graphs, breaks, reasons) of dynamo's trace of the forward and loss of a one-block GPT."""
     ids, targets = _batch()
-    for sp, fused, recompute, dropout in modes:
-        dynamo.reset()
-        model = GPT(GPTConfig(**TINY | {"dropout": dropout}), sequence_parallel=sp, fused=fused,
-                    recompute=recompute)
-        ex = dynamo.explain(model)(ids, targets)
-        out[sp, fused, recompute, dropout] = (ex.graph_count, ex.graph_break_count,
-                                              [str(b.reason)[:200] for b in ex.break_reasons])
     dynamo.reset()
-    return out
+    model = GPT(GPTConfig(**TINY | {"dropout": dropout, "n_layer": 1}), sequence_parallel=sp,
+                fused=fused, recompute=recompute)
+    try:
+        ex = dynamo.explain(model)(ids, targets)
+        return ex.graph_count, ex.graph_break_count, [str(b.reason)[:200] for b in
+                                                      ex.break_reasons]
+    finally:
+        dynamo.reset()
 
 
-@pytest.mark.parametrize("n,modes", [
-    (1, [(False, True, False, 0.0), (False, True, True, 0.1)]),
-    # fused SP; plain with recomputation; fused SP with recomputation and dropout
-    (2, [(True, True, False, 0.0), (False, False, True, 0.0), (True, True, True, 0.1)]),
-])
-def test_one_graph_no_breaks(ranks, n, modes):
+def _graphs():
+    """(graphs, breaks, reasons) of what dynamo compiled in this process since its counters
+    were cleared."""
+    from torch._dynamo.utils import counters
+
+    return (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+            [reason[:200] for reason in counters["graph_break"]])
+
+
+def test_one_graph_no_breaks(ranks, compiled, dropped):
     """dynamo traces the whole model in one graph: the embedding's id check is a device-side
     assert, the cross-entropy's vocabulary split is static (``vocab_size``), the collectives
     (in forward and in the autograd Functions' backwards, which dynamo traces too) are
     functional ones, and a dropout mask is one custom op (``tensorpar::dropout_mask``: no
     ``torch.Generator`` in the graph; a recomputed block's key is taken outside the
-    checkpoint, which allows no side effect)."""
-    for mode, (graphs, breaks, reasons) in ranks(n).run(_breaks_body, modes)[0].items():
-        assert (graphs, breaks) == (1, 0), (mode, reasons)
+    checkpoint, which allows no side effect). The fused model (two blocks) as the compiled
+    runs below compiled it, at TP=1 and 2, with SP, recomputation and dropout; the plain one
+    with recomputation at TP=2 (one block), explained."""
+    ran = {f"TP={n}{' SP' * sp}": compiled(n, sp) for n, sp in COMPILED}
+    ran |= {f"TP={n}{' SP' * sp}{' recompute' * recompute} dropout": dropped(n, sp, recompute)
+            for n, sp, recompute in DROPPED}
+    for what, result in ran.items():
+        graphs, breaks, reasons = result["graphs"]
+        assert (graphs, breaks) == (1, 0), (what, reasons)
+    for graphs, breaks, reasons in ranks(2).run(_breaks_body, False, False, True, 0.0):
+        assert (graphs, breaks) == (1, 0), ("TP=2 plain recompute", reasons)
+
+
+def _recording_aot_eager(ops):
+    """``aot_eager`` that appends the call_function targets of the AOT forward and backward
+    graphs it compiles to ``ops["forward"]`` and ``ops["backward"]``."""
+    from functools import partial
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def keeping(graph):
+        def compiler(gm, example_inputs):
+            ops[graph] += [str(node.target) for node in gm.graph.nodes
+                           if node.op == "call_function"]
+            return make_boxed_func(gm.forward)  # aot_eager's own compiler: the graph as is
+        return compiler
+
+    return partial(aot_eager, fw_compiler=keeping("forward"), bw_compiler=keeping("backward"))
 
 
 def _compiled_body(backend, sp, steps, n_layer=TINY["n_layer"]):
+    """The compiled model against the one-device eager one, ``steps`` steps, gradients summed;
+    with ``backend`` "aot_eager", the call_function targets of the AOT forward and backward
+    graphs of the first step (the graphs the next steps run again), and ``"graphs"``: what
+    dynamo made of it (``_graphs``)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # what this model's compile makes: _graphs()
     cfg = GPTConfig(**TINY | {"n_layer": n_layer})
     dense = GPT(cfg, solo_group(), seed=3)
     model = GPT(cfg, None, sequence_parallel=sp, seed=3)
+    ops = {"forward": [], "backward": []}
+    if backend == "aot_eager":
+        backend = _recording_aot_eager(ops)
     compiled = torch.compile(model, backend=backend)
     try:
         for step in range(steps):  # a second step runs the compiled graphs again, grads summed
@@ -70,55 +112,39 @@ def _compiled_body(backend, sp, steps, n_layer=TINY["n_layer"]):
             assert_close(f"loss at step {step}", loss, loss_ref, LOSS_TOL)
             loss_ref.backward()
             loss.backward()
+            if step == 0:
+                first = {graph: list(found) for graph, found in ops.items()}
+                first["graphs"] = _graphs()
         assert_grads(dense, model, tol=GRAD_TOL)
     finally:  # the pool's rank runs other tests next: its compile caches hold the model
         dynamo.reset()
-    return True
-
-
-@pytest.mark.parametrize("n,sp", [(1, False), (2, False), (2, True)])
-def test_compiled_equals_one_device(ranks, n, sp):
-    assert all(ranks(n).run(_compiled_body, "aot_eager", sp, 2))
-
-
-def _graph_ops_body(sp):
-    """The call_function targets of the compiled model's AOT forward and backward graphs."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    ops = {"forward": [], "backward": []}
-
-    def keeping(graph):
-        def compiler(gm, example_inputs):
-            ops[graph] += [str(node.target) for node in gm.graph.nodes
-                           if node.op == "call_function"]
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    model = GPT(GPTConfig(**TINY), None, sequence_parallel=sp, seed=3)
-    backend = aot_autograd(fw_compiler=keeping("forward"), bw_compiler=keeping("backward"))
-    try:
-        torch.compile(model, backend=backend)(*_batch()).backward()
-    finally:
-        dynamo.reset()
-    return ops
+    return first
 
 
 @pytest.fixture(scope="module")
-def graph_ops(ranks):
-    """``graph_ops(n, sp)``: rank 0's ``_graph_ops_body`` at TP=n, traced once per module."""
+def compiled(ranks):
+    """``compiled(n, sp)``: rank 0's graph ops and graphs of ``_compiled_body`` (aot_eager, 2
+    steps) at TP=n, run once per module: every rank's compiled steps equal the one-device
+    model's."""
     made = {}
 
     def get(n, sp):
         if (n, sp) not in made:
-            made[n, sp] = ranks(n).run(_graph_ops_body, sp)[0]
+            made[n, sp] = ranks(n).run(_compiled_body, "aot_eager", sp, 2)[0]
         return made[n, sp]
 
     return get
 
 
-@pytest.mark.parametrize("n,sp", [(1, False), (2, False), (2, True)])
-def test_compiled_column_backward_is_one_op(graph_ops, n, sp):
+@pytest.mark.parametrize("n,sp", COMPILED)
+def test_compiled_equals_one_device(compiled, n, sp):
+    """Two steps of the compiled model (aot_eager) at TP=n: the losses and the summed gradients
+    of the one-device eager model, on every rank (``_compiled_body`` compares them)."""
+    assert compiled(n, sp)["forward"]
+
+
+@pytest.mark.parametrize("n,sp", COMPILED)
+def test_compiled_column_backward_is_one_op(compiled, n, sp):
     """Compiled, a fused column op's backward is one opaque op (``tensorpar::column_backward``)
     that reduces dx while it computes the weight gradients (under SP, gathering its input
     again while it computes dx), as in eager (``tests/core/test_fused.py``): the traced graph
@@ -126,17 +152,17 @@ def test_compiled_column_backward_is_one_op(graph_ops, n, sp):
     such op per column op (Q/K/V and gate/up in each block, the LM head), and without SP no
     functional collective (under SP the norms' regions keep theirs); at TP=1 there is nothing
     to reduce."""
-    ops = graph_ops(n, sp)["backward"]
+    ops = compiled(n, sp)["backward"]
     column_ops = ops.count("tensorpar.column_backward.default")
     assert column_ops == (2 * TINY["n_layer"] + 1 if n > 1 else 0), ops
     assert sp or not [op for op in ops if "c10d" in op], ops
 
 
-def test_compiled_rotary_table_is_made_once(graph_ops):
+def test_compiled_rotary_table_is_made_once(compiled):
     """The rotary table is one op in the compiled forward (``tensorpar::rotary_table``), made
     once for every block: inlined, inductor computed float64 cosines and sines again for each
     element it rotated, in every block and again in backward."""
-    ops = graph_ops(2, True)
+    ops = compiled(2, True)
     assert ops["forward"].count("tensorpar.rotary_table.default") == 1, ops["forward"]
     trig = [op for op in ops["forward"] + ops["backward"]
             if op.startswith(("aten.cos", "aten.sin"))]
@@ -147,7 +173,11 @@ def _compiled_dropout_body(sp, recompute, steps=2):
     """Compiled and eager, both with dropout at this TP size, step by step as a trainer runs
     them (``rng.set_step`` before each forward): the same masks, so the same losses and
     gradients. Without SP the stream is the replicated one, the same at every TP size, so the
-    compiled model is compared with the one-device eager model instead."""
+    compiled model is compared with the one-device eager model instead. Returns what dynamo
+    made of the first step (``_graphs``)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     cfg = GPTConfig(**TINY | {"dropout": 0.2})
     ref = GPT(cfg, None if sp else solo_group(), sequence_parallel=sp, seed=3,
               recompute=recompute)
@@ -162,6 +192,8 @@ def _compiled_dropout_body(sp, recompute, steps=2):
             assert_close(f"loss at step {step}", loss, loss_ref, LOSS_TOL)
             loss_ref.backward()
             loss.backward()
+            if step == 0:
+                graphs = _graphs()
         if sp:  # both hold this rank's shards
             for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
                 assert_close(f"grad {name}", a.grad, b.grad, GRAD_TOL)
@@ -172,12 +204,26 @@ def _compiled_dropout_body(sp, recompute, steps=2):
         assert abs(off(*_batch(seed=steps - 1)).item() - loss.item()) > 1e-4
     finally:
         dynamo.reset()
-    return True
+    return {"graphs": graphs}
 
 
-@pytest.mark.parametrize("n,sp,recompute", [(1, False, True), (2, False, False), (2, True, True)])
-def test_compiled_dropout_draws_eager_masks(ranks, n, sp, recompute):
-    assert all(ranks(n).run(_compiled_dropout_body, sp, recompute))
+@pytest.fixture(scope="module")
+def dropped(ranks):
+    """``dropped(n, sp, recompute)``: rank 0's ``_compiled_dropout_body`` at TP=n, run once per
+    module: every rank's compiled steps draw the eager model's masks."""
+    made = {}
+
+    def get(n, sp, recompute):
+        if (n, sp, recompute) not in made:
+            made[n, sp, recompute] = ranks(n).run(_compiled_dropout_body, sp, recompute)[0]
+        return made[n, sp, recompute]
+
+    return get
+
+
+@pytest.mark.parametrize("n,sp,recompute", DROPPED)
+def test_compiled_dropout_draws_eager_masks(dropped, n, sp, recompute):
+    assert dropped(n, sp, recompute)["graphs"]
 
 
 def _compiles_once_body():

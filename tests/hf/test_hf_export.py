@@ -4,8 +4,10 @@ fp32 rounding and whose greedy text equals ``tensorpar generate --temperature 0`
 tokenizer that gives tensorpar's ids; bad input is one line and leaves nothing behind.
 
 One ``tensorpar train`` run (tied head) serves every test; the untied checkpoint is made from it
-in this process (its head a perturbed copy of the embedding), so the CLI starts twice in all
-(train, then generate in the background while the exports run here)."""
+in this process (its head a perturbed copy of the embedding). ``train`` runs in this process
+(``tests_common.tensorpar_here``, its rank forked from the session's server), ``generate`` as a
+process of its own (the suite's one of ``tensorpar generate``) in the background while the
+exports run here."""
 
 import contextlib
 import dataclasses
@@ -31,8 +33,7 @@ from tensorpar.gpt.model import GPT, GPTConfig
 from tensorpar.hf import export
 from tensorpar.parallel.ownership import ShardOwnership
 
-from tests_common import TINY_GPT, checkout_env, leftovers
-from tests_common import tensorpar_cli as tensorpar
+from tests_common import TINY_GPT, checkout_env, leftovers, tensorpar_here
 
 PROMPTS = ["The with statement", "Él dijo «ñ» 日本"]  # ASCII, and 2- and 3-byte UTF-8
 NEW_TOKENS = 16
@@ -91,7 +92,7 @@ def runs(tmp_path_factory):
     --temperature 0`` printed for PROMPTS from the tied run."""
     root = tmp_path_factory.mktemp("hf-export")
     tied = root / "tied"
-    out = tensorpar("train", "--tp", 1, "--steps", 20, "--out", tied, *TINY_GPT)
+    out = tensorpar_here("train", "--tp", 1, "--steps", 20, "--out", tied, *TINY_GPT)
     assert out.returncode == 0, out.stdout + out.stderr
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
     gen = subprocess.Popen([sys.executable, "-m", "tensorpar", "generate", "--ckpt", str(tied),

@@ -14,7 +14,6 @@ from tensorpar.cli.generate import generate_hf_rank  # noqa: E402
 from tensorpar.cli.main import main  # noqa: E402
 from tensorpar.gpt.generate import format_completions  # noqa: E402
 
-from tests_common import tensorpar_cli as _tensorpar  # noqa: E402
 from tests_common import tensorpar_here  # noqa: E402
 
 PROMPTS = ["Hi ", "Once upon a", "x", "The cat sat"]
@@ -65,9 +64,11 @@ def test_batch_equals_alone_and_tp_sizes_agree(ranks, llama):
 
 def test_cli_several_prompts(ranks, llama, tmp_path):
     """``--prompt`` and ``--prompt-file`` with top-k and top-p reach the ranks: the CLI prints
-    the texts of the same batch, separated by ``--- i`` lines."""
+    the texts of the same batch, separated by ``--- i`` lines. The command runs in this process
+    (its rank forked from the session's server); ``generate --hf`` as a process of its own:
+    ``test_hf.py::test_cli_generate_under_torchrun``."""
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS[1:]) + "\n")
-    out = _tensorpar("generate", "--hf", llama, "--tp", 1, "--prompt", PROMPTS[0],
+    out = tensorpar_here("generate", "--hf", llama, "--tp", 1, "--prompt", PROMPTS[0],
                      "--prompt-file", tmp_path / "p.txt", "--max-new-tokens", 12,
                      "--temperature", 0.8, "--top-k", 5, "--top-p", 0.9, "--seed", 1)
     assert out.returncode == 0, out.stderr

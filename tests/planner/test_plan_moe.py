@@ -188,6 +188,11 @@ def test_plan_prints_total_active_and_ep():
     assert params_text(data) == "46.70B params, 12.88B active, EP=8"
     with pytest.raises(ValueError, match="--ep 3 does not divide"):
         _build("--model", "mixtral-8x7b", "--tp", "2", "--ep", "3")
+    # EP folds over the CP ranks too, as the trainer folds it (train --hf --cp 2 --ep 2)
+    folded = _build("--model", "mixtral-8x7b", "--tp", "1", "--cp", "2", "--ep", "2",
+                    "--seq", "4096")
+    assert folded["rows"][0]["ep"] == 2
+    assert expert_sizes(preset("mixtral-8x7b"), tp=1, dp=1, cp=2) == [1, 2]
     dense = _build("--model", "llama-2-7b", "--tp", "2")
     assert "params_active" not in dense and "ep" not in dense["rows"][0]
 
@@ -198,7 +203,7 @@ def test_search_lists_layouts_with_ep():
     requires)."""
     data = _build("--model", "mixtral-8x7b", "--devices", "16", "--device-memory", "80GB")
     assert data["layouts"] and any(r["ep"] > 1 for r in data["layouts"])
-    assert all((r["dp"] * r["tp"]) % r["ep"] == 0 for r in data["layouts"])
+    assert all((r["dp"] * r["cp"] * r["tp"]) % r["ep"] == 0 for r in data["layouts"])
     assert all(r["ep"] == 1 or r["ep"] % r["tp"] == 0 for r in data["layouts"]), \
         [(r["tp"], r["ep"]) for r in data["layouts"]]
     assert expert_sizes(preset("mixtral-8x7b"), tp=4, dp=2) == [1, 4, 8]

@@ -28,17 +28,23 @@ def _train(out, resume_from=None, model=None, **flags):
 
 @pytest.fixture(scope="module")
 def runs(ranks, tmp_path_factory):
-    """``runs(tp, pp=1, dp=1, **flags)``: the metrics rows of that run, made once."""
+    """``runs(tp, pp=1, dp=1, **flags)``: the metrics rows of that run, made once;
+    ``runs.folder(...)``: its run directory."""
     made = {}
 
-    def get(tp, pp=1, dp=1, model=None, **flags):
+    def made_once(tp, pp=1, dp=1, model=None, **flags):
         key = (tp, pp, dp, tuple(sorted((model or {}).items())), tuple(sorted(flags.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"pp{pp}-tp{tp}-dp{dp}")
-            made[key] = ranks(tp * pp * dp).run(_train, out, None, model, tp=tp, pp=pp,
-                                                dp=dp if dp > 1 else None, **flags)[0]["rows"]
+            made[key] = out, ranks(tp * pp * dp).run(_train, out, None, model, tp=tp, pp=pp,
+                                                     dp=dp if dp > 1 else None,
+                                                     **flags)[0]["rows"]
         return made[key]
 
+    def get(*args, **kwargs):
+        return made_once(*args, **kwargs)[1]
+
+    get.folder = lambda *args, **kwargs: made_once(*args, **kwargs)[0]
     return get
 
 
@@ -76,7 +82,9 @@ def test_pipeline_trains_as_tp1(runs, tp, pp, dp, flags):
 
 
 TIED = {"tie_embeddings": True}  # the default GPT: its head is its embedding table
-SIX = {"steps": 6, "save_every": 6}
+# 6 steps, a checkpoint at step 3 too (test_tied_resume_at_another_tp_and_pipeline_size resumes
+# it)
+SIX = {"steps": 6, "save_every": 3}
 
 
 @pytest.mark.parametrize("tp,pp,dp,flags", [
@@ -141,11 +149,12 @@ def test_tied_table_sum_is_counted(ranks, tmp_path):
 
 @pytest.mark.slow
 def test_tied_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
-    """A tied (tp 2, pp 2) run stopped after step 3 resumes at (tp 4, pp 1), and a tied run
+    """A tied (tp 2, pp 2) run's step-3 checkpoint resumes at (tp 4, pp 1), and a tied run's
     without a pipeline at (tp 1, pp 2): steps 4-6 equal the uninterrupted run's (1e-5). The
     checkpoint holds the table once, under the embedding's name, as a run without a pipeline
     stores it (the last stage's copy is not saved): it exports as that run's tied model, dense
-    and as a Hugging Face folder with tied word embeddings."""
+    and as a Hugging Face folder with tied word embeddings. (The checkpoints are the 6-step
+    runs' of test_tied_pipeline_trains_as_one_rank, saved at step 3 too.)"""
     import json
 
     import torch
@@ -156,11 +165,7 @@ def test_tied_resume_at_another_tp_and_pipeline_size(ranks, runs, tmp_path):
     from tensorpar.hf.export import export_hf
 
     want = runs(1, model=TIED, **SIX)
-    cuts = {}
-    for tp, pp in ((2, 2), (1, 1)):
-        cuts[tp, pp] = tmp_path / f"cut-tp{tp}-pp{pp}"
-        ranks(tp * pp).run(_train, cuts[tp, pp], None, TIED, tp=tp, pp=pp, steps=3,
-                           save_every=3, lr_decay_steps=6)
+    cuts = {(tp, pp): runs.folder(tp, pp, model=TIED, **SIX) for tp, pp in ((2, 2), (1, 1))}
     step3 = {k: v / "step-00000003" for k, v in cuts.items()}
     manifest = json.loads((step3[2, 2] / "manifest.json").read_text())
     assert [p["rank"] for p in manifest["tensors"]["embed.weight"]["pieces"]] == [0, 1]

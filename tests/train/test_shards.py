@@ -144,12 +144,18 @@ def test_training_on_shards_equals_across_tp_and_resumes_exactly(ranks, shards, 
                                                                  straight, tmp_path):
     """4 steps at TP=1, at TP=2 (training and validation losses to 1e-6 relative; measured
     7.7e-8), and at TP=2 stopped after step 2 and resumed (equal to the uninterrupted TP=2 run:
-    the data position is the step)."""
+    the data position is the step). The stopped run is the TP=2 run's directory as it stood
+    after step 2 (its step-2 checkpoint and rows; the warmup's 2 steps take the same learning
+    rates whatever the run's length)."""
     tp2 = _losses(ranks(2).run(_train, tmp_path / "tp2", shards[0], tok_dir, 4, tp=2)[0])
     assert sorted(tp2) == sorted(straight) == [-4, -2, 1, 2, 3, 4]
     for step, loss in tp2.items():
         assert abs(loss - straight[step]) <= 1e-6 * straight[step], (step, loss, straight)
-    ranks(2).run(_train, tmp_path / "cut", shards[0], tok_dir, 2, tp=2)
+    shutil.copytree(tmp_path / "tp2", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "step-00000004")
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if json.loads(line)["step"] <= 2))
     resumed = _losses(ranks(2).run(_train, tmp_path / "cut", shards[0], tok_dir, 4,
                                    str(tmp_path / "cut" / "step-00000002"), tp=2)[0])
     assert {s: resumed[s] for s in (3, 4, -4)} == {s: tp2[s] for s in (3, 4, -4)}

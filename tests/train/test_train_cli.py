@@ -102,7 +102,7 @@ def test_kill_then_resume(trained, tmp_path):
 def test_generate_same_text_at_any_tp(trained):
     """Sampled text from the TP=2 checkpoint is identical at TP=1 and 2 as the CLI prints it
     (greedy, top-k, top-p and batches at TP=1 to 4: tests/gpt/test_generate.py); the prompt
-    comes first on stdout. (A new process runs generate in tests/hf/test_hf_generate.py.)"""
+    comes first on stdout. (A new process runs generate in tests/hf/test_hf_export.py.)"""
     temperature = "0.8"
     texts = []
     for tp in (1, 2):
