@@ -22,8 +22,11 @@ FLAGS = TRAIN | {"steps": STEPS, "save_every": STEPS, "grad_clip": 0.2}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # relative; measured at most 3.2e-7 (losses and gradient norms), and as ||a - b|| / ||b|| of a
 # weight tensor after the 6 steps 1.0e-5 (full: AdamW's steps of elements with gradients near
-# zero carry the rounding) and 9.7e-7 (the adapters)
-TOL, FULL_TOL, LORA_TOL = 1e-6, 3e-5, 3e-6
+# zero carry the rounding) and 4.0e-6 (the adapters: down_proj's A at TP 1, 2.3e-6 at TP 2, the
+# others at most 1.1e-6; A's first gradients are near zero, as B starts at zero, and AdamW
+# scales them up with their rounding; the products held (r, tokens) sum in another order than
+# the 9.7e-7 measured before)
+TOL, FULL_TOL, LORA_TOL = 1e-6, 3e-5, 1e-5
 
 
 def _batches(path, **flags):
