@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -35,18 +34,9 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, med, q3
 
 
-def _ops(prof, steps: int) -> dict[str, list[float]]:
-    """Self CPU ms per step and calls per step, by op name."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for ev in prof.key_averages():
-        out[ev.key][0] += ev.self_cpu_time_total / 1e3 / steps
-        out[ev.key][1] += ev.count / steps
-    return dict(out)
-
-
 def _rank(args) -> dict:
     from tensorpar.bench.hf_llama import setup_hf_llama_labels
-    from tensorpar.bench.profiling import summarize
+    from tensorpar.bench.profiling import ops_per_step, summarize
     from tensorpar.bench.workload import Workload, batch, dense_state
 
     group = tp.init_tensor_parallel()
@@ -81,7 +71,7 @@ def _rank(args) -> dict:
                     fn(ids, targets)
             result["profile"][name] = summarize(prof, time.perf_counter() - start,
                                                 args.profile_steps, top=25)
-            result["ops"][name] = _ops(prof, args.profile_steps)
+            result["ops"][name] = ops_per_step(prof, args.profile_steps)
         with tp.CollectiveCounter() as counter:
             fn(ids, targets)
         result["collectives"][name] = {k: [counter.counts[k], counter.bytes[k]]

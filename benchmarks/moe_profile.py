@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def _rank(args) -> dict:
     from tensorpar.bench import hf_moe
-    from tensorpar.bench.profiling import summarize
+    from tensorpar.bench.profiling import ops_per_step, summarize
     from tensorpar.bench.workload import Workload, batch
 
     group = tp.init_tensor_parallel()
@@ -70,11 +69,7 @@ def _rank(args) -> dict:
                 fn(ids, targets)
         summary = summarize(prof, time.perf_counter() - start, args.profile_steps)
         result["categories"][name] = summary["categories_ms_per_step"]
-        ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for ev in prof.key_averages():
-            ops[ev.key][0] += ev.self_cpu_time_total / 1e3 / args.profile_steps
-            ops[ev.key][1] += ev.count / args.profile_steps
-        result["ops"][name] = dict(ops)
+        result["ops"][name] = ops_per_step(prof, args.profile_steps)
     return result
 
 

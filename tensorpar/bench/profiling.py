@@ -86,3 +86,12 @@ def summarize(prof, wall_s: float, steps: int, top: int = 15) -> dict:
         "top_ops": [{"name": name, "category": cat, "ms_per_step": us / 1e3 / steps,
                      "calls_per_step": calls / steps} for (name, cat), (us, calls) in ops],
     }
+
+
+def ops_per_step(prof, steps: int) -> dict[str, list[float]]:
+    """{op name: [self CPU ms, calls]} a step, over ``steps`` profiled steps."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.key_averages():
+        out[ev.key][0] += ev.self_cpu_time_total / 1e3 / steps
+        out[ev.key][1] += ev.count / steps
+    return dict(out)
