@@ -23,7 +23,7 @@ import pytest
 from tensorpar.ranks.forkserver import COMMAND_MODULES, COMPILE_MODULES, HF_MODULES, start_server
 from tensorpar.ranks.local import RankPool
 
-from tests_common import WORLD_SIZES, pools_checked  # noqa: F401
+from tests_common import WORLD_SIZES, groups_held, pools_checked  # noqa: F401
 
 # A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
 # ignored, and every command it starts would too (an ignored signal stays ignored through exec):
@@ -137,21 +137,44 @@ def pytest_unconfigure(config):
     gc.freeze()
 
 
+class Pools:
+    """The session's pools of ranks, one per (world size, checked), started when first asked for
+    and replaced when closed (a rank failed). A rank keeps every process group a run made in it
+    (a data-parallel mesh makes one or two; destroying them at a run's end broke the next run,
+    whose DeviceMesh resolves groups by name), and gloo's event loop threads of each wake a
+    hundred times a second, idle or not: late in a whole suite a 4-rank pool's ranks held 130 to
+    200 groups (400 to 600 threads) each and used a tenth of a core each while idle. So at each test module's start a pool whose ranks hold more than ``GROUPS_KEPT`` groups is
+    replaced by a fresh one (a second or two, a few times a session)."""
+
+    GROUPS_KEPT = 16
+
+    def __init__(self):
+        self.pools: dict[tuple[int, bool], RankPool] = {}
+
+    def __call__(self, n: int, checked: bool) -> RankPool:
+        if (n, checked) not in self.pools or self.pools[n, checked]._closed:
+            self.pools[n, checked] = RankPool(n, backend="gloo", threads=1, timeout_s=240,
+                                              grace_s=5, check_collectives=checked)
+        return self.pools[n, checked]
+
+    def renew_crowded(self) -> None:
+        crowded = [key for key, pool in self.pools.items()
+                   if not pool._closed and max(pool.run(groups_held)) > self.GROUPS_KEPT]
+        self.close(crowded)
+
+    def close(self, keys) -> None:
+        """Stop the pools of ``keys`` side by side (a rank takes a second or two to leave)."""
+        for key in keys:
+            self.pools[key].ask_to_stop()
+        for key in keys:
+            self.pools.pop(key).close()
+
+
 @pytest.fixture(scope="session")
 def _pools():
-    pools: dict[tuple[int, bool], RankPool] = {}
-
-    def get(n: int, checked: bool) -> RankPool:
-        if (n, checked) not in pools or pools[n, checked]._closed:
-            pools[n, checked] = RankPool(n, backend="gloo", threads=1, timeout_s=240, grace_s=5,
-                                         check_collectives=checked)
-        return pools[n, checked]
-
-    yield get
-    for pool in pools.values():  # side by side: each rank takes a second or two to shut down
-        pool.ask_to_stop()
-    for pool in pools.values():
-        pool.close()
+    pools = Pools()
+    yield pools
+    pools.close(list(pools.pools))
 
 
 @pytest.fixture(scope="module")
@@ -162,4 +185,5 @@ def ranks(_pools, request):
     (``tests_common.pools_checked``: TENSORPAR_CHECK_COLLECTIVES on, as the CLI reads it: every
     pool checks; off: none; unset or "core": as said)."""
     checked = pools_checked(request.node.path.parent.name)
+    _pools.renew_crowded()
     return lambda n: _pools(n, checked)

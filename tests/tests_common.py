@@ -22,6 +22,15 @@ def pools_checked(test_dir: str) -> bool:
     return checks_wanted()
 
 
+def groups_held() -> int:
+    """How many process groups this rank holds (the world's included): a pool's rank keeps every
+    group a run made (a data-parallel mesh makes one or two), and each keeps gloo's event loop
+    threads waking a hundred times a second, idle or not (``conftest.Pools``)."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
 def cli_env() -> dict:
     """This environment without what a surrounding torchrun would set, nor the suite's own
     switch of checked pools (a command runs as a user's would)."""
