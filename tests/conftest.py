@@ -141,11 +141,12 @@ class Pools:
     """The session's pools of ranks, one per (world size, checked), started when first asked for
     and replaced when closed (a rank failed). A rank keeps every process group a run made in it
     (a data-parallel mesh makes one or two; destroying them at a run's end broke the next run,
-    whose DeviceMesh resolves groups by name), and gloo's event loop threads of each wake a
-    hundred times a second, idle or not: late in a whole suite a 4-rank pool's ranks held 130 to
-    200 groups (400 to 600 threads) each and used a tenth of a core each while idle. So at each
-    test module's start a pool whose ranks hold more than ``GROUPS_KEPT`` groups is replaced by
-    a fresh one (a second or two, a few times a session)."""
+    whose DeviceMesh resolves groups by name), and gloo's event-loop threads of each keep
+    polling, idle or not: late in a whole suite a 4-rank pool's ranks held 130 to 200 groups
+    (400 to 600 threads) each and used a tenth of a core each while idle, and the suite took 30
+    minutes instead of 16. So at each test module's start a pool whose ranks hold more than
+    ``GROUPS_KEPT`` groups is replaced by a fresh one (a tenth of a second; ten times in the
+    whole suite)."""
 
     GROUPS_KEPT = 16
 

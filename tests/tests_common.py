@@ -24,8 +24,8 @@ def pools_checked(test_dir: str) -> bool:
 
 def groups_held() -> int:
     """How many process groups this rank holds (the world's included): a pool's rank keeps every
-    group a run made (a data-parallel mesh makes one or two), and each keeps gloo's event loop
-    threads waking a hundred times a second, idle or not (``conftest.Pools``)."""
+    group a run made (a data-parallel mesh makes one or two), and each keeps gloo's event-loop
+    threads polling, idle or not (``conftest.Pools``)."""
     from torch.distributed import distributed_c10d
 
     return len(distributed_c10d._world.pg_map)
