@@ -2,13 +2,14 @@
 ``ParallelMoE`` (``transformer/moe.py``) and the router statistics' all-reduce.
 
 Per MoE layer and pass, at EP size e > 1, a TP rank routes n tokens (its ``tensor_split`` share
-of the pass's N = B·T, or under SP its sequence shard) to k experts each::
+of the pass's N = B·T, or under SP its sequence shard; under CP T is a CP rank's chunks) to k
+experts each::
 
     forward    all-to-all of the expert counts            E int64 (the sizes of what follows)
                all-to-all of the rows to their experts    n·k rows of D (the normed input's dtype)
                all-to-all of the experts' outputs back    n·k rows of D (the experts' dtype)
     backward   the two row all-to-alls reversed           n·k rows of D each
-    statistics one all-reduce of 2E + 2 fp32 numbers over the tokens' ranks (dp x tp > 1)
+    statistics one all-reduce of 2E + 2 fp32 numbers over the tokens' ranks (dp x cp x tp > 1)
 
 Calls are exact (``moe_collective_counts``, times the MoE layers and passes; full recomputation
 runs each layer's forward again). Bytes are an expectation: routing is data-dependent, and with
@@ -34,9 +35,9 @@ def moe_comm(step: Step, rank: int = 0) -> dict:
         return empty
     m, D = shape.moe, shape.dim
     layers = m.moe_layers(shape.n_layer) * step.micro_batches
-    N = step.micro * step.seq
+    seq = step.rank_seq  # a CP rank's tokens of each sequence (all of them without CP)
     sp = step.sequence_parallel and tp > 1
-    n = step.micro * shard_sizes(step.seq, tp)[rank] if sp else shard_sizes(N, tp)[rank]
+    n = step.micro * shard_sizes(seq, tp)[rank] if sp else shard_sizes(step.micro * seq, tp)[rank]
     rows = n * m.top_k * D
     res_b = 4  # the normed input (fp32 residual stream); the experts' outputs in autocast's
     out_b = 2 if step.dtype in ("bf16", "bf16-autocast") else 4
@@ -54,10 +55,11 @@ def moe_comm(step: Step, rank: int = 0) -> dict:
         add("outputs back", "forward", "all_to_all", forward * layers, rows * out_b, share)
         add("output gradients to experts", "backward", "all_to_all", layers, rows * out_b, share)
         add("row gradients back", "backward", "all_to_all", layers, rows * res_b, share)
-    if step.dp * tp > 1:  # the statistics group: every rank holding other tokens
+    holders = step.dp_ranks * tp  # the statistics group: every rank holding other tokens
+    if holders > 1:
         stats = 4 * (2 * m.experts + 2)
         add("router statistics", "forward", "all_reduce", forward * layers, stats,
-            2 * (step.dp * tp - 1) / (step.dp * tp))
+            2 * (holders - 1) / holders)
     kinds = sorted({r["kind"] for r in out})
     return {k: {kind: sum(r[key] for r in out if r["kind"] == kind) for kind in kinds}
             for k, key in (("counts", "calls"), ("bytes", "bytes"), ("sent", "sent"))} | \
@@ -70,7 +72,7 @@ def expected_calls(step: Step) -> dict[str, int]:
     all-reduce, times the MoE layers and passes (forward again when recomputed)."""
     m = step.shape.moe
     # at TP 1 the layer's count holds only the EP group's and the statistics' collectives
-    c = moe_collective_counts(1, step.ep, step.dp * step.tp, bool(m.shared_hidden))
+    c = moe_collective_counts(1, step.ep, step.dp_ranks * step.tp, bool(m.shared_hidden))
     layers = m.moe_layers(step.shape.n_layer) * step.micro_batches
     forward = 2 if step.recompute == "full" else 1
     kinds = c["forward"].keys() | c["backward"].keys()

@@ -107,10 +107,6 @@ class GPTRecipe:
 
     def check(self, cfg) -> None:
         self.model_cfg.check(cfg.tp)
-        if getattr(cfg, "cp", 1) > 1 and self.model_cfg.moe_experts:
-            raise ValueError(f"--cp {cfg.cp} with MoE blocks (--moe-experts "
-                             f"{self.model_cfg.moe_experts}) is not supported yet: the "
-                             "router's statistics and the experts' groups do not span CP ranks")
         check_experts(self.model_cfg, getattr(cfg, "ep", 1), cfg.tp, getattr(cfg, "dp", None))
         pp, virtual = getattr(cfg, "pp", 1), getattr(cfg, "pp_virtual", 1)
         if pp > 1 or virtual > 1:

@@ -5,8 +5,9 @@ gradients' reduction, loss-free balancing and the step's MoE metrics.
 A step's objective is the cross-entropy (the mean over the step's target tokens) plus, for each
 MoE layer, the mean over the step's passes of ``--moe-aux-coef x balance + --moe-z-coef x z``,
 each pass's statistics over the pass's tokens on every rank of the stage. So each pass weighs
-1 / passes; each rank's share is weighted by dp more, since data parallelism averages the
-gradients over dp while each rank holds only its tokens' part of the sum. ``metrics.jsonl``
+1 / passes; each rank's share is weighted by dp (x cp) more, since data (and context)
+parallelism averages the gradients over those ranks while each holds only its tokens' part of
+the sum. ``metrics.jsonl``
 gets ``aux_loss`` (that sum over the layers, the mean over passes) and ``expert_load``: for
 each MoE layer [fewest, most] tokens routed to one expert in the step (every rank's tokens).
 The summary shows both (``moe_rows``), and the measured step's expert-parallel collectives
@@ -47,10 +48,11 @@ class MoETraining:
         return cls(cfg, model_cfg, groups)
 
     def attach(self, net: torch.nn.Module, passes: int, pp_group=None) -> None:
-        """Find the model's MoE layers and give each its aux-loss weight, dp / passes (the
-        step's forward and backward passes on each rank, ``train/config.py``'s ``passes``)."""
+        """Find the model's MoE layers and give each its aux-loss weight, replicas / passes
+        (the ranks holding other tokens, dp x cp, over which the step's gradient is averaged;
+        the step's forward and backward passes on each rank, ``train/config.py``'s ``passes``)."""
         self.layers, self.pp_group = moe_layers(net), pp_group
-        weight = (self.cfg.dp or 1) / passes
+        weight = self.groups.dp / passes
         for layer in self.layers.values():
             layer.aux_weight = weight
 

@@ -162,8 +162,6 @@ def test_recompute_replays_the_cp_ranks_masks(runs):
      "leaves a rank 3"),
     (["--cp", "0"], "--cp 0 must be >= 1"),
     (["--cp", "2", "--compile"], "--cp with --compile is not supported yet"),
-    (["--cp", "2", "--moe-experts", "4"], "--cp 2 with MoE blocks (--moe-experts 4) is not "
-     "supported yet"),
 ])
 def test_bad_cp_is_one_line(tmp_path, argv, said):
     r = tensorpar_here("train", "--out", tmp_path / "run", "--steps", "1", *argv)

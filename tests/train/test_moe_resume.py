@@ -1,6 +1,7 @@
 """A GPT with MoE blocks (6 experts, top-2, 2 layers) trained at (tp 2, dp 2, ep 4) and stopped
-after step 3's checkpoint resumes at (tp 1, ep 1) and at (tp 4, ep 4) equal to the uninterrupted
-run (weights and AdamW moments resharded, experts included); its checkpoint holds every expert
+after step 3's checkpoint resumes at (tp 1, ep 1), at (tp 4, ep 4) and under context parallelism
+at (cp 2, ep 2) equal to the uninterrupted run (weights and AdamW moments resharded, experts
+included); its checkpoint holds every expert
 once; its export (``export --hf-out``) is a MixtralForCausalLM that transformers loads with no
 missing or unexpected key, whose greedy text is ``tensorpar generate``'s on the run.
 
@@ -31,8 +32,8 @@ TOL = 2e-6
 PROMPTS = ["The with statement", "def main():"]
 
 
-def _train(out, tp, dp, ep, resume_from=None):
-    cfg = TrainConfig(tp=tp, dp=dp, ep=ep, dp_mode="fsdp", steps=STEPS, batch_size=4,
+def _train(out, tp, dp, ep, resume_from=None, cp=1):
+    cfg = TrainConfig(tp=tp, dp=dp, ep=ep, cp=cp, dp_mode="fsdp", steps=STEPS, batch_size=4,
                       seq_len=16, warmup_steps=2, out=out, save_every=STOP, seed=1)
     return train_rank(cfg, GPTConfig(**MODEL), resume_from).get("rows")
 
@@ -44,20 +45,21 @@ def run(ranks, tmp_path_factory):
     return out, ranks(4).run(_train, str(out), 2, 2, 4)[0]
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (4, 4)])
-def test_resume_at_another_tp_and_ep(ranks, run, tmp_path, tp, ep):
-    """Stopped after step 3 and resumed at another (tp, ep): every step's loss and gradient norm
-    equal the uninterrupted run's."""
+@pytest.mark.parametrize("tp,ep,cp", [(1, 1, 1), (4, 4, 1), (1, 2, 2)])
+def test_resume_at_another_tp_and_ep(ranks, run, tmp_path, tp, ep, cp):
+    """Stopped after step 3 and resumed at another (tp, ep), or with the sequence split over 2
+    CP ranks: every step's loss and gradient norm equal the uninterrupted run's."""
     full, rows = run
     out = tmp_path / "resumed"
     shutil.copytree(full, out)
     shutil.rmtree(out / f"step-{STEPS:08d}")
-    resumed = ranks(tp).run(_train, str(out), tp, 1, ep, str(out / f"step-{STOP:08d}"))[0]
+    resumed = ranks(tp * cp).run(_train, str(out), tp, 1, ep, str(out / f"step-{STOP:08d}"),
+                                 cp)[0]
     assert [r["step"] for r in resumed] == [r["step"] for r in rows] == list(range(1, 5))
     for mine, theirs in zip(resumed, rows, strict=True):
         for key in ("loss", "grad_norm"):
             err = abs(mine[key] - theirs[key]) / abs(theirs[key])
-            assert err <= TOL, (tp, ep, mine["step"], key, mine[key], theirs[key])
+            assert err <= TOL, (tp, ep, cp, mine["step"], key, mine[key], theirs[key])
 
 
 def test_checkpoint_holds_every_expert_once(run):

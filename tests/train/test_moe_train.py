@@ -1,8 +1,9 @@
 """The GPT with MoE blocks in the trainer (``--moe-experts``, ``--ep``): 6 experts, top-2, one
 shared expert, a z-loss, at (tp 2, ep 2) with sequence parallelism, recompute and passes of 1,
-(dp 2, ep 2) under FSDP2 and (with passes of 1) DDP, (tp 2, dp 2, ep 4), (tp 2, pp 2, ep 2) and
-(pp 2, dp 2, ep 2) with micro-batches of 1: every step's loss, gradient norm, aux loss and expert
-loads equal one rank taking the same passes at ep 1; the summary's EP all-to-alls and statistics
+(dp 2, ep 2) under FSDP2 and (with passes of 1) DDP, (tp 2, dp 2, ep 4), (tp 2, pp 2, ep 2),
+(pp 2, dp 2, ep 2) with micro-batches of 1, and under context parallelism (cp 2, ep 2) and
+(tp 2, cp 2, ep 4) with sequence parallelism: every step's loss, gradient norm, aux loss and
+expert loads equal one rank taking the same passes at ep 1 (at the full sequence); the summary's EP all-to-alls and statistics
 all-reduces are the planner's count. One shared run per layout (``_runs``), read by every
 assertion. The layer itself is checked against a dense reference (and that against
 transformers) in tests/core/test_moe.py.
@@ -35,6 +36,8 @@ LAYOUTS = {  # name: (ranks, flags)
     "tp2-dp2-ep4": (4, {"tp": 2, "dp": 2, "ep": 4}),
     "tp2-pp2-ep2": (4, {"tp": 2, "pp": 2, "ep": 2, "micro_batch_size": 1}),
     "pp2-dp2-ep2-passes": (4, {"tp": 1, "pp": 2, "dp": 2, "ep": 2, "micro_batch_size": 1}),
+    "cp2-ep2": (2, {"tp": 1, "cp": 2, "ep": 2}),
+    "tp2-cp2-ep4-sp": (4, {"tp": 2, "cp": 2, "ep": 4, "sequence_parallel": True}),
 }
 
 
