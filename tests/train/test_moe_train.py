@@ -4,9 +4,9 @@ shared expert, a z-loss, at (tp 2, ep 2) with sequence parallelism, recompute an
 (pp 2, dp 2, ep 2) with micro-batches of 1, and under context parallelism (cp 2, ep 2) and
 (tp 2, cp 2, ep 4) with sequence parallelism: every step's loss, gradient norm, aux loss and
 expert loads equal one rank taking the same passes at ep 1 (at the full sequence); the summary's
-EP all-to-alls and statistics all-reduces are the planner's count. One shared run per layout (``_runs``), read by every
-assertion. The layer itself is checked against a dense reference (and that against
-transformers) in tests/core/test_moe.py.
+EP all-to-alls and statistics all-reduces are the planner's count. One shared run per layout
+(``_runs``), read by every assertion. The layer itself is checked against a dense reference (and
+that against transformers) in tests/core/test_moe.py.
 
 "The same passes": a pass's router statistics cover its tokens on every dp rank, so the one-rank
 reference of a layout with dp ranks taking passes of M sequences runs passes of dp x M, the same
