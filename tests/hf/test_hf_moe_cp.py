@@ -97,9 +97,9 @@ def test_router_statistics_summed_over_cp_equal_the_dense_model(ranks, qwen3_moe
         assert "output_router_logits" in r["said"] and "balancing_loss" in r["said"]
 
 
-# train --hf --cp against one rank: (tp, cp, ep); ep 1: the experts cut across each TP group
-LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]
-LAYOUT_IDS = ["tp{}-cp{}-ep{}".format(*layout) for layout in LAYOUTS]
+# train --hf --cp against one rank: (tp, cp, ep, dp); ep 1: the experts cut across each TP group
+LAYOUTS = [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 4, 2)]
+LAYOUT_IDS = ["tp{}-cp{}-ep{}-dp{}".format(*layout).removesuffix("-dp1") for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +110,16 @@ def trained(ranks, qwen3_moe, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-moe-cp-train")
     flags = TRAIN | {"data": str(qwen3_moe.parent / "data.txt")}
     runs = {"one": train(ranks, qwen3_moe, root / "one", 1, **flags)}
-    for name, (tp, cp, ep) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
-        runs[name] = train(ranks, qwen3_moe, root / name, tp, cp=cp, ep=ep, **flags)
+    for name, (tp, cp, ep, dp) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
+        runs[name] = train(ranks, qwen3_moe, root / name, tp, dp, cp=cp, ep=ep, **flags)
     return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUT_IDS)
 def test_train_hf_moe_at_cp_equals_one_rank(trained, layout):
-    """``train --hf <qwen3-moe> --cp 2`` at tp 1 and 2, and with the experts cut across the two
-    CP ranks (--ep 2): each step's loss (its balancing loss over every token of the step's
+    """``train --hf <qwen3-moe> --cp 2`` at tp 1 and 2, with the experts cut across the two
+    CP ranks (--ep 2), and at --dp 2 with them cut across the CP and data ranks (--ep 4): each step's loss (its balancing loss over every token of the step's
     pass) and gradient norm equal one rank's at the full sequence (1e-5 relative; measured
     1.0e-7, an fp32 ulp; with each CP rank balancing its own chunks the cp 2 loss moves by
     8e-4 and the gradient norm by 1.8%)."""
