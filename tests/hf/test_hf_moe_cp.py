@@ -119,10 +119,11 @@ def trained(ranks, qwen3_moe, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUT_IDS)
 def test_train_hf_moe_at_cp_equals_one_rank(trained, layout):
     """``train --hf <qwen3-moe> --cp 2`` at tp 1 and 2, with the experts cut across the two
-    CP ranks (--ep 2), and at --dp 2 with them cut across the CP and data ranks (--ep 4): each step's loss (its balancing loss over every token of the step's
-    pass) and gradient norm equal one rank's at the full sequence (1e-5 relative; measured
-    1.0e-7, an fp32 ulp; with each CP rank balancing its own chunks the cp 2 loss moves by
-    8e-4 and the gradient norm by 1.8%)."""
+    CP ranks (--ep 2), and at --dp 2 with them cut across the CP and data ranks (--ep 4):
+    each step's loss (its balancing loss over every token of the step's pass) and gradient
+    norm equal one rank's at the full sequence (1e-5 relative; measured 1.0e-7, an fp32 ulp;
+    with each CP rank balancing its own chunks the cp 2 loss moves by 8e-4 and the gradient
+    norm by 1.8%)."""
     one, other = trained["one"], trained[layout]
     assert len(one) == len(other) == TRAIN["steps"]
     for a, b in zip(one, other, strict=True):
