@@ -257,12 +257,19 @@ def test_train_hf_at_tp2_equals_one_rank(trained, lora):
 
 
 # train --hf at layouts folding EP from the dp x tp ranks, against one rank: (family, tp, dp, ep,
-# sequence parallelism, the dp engine); Qwen3-MoE at (tp 2, ep 2) is the ``trained`` fixture's
-# TP-2 run
-LAYOUTS = [("qwen3_moe", 1, 2, 2, False, "fsdp"), ("qwen3_moe", 2, 2, 4, False, "ddp"),
-           ("qwen3_moe", 2, 2, 4, True, "fsdp"), ("mixtral", 2, None, 2, False, "fsdp"),
-           ("gpt_oss", 2, None, 2, False, "fsdp"), ("qwen2_moe", 2, 2, 4, False, "fsdp")]
-LAYOUT_IDS = ["{}-tp{}-dp{}-ep{}{}".format(*layout[:4], "-sp" if layout[4] else "")
+# sequence parallelism, the dp engine, --micro-batch-size); Qwen3-MoE at (tp 2, ep 2) is the
+# ``trained`` fixture's TP-2 run. A layout of dp ranks taking passes of M sequences is compared
+# with one rank taking passes of dp x M, the same sequences (a pass's balancing loss counts its
+# tokens on every dp rank).
+LAYOUTS = [("qwen3_moe", 1, 2, 2, False, "fsdp", None),
+           ("qwen3_moe", 2, 2, 4, False, "ddp", None),
+           ("qwen3_moe", 2, 2, 4, True, "fsdp", None),
+           ("mixtral", 2, None, 2, False, "fsdp", None),
+           ("gpt_oss", 2, None, 2, False, "fsdp", None),
+           ("qwen2_moe", 2, 2, 4, False, "fsdp", None),
+           ("qwen3_moe", 1, 2, 2, False, "ddp", 1)]
+LAYOUT_IDS = ["{}-tp{}-dp{}-ep{}{}{}".format(*layout[:4], "-sp" if layout[4] else "",
+                                             f"-micro{layout[6]}" if layout[6] else "")
               for layout in LAYOUTS]
 
 
@@ -273,25 +280,30 @@ def layouts(ranks, moe_dirs, trained, tmp_path_factory):
     from hf_runs import train
 
     root = tmp_path_factory.mktemp("hf-moe-layouts")
-    one = {"qwen3_moe": trained[1, False][1]}
+    one = {("qwen3_moe", None): trained[1, False][1]}
     flags = TRAIN | {"data": str(moe_dirs / "data.txt")}
     runs = {}
-    for name, (family, tp, dp, ep, sp, mode) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
-        if family not in one:
-            one[family] = train(ranks, moe_dirs / family, root / f"{family}-one", 1, **flags)
-        runs[name] = one[family], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
-                                        sequence_parallel=sp, dp_mode=mode, **flags)
+    for name, (family, tp, dp, ep, sp, mode, micro) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
+        ref = family, None if micro is None else micro * (dp or 1)
+        if ref not in one:
+            one[ref] = train(ranks, moe_dirs / family, root / f"{family}-one-{ref[1]}", 1,
+                             micro_batch_size=ref[1], **flags)
+        runs[name] = one[ref], train(ranks, moe_dirs / family, root / name, tp, dp, ep=ep,
+                                     sequence_parallel=sp, dp_mode=mode, micro_batch_size=micro,
+                                     **flags)
     return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUT_IDS)
 def test_train_hf_moe_layouts_equal_one_rank(layouts, layout):
-    """``train --hf --tp T --dp D --ep N``: the experts cut across EP groups folded from the
-    dp x tp ranks (their gradients summed over the expert-data ranks, left out of FSDP2 and
-    DDP, counted once in the norm), the model's balancing loss over each pass's tokens on
-    every dp rank (and TP rank, under sequence parallelism, where each routes its shard): each
-    step's loss (that aux loss included) and gradient norm equal one rank's (1e-5 relative)."""
+    """``train --hf --tp T --dp D --ep N`` (and ``--micro-batch-size``): the experts cut across
+    EP groups folded from the dp x tp ranks (their gradients summed over the expert-data ranks,
+    left out of FSDP2 and DDP, counted once in the norm), the model's balancing loss over each
+    pass's tokens on every dp rank (and TP rank, under sequence parallelism, where each routes
+    its shard): each step's loss (that aux loss included) and gradient norm equal one rank's
+    taking the same passes (1e-5 relative; with the one-rank run in one pass instead, the
+    micro-batched layout's loss differs by 2e-4)."""
     one, other = layouts[layout]
     assert len(one) == len(other) == TRAIN["steps"]
     for a, b in zip(one, other, strict=True):
