@@ -26,12 +26,12 @@ demo: setup
 	$(PYTHON) -m tensorpar generate --ckpt $(DEMO_DIR) --tp 2 --max-new-tokens 300 --temperature 0.7 \
 		--prompt "The with statement"
 
-# Everything (CI runs this; 15 min 38 s here), with the 25 slowest tests listed at the end.
+# Everything (CI runs this; 12 min 36 s here), with the 25 slowest tests listed at the end.
 test: setup
 	$(PYTHON) -m pytest -q --durations=25
 
 # The fast tier for development: every package's core behaviour, under 3 minutes on 2 cores
-# (2 min 34 s here); the end-to-end runs and the larger sizes (tests/conftest.py's SLOW) left out.
+# (2 min 7 s here); the end-to-end runs and the larger sizes (tests/conftest.py's SLOW) left out.
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
 
