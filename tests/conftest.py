@@ -165,7 +165,7 @@ class Pools:
         self.close(crowded)
 
     def close(self, keys) -> None:
-        """Stop the pools of ``keys`` side by side (a rank takes a second or two to leave)."""
+        """Stop the pools of ``keys`` side by side (each rank leaves its process groups first)."""
         for key in keys:
             self.pools[key].ask_to_stop()
         for key in keys:

@@ -25,6 +25,11 @@ from tensorpar.planner.step import Step
 from tensorpar.transformer.moe import moe_collective_counts
 
 
+def _stats_ranks(step: Step) -> int:
+    """The router statistics' group: every rank of a stage holding other tokens (dp x cp x tp)."""
+    return step.dp_ranks * step.tp
+
+
 def moe_comm(step: Step, rank: int = 0) -> dict:
     """TP rank ``rank``'s expert-parallel collectives in one step of ``step`` (its micro-batches'
     passes of ``step.micro`` sequences): {"counts": {kind: calls}, "bytes": {kind: payload},
@@ -55,7 +60,7 @@ def moe_comm(step: Step, rank: int = 0) -> dict:
         add("outputs back", "forward", "all_to_all", forward * layers, rows * out_b, share)
         add("output gradients to experts", "backward", "all_to_all", layers, rows * out_b, share)
         add("row gradients back", "backward", "all_to_all", layers, rows * res_b, share)
-    holders = step.dp_ranks * tp  # the statistics group: every rank holding other tokens
+    holders = _stats_ranks(step)
     if holders > 1:
         stats = 4 * (2 * m.experts + 2)
         add("router statistics", "forward", "all_reduce", forward * layers, stats,
@@ -72,7 +77,7 @@ def expected_calls(step: Step) -> dict[str, int]:
     all-reduce, times the MoE layers and passes (forward again when recomputed)."""
     m = step.shape.moe
     # at TP 1 the layer's count holds only the EP group's and the statistics' collectives
-    c = moe_collective_counts(1, step.ep, step.dp_ranks * step.tp, bool(m.shared_hidden))
+    c = moe_collective_counts(1, step.ep, _stats_ranks(step), bool(m.shared_hidden))
     layers = m.moe_layers(step.shape.n_layer) * step.micro_batches
     forward = 2 if step.recompute == "full" else 1
     kinds = c["forward"].keys() | c["backward"].keys()

@@ -7,12 +7,11 @@ MoE layer, the mean over the step's passes of ``--moe-aux-coef x balance + --moe
 each pass's statistics over the pass's tokens on every rank of the stage. So each pass weighs
 1 / passes; each rank's share is weighted by dp (x cp) more, since data (and context)
 parallelism averages the gradients over those ranks while each holds only its tokens' part of
-the sum. ``metrics.jsonl``
-gets ``aux_loss`` (that sum over the layers, the mean over passes) and ``expert_load``: for
-each MoE layer [fewest, most] tokens routed to one expert in the step (every rank's tokens).
-The summary shows both (``moe_rows``), and the measured step's expert-parallel collectives
-beside ``planner/moe_comm.py``'s count (calls exactly; bytes as measured beside the
-even-routing expectation: routing decides them).
+the sum. ``metrics.jsonl`` gets ``aux_loss`` (that sum over the layers, the mean over passes)
+and ``expert_load``: for each MoE layer [fewest, most] tokens routed to one expert in the step
+(every rank's tokens). The summary shows both (``moe_rows``), and the measured step's
+expert-parallel collectives beside ``planner/moe_comm.py``'s count (calls exactly; bytes as
+measured beside the even-routing expectation: routing decides them).
 """
 
 from __future__ import annotations
